@@ -1,0 +1,425 @@
+"""Qwen3 decoder in Flax NNX: hidden states out, LM head as a separate method, explicit KV cache pytree.
+
+Follows transformers' ``Qwen3ForCausalLM`` (conventions.md §6): pre-norm blocks, RMSNorm (eps from the
+config; f32 normalisation, cast back to the input dtype, then multiplied by the weight, as HF does), GQA with
+per-head ``q_norm``/``k_norm`` applied before RoPE (rotate-half, theta from the config), SwiGLU MLP, no biases,
+tied or untied LM head. Layers are stacked on a leading axis and applied with ``jax.lax.scan`` so compile
+time does not grow with depth; optional rematerialisation per layer.
+
+Padding is masked inside attention (key-valid and causal), and positions come from the mask
+(``max(cumsum(mask) - 1, 0)``, Tunix ``build_positions_from_mask`` / verl ``compute_position_id_with_mask``),
+so left-padded prompts and right-padded responses give the same per-token outputs as unpadded ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.sharding import constrain
+
+_REMAT_POLICIES = {
+    "none": None,
+    "full": "full",
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class ConfigError(ValueError):
+    """A model config that is not a Qwen3 config or holds an unsupported value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 architecture plus the dtype / remat policy of this port. Field names follow HF ``config.json``.
+
+    ``dtype`` is the compute dtype (activations, matmul inputs), ``param_dtype`` the storage dtype of
+    parameters; norms, softmax and logits are always computed in float32. ``remat`` is one of
+    ``none | full | dots | dots_no_batch`` (``jax.checkpoint`` policy per layer).
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+    bos_token_id: Optional[int] = 151643
+    eos_token_id: Any = 151645  # int or tuple of ints
+    pad_token_id: Optional[int] = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"Qwen3Config.{f}={getattr(self, f)!r}: expected float32, bfloat16 or float16")
+        if self.remat not in _REMAT_POLICIES:
+            raise ConfigError(f"Qwen3Config.remat={self.remat!r}: expected one of {sorted(_REMAT_POLICIES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All EOS ids as a tuple (HF allows an int or a list)."""
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (tuple, list)) else (int(e),)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> "Qwen3Config":
+        """Build from an HF ``config.json`` dict (transformers 4.51 form or 5.x ``rope_parameters`` form).
+
+        Raises:
+          ConfigError: ``model_type``/``architectures`` is not Qwen3, RoPE scaling, attention bias or sliding
+            window is requested, or a required field is missing.
+        """
+        mt = d.get("model_type")
+        archs = d.get("architectures") or []
+        if mt != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ConfigError(f"not a Qwen3 config: model_type={mt!r}, architectures={archs!r} (expected 'qwen3')")
+        rope = d.get("rope_parameters") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            raise ConfigError("Qwen3 config has neither 'rope_theta' nor 'rope_parameters.rope_theta'")
+        rope_type = rope.get("rope_type", "default")
+        scaling = d.get("rope_scaling")
+        if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+            raise ConfigError(f"RoPE scaling is not supported: rope_parameters={rope!r}, rope_scaling={scaling!r}")
+        if d.get("attention_bias"):
+            raise ConfigError("attention_bias=true is not Qwen3's architecture and is not supported")
+        if d.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ConfigError(f"Qwen3 config is missing {missing}")
+        nh = d["num_attention_heads"]
+        kw = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=nh,
+            num_key_value_heads=d.get("num_key_value_heads") or nh,
+            head_dim=d.get("head_dim") or d["hidden_size"] // nh,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            initializer_range=d.get("initializer_range", 0.02),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path, **overrides) -> "Qwen3Config":
+        """Read an HF ``config.json`` file (see :meth:`from_hf_dict`)."""
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), **overrides)
+
+    def to_hf_dict(self) -> dict:
+        """The ``config.json`` dict that ``transformers.Qwen3ForCausalLM`` / ``Qwen3Config`` loads."""
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": None, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": self.num_hidden_layers,
+            "initializer_range": self.initializer_range, "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos, "pad_token_id": self.pad_token_id, "use_cache": True,
+            "torch_dtype": self.param_dtype,
+        }
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values for prefill + one-token decode, usable with independent slots (rows).
+
+    Fields:
+      k, v: [L, B, S, num_key_value_heads, head_dim], compute dtype. S = max cache length (tokens).
+      key_mask: [B, S] bool, True where the cache holds a real (non-padding) key.
+      length: [B] int32, next cache index each row writes to.
+      next_position: [B] int32, RoPE position of each row's next real token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    key_mask: jax.Array
+    length: jax.Array
+    next_position: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: Qwen3Config, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """An empty cache of ``batch_size`` rows and ``max_length`` token slots (zeros; nothing valid).
+
+    Memory: 2 · L · B · S · num_key_value_heads · head_dim · itemsize bytes.
+    Raises:
+      ValueError: non-positive ``batch_size`` or ``max_length``.
+    """
+    if batch_size <= 0 or max_length <= 0:
+        raise ValueError(f"init_cache: batch_size={batch_size} and max_length={max_length} must be positive")
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_hidden_layers, batch_size, max_length, config.num_key_value_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        key_mask=jnp.zeros((batch_size, max_length), bool),
+        length=jnp.zeros((batch_size,), jnp.int32), next_position=jnp.zeros((batch_size,), jnp.int32))
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """``max(cumsum(mask) - 1, 0)`` along the last axis: [B, T] int32 (verl ``compute_position_id_with_mask``)."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Rotate-half RoPE tables: cos, sin of shape [B, T, head_dim] in float32 (HF ``Qwen3RotaryEmbedding``)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, N, H]; cos/sin: [B, T, H]. Cast to x's dtype first, as HF does."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a ``weight`` parameter [dim] (HF ``Qwen3RMSNorm`` cast order)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(dtype) * y.astype(dtype)
+
+
+def _linear(cfg: Qwen3Config, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with per-head q_norm/k_norm before RoPE."""
+
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.head_dim
+        self.q_proj = _linear(cfg, cfg.hidden_size, cfg.num_attention_heads * h, rngs)
+        self.k_proj = _linear(cfg, cfg.hidden_size, cfg.num_key_value_heads * h, rngs)
+        self.v_proj = _linear(cfg, cfg.hidden_size, cfg.num_key_value_heads * h, rngs)
+        self.o_proj = _linear(cfg, cfg.num_attention_heads * h, cfg.hidden_size, rngs)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg.weight_dtype)
+
+    def __call__(self, x, cos, sin, mask, kv=None, write_index=None):
+        """x [B,T,D]; mask [B,1,T,S] bool; kv: (k, v) [B,S,Nkv,H] of this layer or None; write_index [B]."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
+        k = apply_rope(k, cos, sin)
+        if kv is not None:
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
+            k = write(kv[0], k.astype(kv[0].dtype), write_index)
+            v = write(kv[1], v.astype(kv[1].dtype), write_index)
+            new_kv = (k, v)
+        else:
+            new_kv = None
+        out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
+                                           scale=cfg.head_dim ** -0.5, implementation="xla")
+        return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+
+    def __call__(self, x):
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(h, ("batch", None, "mlp")))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, mask, kv=None, write_index=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, write_index)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, ("batch", None, None)), new_kv
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 causal decoder returning final hidden states; see the module docstring and :class:`KVCache`."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.compute_dtype,
+                                      param_dtype=config.weight_dtype,
+                                      embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(r):
+            return DecoderLayer(config, r)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.weight_dtype)
+        self.lm_head = None if config.tie_word_embeddings else _linear(
+            config, config.hidden_size, config.vocab_size, rngs)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
+                 cache: Optional[KVCache] = None) -> tuple[jax.Array, Optional[KVCache]]:
+        """Run the decoder.
+
+        Args:
+          input_ids: [B, T] int32 token ids (pad ids anywhere; they are masked by ``attention_mask``).
+          attention_mask: [B, T] bool/int, 1 on real tokens.
+          positions: [B, T] int32 RoPE positions; default from the mask (plus ``cache.next_position``).
+          cache: optional :class:`KVCache`; the T tokens are written at ``cache.length`` per row.
+        Returns:
+          hidden: [B, T, hidden_size] in the compute dtype, after the final norm;
+          the updated cache (``None`` when no cache was given).
+        Raises:
+          ValueError: mismatched shapes between ``input_ids``, ``attention_mask`` and the cache.
+        """
+        cfg = self.config
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must both be [B, T]")
+        b, t = input_ids.shape
+        valid = attention_mask.astype(bool)
+        rel = positions_from_mask(valid)
+        if cache is None:
+            if positions is None:
+                positions = rel
+            key_mask = valid
+            q_index = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+            k_index = jnp.arange(t)
+            write_index = None
+        else:
+            if cache.k.shape[1] != b:
+                raise ValueError(f"cache has {cache.k.shape[1]} rows but input_ids has batch {b}")
+            if positions is None:
+                positions = cache.next_position[:, None] + rel
+            q_index = cache.length[:, None] + jnp.arange(t)[None]
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
+            key_mask = write(cache.key_mask, valid, cache.length)
+            k_index = jnp.arange(cache.max_length)
+            write_index = cache.length
+        mask = (key_mask[:, None, :] & (k_index[None, None, :] <= q_index[:, :, None]))[:, None]  # [B,1,T,S]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        x = constrain(self.embed_tokens(input_ids), ("batch", None, None))
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, ck, cv = carry
+            i, st = xs
+            layer = nnx.merge(graphdef, st)
+            kv = None if ck is None else (ck[i], cv[i])
+            h, new_kv = layer(h, cos, sin, mask, kv, write_index)
+            if new_kv is not None:
+                ck = jax.lax.dynamic_update_index_in_dim(ck, new_kv[0], i, 0)
+                cv = jax.lax.dynamic_update_index_in_dim(cv, new_kv[1], i, 0)
+            return (h, ck, cv), None
+
+        policy = _REMAT_POLICIES[cfg.remat]
+        if policy == "full":
+            body = jax.checkpoint(body)
+        elif policy is not None:
+            body = jax.checkpoint(body, policy=policy)
+        ck = None if cache is None else cache.k
+        cv = None if cache is None else cache.v
+        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (jnp.arange(cfg.num_hidden_layers), layer_state))
+        hidden = self.norm(x)
+        if cache is None:
+            return hidden, None
+        new_cache = KVCache(k=ck, v=cv, key_mask=key_mask, length=cache.length + t,
+                            next_position=cache.next_position + valid.sum(-1).astype(jnp.int32))
+        return hidden, new_cache
+
+    def lm_head_weight(self) -> jax.Array:
+        """The LM head as a [hidden_size, vocab_size] matrix (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Logits [..., vocab_size] float32 from hidden [..., hidden_size] (f32 accumulation).
+
+        Materialises the full vocabulary; loss code should use ``stapo_jax.logprobs`` (chunked) instead.
+        """
+        w = self.lm_head_weight()
+        return jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def param_count(config: Qwen3Config) -> int:
+    """Number of parameters, from abstract shapes only (``nnx.eval_shape``; nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    total = 0
+    for leaf in leaves:
+        n = 1
+        for d in leaf.shape:
+            n *= d
+        total += n
+    return total
