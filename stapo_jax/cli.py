@@ -1,0 +1,45 @@
+"""``stapo-jax`` command line: one subcommand per task, each implemented as ``main(argv) -> int`` in its module.
+
+Subcommands are imported lazily so that ``stapo-jax check`` does not pay for JetStream or the trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("stapo_jax.trainer", "RL training (STAPO and baselines) from a YAML config"),
+    "sft": ("stapo_jax.sft", "supervised warm-up with a cross-entropy objective"),
+    "eval": ("stapo_jax.evaluate", "benchmark evaluation (avg@k, pass@k) with the rollout engine"),
+    "serve": ("stapo_jax.rollout.server", "JetStream gRPC rollout server on 127.0.0.1"),
+    "check": ("stapo_jax.check", "recompute a dumped PyTorch batch and compare losses/metrics"),
+    "plot": ("stapo_jax.plots", "PNG curves from a run directory's metrics"),
+    "plan": ("stapo_jax.plan", "per-device memory and FLOPs of a run, without allocating weights"),
+    "convert": ("stapo_jax.convert", "convert checkpoints (Orbax <-> HF safetensors)"),
+    "demo": ("stapo_jax.demo", "load or build a Qwen3 and greedy-decode a prompt"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: stapo-jax COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`stapo-jax COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"stapo-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
