@@ -1,0 +1,12 @@
+"""Test-wide setup: 8 simulated CPU devices (set before jax is imported) and a quiet, deterministic JAX.
+
+Every test process sees 8 host devices, so mesh tests run in-process; single-device code still runs on
+device 0. Shared fixtures live in tests/fixtures_*.py modules and are imported where needed.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
