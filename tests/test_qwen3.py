@@ -1,0 +1,114 @@
+"""Model-internal properties of models/qwen3.py that need no HF side: padding invariance, cache/remat/dtype
+policies, config parsing. HF parity lives in tests/test_hf.py."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.decode import decode_step, prefill
+from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count
+
+TINY = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                   tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(TINY, rngs=nnx.Rngs(1))
+
+
+def _logits(model, ids, mask):
+    h, _ = model(jnp.asarray(ids), jnp.asarray(mask))
+    return np.asarray(model.logits(h))
+
+
+def test_left_and_right_padding_do_not_change_real_tokens(model):
+    rng = np.random.RandomState(0)
+    seq = rng.randint(0, 97, (1, 7))
+    base = _logits(model, seq, np.ones((1, 7), int))
+    left = np.concatenate([np.full((1, 5), 3), seq], 1)
+    lmask = np.concatenate([np.zeros((1, 5), int), np.ones((1, 7), int)], 1)
+    right = np.concatenate([seq, np.full((1, 4), 0)], 1)
+    rmask = np.concatenate([np.ones((1, 7), int), np.zeros((1, 4), int)], 1)
+    np.testing.assert_allclose(_logits(model, left, lmask)[:, 5:], base, atol=1e-5)
+    np.testing.assert_allclose(_logits(model, right, rmask)[:, :7], base, atol=1e-5)
+    # pad ids inside the padding do not matter either, and fully masked rows stay finite
+    left2 = left.copy(); left2[0, :5] = 50
+    np.testing.assert_allclose(_logits(model, left2, lmask)[:, 5:], base, atol=1e-5)
+    assert np.isfinite(_logits(model, left, np.zeros_like(lmask))).all()
+
+
+def test_batch_rows_are_independent(model):
+    rng = np.random.RandomState(1)
+    ids = rng.randint(0, 97, (3, 6))
+    alone = _logits(model, ids[1:2], np.ones((1, 6), int))
+    together = _logits(model, ids, np.ones((3, 6), int))
+    np.testing.assert_allclose(together[1:2], alone, atol=1e-5)
+
+
+def test_prefill_then_decode_equals_full_forward_with_ragged_left_padding(model):
+    rng = np.random.RandomState(2)
+    ids = rng.randint(0, 97, (2, 12))
+    mask = np.ones((2, 12), int); mask[0, :4] = 0
+    full = _logits(model, ids, mask)
+    graphdef, state = nnx.split(model)
+    cache = init_cache(TINY, 2, 16)
+    logits, cache = prefill(graphdef, state, jnp.asarray(ids[:, :8]), jnp.asarray(mask[:, :8]), cache)
+    np.testing.assert_allclose(np.asarray(logits), full[:, 7], atol=1e-5)
+    for t in range(8, 12):
+        logits, cache = decode_step(graphdef, state, jnp.asarray(ids[:, t]), cache)
+        np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-5)
+    assert np.asarray(cache.length).tolist() == [12, 12]
+    assert np.asarray(cache.next_position).tolist() == [8, 12]
+
+
+def test_remat_and_bf16_policies():
+    rng = np.random.RandomState(3)
+    ids = jnp.asarray(rng.randint(0, 97, (2, 5))); mask = jnp.ones((2, 5), bool)
+    ref = Qwen3(TINY, rngs=nnx.Rngs(0))
+    base = _logits(ref, ids, mask)
+    for policy in ("full", "dots"):
+        m = Qwen3(dataclasses.replace(TINY, remat=policy), rngs=nnx.Rngs(0))
+        np.testing.assert_allclose(_logits(m, ids, mask), base, atol=1e-6)
+
+        def loss(state, gd=nnx.graphdef(m)):
+            mm = nnx.merge(gd, state)
+            h, _ = mm(ids, mask)
+            return mm.logits(h).sum()
+        g = jax.grad(loss)(nnx.state(m))
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+    bf = Qwen3(dataclasses.replace(TINY, dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
+    h, _ = bf(ids, mask)
+    assert h.dtype == jnp.bfloat16
+    assert jax.tree.leaves(nnx.state(bf, nnx.Param))[0].dtype == jnp.bfloat16
+    lb = np.asarray(bf.logits(h))
+    assert lb.dtype == np.float32
+    assert np.abs(lb - base).max() < 0.05  # bf16 rounding of weights and activations only
+
+
+def test_config_reads_both_rope_forms_and_rejects_non_qwen3():
+    d = TINY.to_hf_dict()
+    assert Qwen3Config.from_hf_dict(d).rope_theta == 10000.0
+    d5 = dict(d); d5.pop("rope_theta"); d5["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
+    assert Qwen3Config.from_hf_dict(d5).rope_theta == 5e5
+    with pytest.raises(ConfigError, match="not a Qwen3 config"):
+        Qwen3Config.from_hf_dict({**d, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match="RoPE scaling"):
+        Qwen3Config.from_hf_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        dataclasses.replace(TINY, num_key_value_heads=3)
+
+
+def test_param_count_tiny_matches_formula():
+    c = TINY
+    per_layer = (2 * c.hidden_size + 2 * c.head_dim
+                 + c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+                 + 3 * c.hidden_size * c.intermediate_size)
+    expect = c.vocab_size * c.hidden_size + c.num_hidden_layers * per_layer + c.hidden_size
+    assert param_count(c) == expect
+    assert param_count(dataclasses.replace(c, tie_word_embeddings=False)) == expect + c.vocab_size * c.hidden_size
