@@ -1,0 +1,91 @@
+"""Orbax checkpoints of a training run: train state (params, optimizer state, step, RNG) + data iterator state.
+
+A thin layer over ``orbax.checkpoint.CheckpointManager`` with a ``Composite`` of ``StandardSave`` (the train
+state pytree) and ``JsonSave`` (Grain iterator state and run metadata), as conventions.md §8 recommends.
+Orbax writes each step into a temporary directory and renames it on commit, so a checkpoint killed half-way is
+never listed by ``latest_step`` and never restored.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be restored into the requested state."""
+
+
+class Checkpointer:
+    """Save every ``save_every`` steps, keep the newest ``keep``, restore the latest committed step.
+
+    Args:
+      directory: run checkpoint directory (created if missing); absolute or relative path.
+      save_every: save interval in optimizer steps (>= 1).
+      keep: number of checkpoints kept (>= 1).
+      async_save: write in a background thread (Orbax async checkpointing).
+    Raises:
+      ValueError: ``save_every`` or ``keep`` < 1.
+    """
+
+    def __init__(self, directory: str, *, save_every: int = 1, keep: int = 3, async_save: bool = True):
+        if save_every < 1 or keep < 1:
+            raise ValueError(f"checkpoint save_every={save_every} and keep={keep} must be >= 1")
+        self.directory = os.path.abspath(directory)
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1, create=True,
+                                               enable_async_checkpointing=async_save)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> Optional[int]:
+        """Newest fully committed step, or None."""
+        return self._mngr.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_every == 0
+
+    def save(self, step: int, state: Any, data_state: Optional[dict] = None, meta: Optional[dict] = None,
+             *, force: bool = False) -> bool:
+        """Save ``state`` (any pytree of arrays) plus JSON-serialisable ``data_state`` and ``meta`` at ``step``.
+
+        Returns True when a save was started (``force`` or ``step % save_every == 0``). Asynchronous: call
+        :meth:`wait` before relying on the files.
+        """
+        if not (force or self.should_save(step)):
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(data_state or {}),
+                                  meta=ocp.args.JsonSave(meta or {}))
+        return bool(self._mngr.save(step, args=args, force=True))
+
+    def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple[int, Any, dict, dict]:
+        """Restore ``step`` (default: latest) into the structure/shardings of ``abstract_state``.
+
+        Args:
+          abstract_state: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with ``sharding``) giving the target
+            structure, dtypes and shardings.
+        Returns:
+          (step, state, data_state, meta).
+        Raises:
+          CheckpointError: no committed checkpoint exists, or the stored tree does not match.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint in {self.directory}")
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises several types; name the directory and step
+            raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
+        return step, out["state"], dict(out["data"] or {}), dict(out["meta"] or {})
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are committed."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
