@@ -1,0 +1,68 @@
+"""Packing token lists into the fixed-shape arrays every jitted step takes (verl's layout).
+
+A sequence is ``[left-padded prompt | right-padded response]``: ``input_ids`` [B, P + R]. Response-level
+arrays (``response_mask``, ``log_probs``, ``old_log_probs``, ``advantages`` per token) are [B, R], where
+column ``r`` is the response token at ``input_ids[:, P + r]``, predicted by the hidden state at ``P + r - 1``.
+Lengths are rounded up to a multiple of ``pad_multiple`` so that steps recompile only when a bucket changes.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= max(n, 1)."""
+    return max(1, -(-max(n, 1) // multiple)) * multiple
+
+
+def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
+                         prompt_length: Optional[int] = None, response_length: Optional[int] = None,
+                         pad_multiple: int = 8) -> dict[str, np.ndarray]:
+    """Left-pad prompts and right-pad responses into one batch.
+
+    Args:
+      prompts: B token-id lists (non-empty).
+      responses: B token-id lists (may be empty: such a row has no response token).
+      pad_id: id written into padding (masks, never ids, mark padding: Qwen3's pad id equals the base EOS).
+      prompt_length, response_length: fixed P and R; default: the longest, rounded up to ``pad_multiple``.
+    Returns:
+      ``input_ids`` [B, P+R] int32, ``attention_mask`` [B, P+R] bool, ``response_mask`` [B, R] bool,
+      ``prompt_lengths`` [B] int32, ``response_lengths`` [B] int32 (tokens).
+    Raises:
+      ValueError: different numbers of prompts and responses, an empty prompt (names its index), or a sequence
+        longer than the fixed ``prompt_length``/``response_length`` (no silent truncation).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not len(prompts):
+        raise ValueError("empty batch: no prompts")
+    pl = np.asarray([len(p) for p in prompts], np.int32)
+    rl = np.asarray([len(r) for r in responses], np.int32)
+    if (pl == 0).any():
+        raise ValueError(f"prompt {int(np.argmin(pl))} is empty")
+    P = prompt_length or round_up(int(pl.max()), pad_multiple)
+    R = response_length or round_up(int(rl.max()), pad_multiple)
+    if pl.max() > P:
+        i = int(np.argmax(pl))
+        raise ValueError(f"prompt {i} has {pl[i]} tokens > prompt_length {P}")
+    if rl.max() > R:
+        i = int(np.argmax(rl))
+        raise ValueError(f"response {i} has {rl[i]} tokens > response_length {R}")
+    b = len(prompts)
+    ids = np.full((b, P + R), pad_id, np.int32)
+    att = np.zeros((b, P + R), bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = p
+        att[i, P - len(p):P] = True
+        ids[i, P:P + len(r)] = r
+        att[i, P:P + len(r)] = True
+    resp_mask = att[:, P:].copy()
+    return {"input_ids": ids, "attention_mask": att, "response_mask": resp_mask,
+            "prompt_lengths": pl, "response_lengths": rl}
+
+
+def response_hidden_slice(prompt_length: int, response_length: int) -> slice:
+    """Positions of the hidden states that predict the R response tokens: ``P-1 .. P+R-2``."""
+    return slice(prompt_length - 1, prompt_length + response_length - 1)

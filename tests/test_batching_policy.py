@@ -1,0 +1,65 @@
+"""Packing (verl layout), the policy's response log-probs, and the optimizer schedule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from models.qwen3 import Qwen3, Qwen3Config
+from stapo_jax.batching import pack_prompt_response
+from stapo_jax.logprobs import logits_to_log_probs_and_entropy
+from stapo_jax.optim import make_optimizer
+from stapo_jax.policy import response_log_probs_and_entropy
+
+
+def test_pack_layout_and_errors():
+    b = pack_prompt_response([[5, 6, 7], [8]], [[1, 2], []], pad_id=0, pad_multiple=4)
+    assert b["input_ids"].tolist() == [[0, 5, 6, 7, 1, 2, 0, 0], [0, 0, 0, 8, 0, 0, 0, 0]]
+    assert b["attention_mask"].sum(1).tolist() == [5, 1]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+    assert b["prompt_lengths"].tolist() == [3, 1] and b["response_lengths"].tolist() == [2, 0]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        pack_prompt_response([[1], []], [[1], [1]], pad_id=0)
+    with pytest.raises(ValueError, match="response 0 has 3 tokens > response_length 2"):
+        pack_prompt_response([[1]], [[1, 2, 3]], pad_id=0, response_length=2)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        pack_prompt_response([[1], [2]], [[1]], pad_id=0)
+
+
+def test_response_log_probs_match_full_logits():
+    cfg = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    m = Qwen3(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(0)
+    b = pack_prompt_response([rng.randint(1, 50, 5).tolist(), rng.randint(1, 50, 2).tolist()],
+                             [rng.randint(1, 50, 3).tolist(), rng.randint(1, 50, 6).tolist()], pad_id=0)
+    ids, att = jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"])
+    R = b["response_mask"].shape[1]
+    lp, ent = response_log_probs_and_entropy(m, ids, att, R, temperature=0.7, seq_chunk=3)
+    h, _ = m(ids, att)
+    logits = m.logits(h)[:, -R - 1:-1]
+    lp_ref, ent_ref = logits_to_log_probs_and_entropy(logits, ids[:, -R:], 0.7)
+    mask = b["response_mask"]
+    np.testing.assert_allclose(np.asarray(lp)[mask], np.asarray(lp_ref)[mask], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent)[mask], np.asarray(ent_ref)[mask], atol=1e-5)
+    with pytest.raises(ValueError, match="response_length"):
+        response_log_probs_and_entropy(m, ids, att, ids.shape[1])
+
+
+def test_optimizer_warmup_schedule_and_clipping():
+    opt = make_optimizer(1e-2, warmup_steps=4, weight_decay=0.0, clip_grad=1.0)
+    params = {"w": jnp.zeros(3)}
+    state = opt.init(params)
+    lrs = []
+    for _ in range(6):
+        upd, state = opt.update({"w": jnp.full(3, 100.0)}, state, params)
+        lrs.append(float(-upd["w"][0]))  # Adam's first step moves by lr * sign(g)
+    # lr * min(1, step / warmup): 0, 0.25, 0.5, 0.75, 1, 1 (x lr); Adam normalises the clipped gradient
+    np.testing.assert_allclose(lrs, [0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2], rtol=1e-3, atol=1e-9)
+    g = optax.clip_by_global_norm(1.0).update({"w": jnp.full(4, 10.0)}, optax.EmptyState())[0]["w"]
+    assert float(jnp.linalg.norm(g)) == pytest.approx(1.0, rel=1e-6)
+    with pytest.raises(ValueError, match="optim.lr"):
+        make_optimizer(0.0)
+    with pytest.raises(ValueError, match="clip_grad"):
+        make_optimizer(1e-3, clip_grad=0.0)
