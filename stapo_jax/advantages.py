@@ -1,0 +1,177 @@
+"""Outcome-reward advantage estimators (one scalar reward per response) and DAPO's reward-side hooks.
+
+Groups are the G responses sampled for one prompt, identified by an integer ``group_ids`` array (verl's
+prompt ``uid``). All functions are jit-able given a static ``num_groups``; rows may come in any order.
+
+Conventions (conventions.md §1.3, verl ``compute_grpo_outcome_advantage`` / ``compute_rloo_outcome_advantage``):
+
+* GRPO: ``A = (R - mean) / (std + epsilon)`` with ``std`` of ddof 1 (``torch.std``), ``epsilon = 1e-6``.
+* A single-sample group has mean 0 and std 1, so ``A = R / (1 + epsilon)`` (GRPO) or ``A = R`` (Dr.GRPO,
+  RLOO), exactly as verl.
+* A group whose rewards are all equal gets exactly 0 (never NaN, never a rounding residue).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "grpo_advantages",
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "compute_advantages",
+    "nonzero_variance_groups",
+    "overlong_reward_penalty",
+    "ADVANTAGE_ESTIMATORS",
+]
+
+
+def _check(rewards: jax.Array, group_ids: jax.Array) -> None:
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [N] (one scalar per response), got shape {tuple(rewards.shape)}")
+    if tuple(group_ids.shape) != tuple(rewards.shape):
+        raise ValueError(f"group_ids shape {tuple(group_ids.shape)} must equal rewards shape {tuple(rewards.shape)}")
+    if not jnp.issubdtype(group_ids.dtype, jnp.integer):
+        raise ValueError(f"group_ids must be integer, got dtype {group_ids.dtype}")
+
+
+def _num_groups(group_ids, num_groups):
+    if num_groups is not None:
+        return int(num_groups)
+    try:
+        return int(jnp.max(group_ids)) + 1 if group_ids.size else 0
+    except jax.errors.ConcretizationTypeError as e:  # traced without a static group count
+        raise ValueError("pass num_groups= when calling under jit") from e
+
+
+def _group_stats(rewards, group_ids, num_groups, ddof):
+    """Per-row (count, mean, std with ``ddof``, all-equal flag) of the row's group. rewards float [N]."""
+    n_g = _num_groups(group_ids, num_groups)
+    ones = jnp.ones_like(rewards)
+    count = jax.ops.segment_sum(ones, group_ids, n_g)[group_ids]
+    mean = (jax.ops.segment_sum(rewards, group_ids, n_g) / jnp.maximum(jax.ops.segment_sum(ones, group_ids, n_g), 1))[
+        group_ids
+    ]
+    sq = jax.ops.segment_sum((rewards - mean) ** 2, group_ids, n_g)[group_ids]
+    std = jnp.sqrt(sq / jnp.maximum(count - ddof, 1))
+    gmax = jax.ops.segment_max(rewards, group_ids, n_g)[group_ids]
+    gmin = jax.ops.segment_min(rewards, group_ids, n_g)[group_ids]
+    return count, mean, std, gmax == gmin
+
+
+def _float(rewards):
+    return rewards if jnp.issubdtype(rewards.dtype, jnp.floating) else rewards.astype(jnp.float32)
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    *,
+    num_groups: int | None = None,
+    epsilon: float = 1e-6,
+    ddof: int = 1,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> jax.Array:
+    """GRPO group z-score advantage.
+
+    Args:
+      rewards: ``[N]`` float (int is cast to float32), one outcome reward per response.
+      group_ids: ``[N]`` int in ``[0, num_groups)``, the prompt each response belongs to.
+      num_groups: static number of groups (required under jit; inferred from ``group_ids`` otherwise).
+      epsilon: added to the std (verl 1e-6; TRL uses 1e-4).
+      ddof: delta degrees of freedom of the std (1 = unbiased, verl/TRL/Tunix; 0 = MaxText).
+      norm_adv_by_std_in_grpo: False gives Dr.GRPO, ``R - mean`` (verl's switch of the same name).
+
+    Returns:
+      ``[N]`` advantages, float dtype of ``rewards``. Single-sample groups: ``R/(1+epsilon)`` (or ``R``);
+      all-equal groups: exactly 0.
+
+    Raises:
+      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, or ``num_groups``
+        is missing under jit.
+
+    Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
+    """
+    _check(rewards, group_ids)
+    r = _float(rewards)
+    count, mean, std, constant = _group_stats(r, group_ids, num_groups, ddof)
+    single = count <= 1
+    mean = jnp.where(single, 0.0, mean)
+    std = jnp.where(single, 1.0, std)
+    centred = r - mean
+    adv = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    return jnp.where(constant & ~single, jnp.zeros_like(adv), adv)
+
+
+def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, **_unused) -> jax.Array:
+    """Dr.GRPO advantage ``R - mean_group(R)`` (no std normalisation).
+
+    Shapes, dtypes, errors and single-sample/constant-group rules as :func:`grpo_advantages`.
+    Source: Liu et al. 2503.20783; verl ``norm_adv_by_std_in_grpo=False``.
+    """
+    return grpo_advantages(rewards, group_ids, num_groups=num_groups, norm_adv_by_std_in_grpo=False)
+
+
+def rloo_advantages(rewards, group_ids, *, num_groups=None, **_unused) -> jax.Array:
+    """RLOO leave-one-out advantage ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean)``.
+
+    Args/returns as :func:`grpo_advantages`. A single-sample group keeps ``R`` (verl); all-equal groups: 0.
+    Source: Ahmadian et al. 2402.14740; verl ``compute_rloo_outcome_advantage``.
+    """
+    _check(rewards, group_ids)
+    r = _float(rewards)
+    count, mean, _, constant = _group_stats(r, group_ids, num_groups, 0)
+    single = count <= 1
+    adv = jnp.where(single, r, (r - mean) * count / jnp.maximum(count - 1, 1))
+    return jnp.where(constant & ~single, jnp.zeros_like(adv), adv)
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
+
+
+def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:
+    """Dispatch by estimator name (``grpo``, ``dr_grpo``, ``rloo``); kwargs go to the estimator.
+
+    Raises:
+      ValueError: unknown ``name`` (lists the known ones).
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
+
+
+def nonzero_variance_groups(rewards: jax.Array, group_ids: jax.Array, *, num_groups: int | None = None) -> jax.Array:
+    """DAPO dynamic-sampling filter: True for rows whose group's rewards are not all equal.
+
+    Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int. Returns ``[N]`` bool.
+    Source: Yu et al. 2503.14476 §3.2 (dynamic sampling); stapo_spec.md §5.
+    """
+    _check(rewards, group_ids)
+    count, _, _, constant = _group_stats(_float(rewards), group_ids, num_groups, 0)
+    return ~constant
+
+
+def overlong_reward_penalty(
+    response_lengths: jax.Array, *, max_response_length: int, overlong_buffer_len: int, penalty_factor: float = 1.0
+) -> jax.Array:
+    """DAPO overlong reward shaping ``min(0, -kappa * (|y| - (L_max - L_cache)) / L_cache)``, added to rewards.
+
+    Args:
+      response_lengths: ``[N]`` int, response length in tokens (EOS included).
+      max_response_length: ``L_max``; overlong_buffer_len: ``L_cache`` (0 disables: returns zeros);
+      penalty_factor: ``kappa``.
+
+    Returns: ``[N]`` float32 penalties (<= 0).
+    Raises: ValueError if ``overlong_buffer_len`` < 0 or > ``max_response_length``.
+    Source: Yu et al. 2503.14476 eq. (13); verl DAPO reward manager; stapo_spec.md §5.
+    """
+    if overlong_buffer_len < 0 or overlong_buffer_len > max_response_length:
+        raise ValueError(
+            f"overlong_buffer_len must be in [0, max_response_length={max_response_length}], got {overlong_buffer_len}"
+        )
+    lengths = jnp.asarray(response_lengths, jnp.float32)
+    if overlong_buffer_len == 0:
+        return jnp.zeros_like(lengths)
+    expected = max_response_length - overlong_buffer_len
+    return jnp.minimum(0.0, -penalty_factor * (lengths - expected) / overlong_buffer_len)
