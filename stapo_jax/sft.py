@@ -1,0 +1,85 @@
+"""Supervised warm-up (``stapo-jax sft``): the RL machinery with a cross-entropy objective on gold responses,
+so that a small model starts RL with non-zero reward.
+
+The loss is the token-mean negative log-likelihood of the response tokens, computed through the same chunked
+LM-head path as the RL losses (``stapo_jax.policy``); the update uses the same optimizer builder.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from stapo_jax.batching import pack_prompt_response
+from stapo_jax.optim import make_optimizer
+from stapo_jax.policy import response_log_probs_and_entropy
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
+def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, opt_state, input_ids,
+             attention_mask, response_mask):
+    """One cross-entropy update on a packed batch.
+
+    Args:
+      graphdef: ``nnx.split(model)[0]`` (static); optimizer: an ``optax.GradientTransformation`` (static).
+      response_length: R (static); seq_chunk: LM-head chunk in tokens (static).
+      params, opt_state: model state and optimizer state (donated).
+      input_ids [B, P+R] int32, attention_mask [B, P+R] bool, response_mask [B, R] bool.
+    Returns:
+      (params, opt_state, metrics) with ``sft/loss`` (nats per response token), ``sft/tokens``,
+      ``sft/grad_norm``. An all-masked batch gives loss 0 and a zero gradient.
+    """
+    def loss_fn(p):
+        model = nnx.merge(graphdef, p)
+        lp, _ = response_log_probs_and_entropy(model, input_ids, attention_mask, response_length,
+                                               seq_chunk=seq_chunk)
+        m = response_mask.astype(jnp.float32)
+        n = m.sum()
+        return -(lp * m).sum() / jnp.maximum(n, 1.0), n
+
+    (loss, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"sft/loss": loss, "sft/tokens": n, "sft/grad_norm": optax.tree.norm(grads)}
+
+
+def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
+            warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
+            seq_chunk: int = 512, log=None) -> list[dict]:
+    """Train ``model`` in place on (prompt ids, response ids) pairs; returns the metrics of every step.
+
+    Args:
+      model: a ``models.qwen3.Qwen3`` (updated in place via ``nnx.update``).
+      examples: an endless iterator of (prompt token ids, response token ids incl. EOS).
+      steps, batch_size: optimizer steps and sequences per step (> 0).
+      lr, warmup_steps, weight_decay, clip_grad: see ``stapo_jax.optim.make_optimizer``.
+      pad_id: padding id; log: optional callable(step, metrics).
+    Raises:
+      ValueError: non-positive ``steps`` or ``batch_size``.
+    """
+    if steps <= 0 or batch_size <= 0:
+        raise ValueError(f"sft.steps={steps} and sft.batch_size={batch_size} must be > 0")
+    optimizer = make_optimizer(lr, warmup_steps, weight_decay, clip_grad)
+    graphdef, params = nnx.split(model)
+    opt_state = optimizer.init(params)
+    history = []
+    for step in range(steps):
+        pairs = [next(examples) for _ in range(batch_size)]
+        b = pack_prompt_response([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad_id)
+        R = b["response_mask"].shape[1]
+        params, opt_state, m = sft_step(graphdef, optimizer, R, seq_chunk, params, opt_state,
+                                        jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]),
+                                        jnp.asarray(b["response_mask"]))
+        m = {k: float(v) for k, v in m.items()}
+        history.append(m)
+        if log is not None:
+            log(step, m)
+    nnx.update(model, params)
+    return history
