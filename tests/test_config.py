@@ -1,0 +1,228 @@
+"""Config schema: YAML + dotted overrides, unknown/mistyped keys, cross-field checks, recipe defaults,
+save/reload round trip, and base.yaml documenting every key with the schema default."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stapo_jax.config import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
+                              resolve_model_hf_dict, valid_keys)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_the_spec_values():
+    cfg = load_config(None)
+    # stapo_spec §3-§4, §10 and conventions.md §1.3 / §4.
+    assert cfg.algorithm.recipe == "stapo" and cfg.s2t.enabled
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert cfg.actor.loss_agg_mode == "token-mean"
+    assert (cfg.actor.kl_loss_coef, cfg.actor.entropy_coeff, cfg.actor.use_kl_loss) == (0.0, 0.0, False)
+    assert (cfg.s2t.tau_p, cfg.s2t.entropy_quantile) == (0.002, 0.8)
+    assert (cfg.s2t.quantile_scope, cfg.s2t.quantile_tokens, cfg.s2t.quantile_method, cfg.s2t.stats_policy) == (
+        "minibatch", "valid", "linear", "current")
+    assert cfg.s2t.renormalize is True
+    assert (cfg.algorithm.std_ddof, cfg.algorithm.adv_eps) == (1, 1e-6)
+    assert (cfg.rollout.n, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens) == (8, 1.0, 1.0,
+                                                                                                      15360)
+    assert (cfg.trainer.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs) == (256, 64, 1)
+    assert (cfg.actor.optim.lr, cfg.actor.optim.warmup_steps) == (1e-6, 10)
+    assert cfg.reward.kind == "boxed_exact_pm1" and cfg.reward.overlong_buffer_len == 0
+    assert cfg.sampling.dynamic is False and cfg.data.drop_truncated is False
+    assert cfg.top_entropy.ratio == 0.2 and cfg.top_entropy.scope == "minibatch"
+    assert cfg.eval.max_new_tokens == 31744 and cfg.eval.grader == "math_verify"
+    assert cfg.data.prompt_suffix == JUSTRL_PROMPT_SUFFIX
+    assert cfg.data.prompt_suffix.endswith("put your final answer within \\boxed{}.")
+    assert cfg.trainer.total_steps is None
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    p = _write(tmp_path, "actor:\n  clip_ratio_high: 0.3\n  optim:\n    lr: 2.0e-6\nrollout:\n  n: 4\n")
+    cfg = load_config(p, ["actor.clip_ratio_high=0.25", "actor.optim.betas=[0.9, 0.95]", "rollout.top_k=20",
+                          "data.gym.config.min_terms=2", "trainer.run_dir=runs/x", "actor.clip_ratio_c=null"])
+    assert cfg.actor.clip_ratio_high == 0.25  # override beats the file
+    assert cfg.actor.optim.lr == 2e-6 and cfg.rollout.n == 4  # file beats the default
+    assert cfg.actor.optim.betas == (0.9, 0.95) and isinstance(cfg.actor.optim.betas, tuple)
+    assert cfg.rollout.top_k == 20 and cfg.actor.clip_ratio_c is None
+    assert cfg.data.gym.config == {"min_terms": 2}
+    assert cfg.trainer.run_dir == "runs/x"
+
+
+def test_yaml11_exponent_strings_become_floats(tmp_path):
+    # PyYAML reads "1e-6" (no dot) as a string; float fields accept numeric strings.
+    p = _write(tmp_path, "actor:\n  optim:\n    lr: 1e-6\n")
+    assert load_config(p, ["actor.optim.eps=1e-7"]).actor.optim.lr == 1e-6
+    assert load_config(p, ["actor.optim.eps=1e-7"]).actor.optim.eps == 1e-7
+
+
+@pytest.mark.parametrize("override,named,suggested", [
+    ("actor.clip_ratio_hi=0.3", "actor.clip_ratio_hi", "actor.clip_ratio_high"),
+    ("actor.tau_p=0.1", "actor.tau_p", "s2t.tau_p"),  # right key, wrong section
+    ("rolout.n=4", "rolout", "rollout"),
+    ("actor.optim.learning_rate=1e-5", "actor.optim.learning_rate", None),
+])
+def test_unknown_key_names_it_and_suggests(override, named, suggested):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert repr(named) in msg or named in msg
+    if suggested:
+        assert f"did you mean {suggested!r}" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    p = _write(tmp_path, "s2t:\n  tau_h: 0.5\n")
+    with pytest.raises(ConfigError, match=r"'s2t.tau_h'.*did you mean 's2t.tau_p'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("actor.optim.lr=abc", r"actor\.optim\.lr: expected float, got str"),
+    ("rollout.n=2.5", r"rollout\.n: expected int"),
+    ("rollout.n=true", r"rollout\.n: expected int, got bool"),
+    ("s2t.enabled=1", r"s2t\.enabled: expected bool, got int"),
+    ("algorithm.recipe=stpo", r"algorithm\.recipe: 'stpo' is not one of .*did you mean 'stapo'"),
+    ("actor.loss_agg_mode=token_mean", r"actor\.loss_agg_mode: 'token_mean' is not one of"),
+    ("trainer.total_steps=ten", r"trainer\.total_steps: expected int or null"),
+    ("rollout.n=null", r"rollout\.n: expected int, got NoneType"),
+    ("actor.optim.betas=[0.9]", r"actor\.optim\.betas: expected a list of 2 values"),
+    ("data.train_files=a.jsonl", r"data\.train_files: expected a list of str"),
+    ("eval.n_samples={aime24: x}", r"eval\.n_samples: expected int or a mapping of str to int"),
+    ("actor=3", r"actor: expected a mapping"),
+])
+def test_wrong_types_are_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["trainer.train_batch_size=100"], r"trainer\.train_batch_size=100 is not divisible by actor\.ppo_mini_batch_size=64"),
+    (["actor.ppo_micro_batch_size=0"], r"actor\.ppo_micro_batch_size=0 must be >= 1"),
+    (["actor.ppo_mini_batch_size=2", "trainer.train_batch_size=4", "rollout.n=2", "actor.ppo_micro_batch_size=5"],
+     r"actor\.ppo_micro_batch_size=5 exceeds"),
+    (["actor.clip_ratio_c=1.0"], r"actor\.clip_ratio_c=1\.0 must be > 1"),
+    (["actor.entropy_coeff=0.01"], r"algorithm\.recipe=stapo has no entropy bonus: actor\.entropy_coeff"),
+    (["actor.use_kl_loss=true", "actor.kl_loss_coef=0.001"], r"algorithm\.recipe=stapo has no KL term"),
+    (["algorithm.recipe=justrl", "actor.entropy_coeff=0.001"], r"algorithm\.recipe=justrl has no entropy bonus"),
+    (["s2t.enabled=false"], r"algorithm\.recipe=stapo needs s2t\.enabled=true"),
+    (["model.preset=null"], r"model\.vocab_size.*model\.head_dim"),
+    (["model.path=/x"], r"model\.path and model\.preset are both set"),
+    (["reward.kind=gym"], r"reward\.kind=gym needs data\.source=gym"),
+    (["data.source=gym"], r"data\.source=gym needs data\.gym\.task"),
+    (["rollout.top_p=0"], r"rollout\.top_p=0\.0 must be in \(0, 1\]"),
+    (["model.max_position_embeddings=1000"], r"data\.max_prompt_length \+ rollout\.max_new_tokens"),
+    (["top_entropy.enabled=true"], r"s2t\.enabled and top_entropy\.enabled are both true"),
+])
+def test_cross_field_errors_name_the_keys(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_strict_recipe_can_be_lifted_explicitly():
+    cfg = load_config(None, ["actor.entropy_coeff=0.01", "algorithm.strict_recipe=false"])
+    assert cfg.actor.entropy_coeff == 0.01
+
+
+def test_recipe_defaults_fill_only_unset_keys():
+    grpo = load_config(None, ["algorithm.recipe=grpo"])
+    assert grpo.actor.clip_ratio_high == 0.2 and not grpo.s2t.enabled  # stapo_spec §5: GRPO 0.2/0.2
+    assert load_config(None, ["algorithm.recipe=grpo", "actor.clip_ratio_high=0.3"]).actor.clip_ratio_high == 0.3
+    dapo = load_config(None, ["algorithm.recipe=dapo"])
+    assert dapo.sampling.dynamic and dapo.reward.overlong_buffer_len == 4096 and dapo.actor.clip_ratio_high == 0.28
+    e20 = load_config(None, ["algorithm.recipe=entropy20"])
+    assert e20.top_entropy.enabled and not e20.s2t.enabled
+
+
+def test_grad_accum_steps():
+    cfg = load_config(None, ["actor.ppo_mini_batch_size=4", "trainer.train_batch_size=8", "rollout.n=4",
+                             "actor.ppo_micro_batch_size=2"])
+    assert cfg.grad_accum_steps(1) == 8 and cfg.grad_accum_steps(4) == 2 and cfg.grad_accum_steps(8) == 1
+    with pytest.raises(ConfigError, match="ppo_micro_batch_size=2 does not divide"):
+        cfg.grad_accum_steps(16)  # 1 sequence per shard < micro-batch of 2
+    with pytest.raises(ConfigError, match="do not split over 3"):
+        cfg.grad_accum_steps(3)
+
+
+def test_check_rl_ready_requires_total_steps():
+    cfg = load_config(None, ["data.train_files=[a.jsonl]"])
+    with pytest.raises(ConfigError, match="trainer.total_steps is required"):
+        cfg.check_rl_ready()
+    load_config(None, ["data.train_files=[a.jsonl]", "trainer.total_steps=3"]).check_rl_ready()
+
+
+def test_save_reload_round_trip(tmp_path):
+    cfg = load_config(None, ["algorithm.recipe=dapo", "actor.optim.betas=[0.9, 0.95]", "rollout.top_k=5",
+                             "data.gym.config={min_terms: 2}", "eval.n_samples=3", "trainer.total_steps=7"])
+    path = cfg.save(tmp_path / "run")
+    assert path == tmp_path / "run" / "config.yaml"
+    again = load_config(path)
+    assert again == cfg
+    assert yaml.safe_load(path.read_text()) == cfg.to_dict()
+    # the saved file holds every key, resolved (recipe defaults included)
+    assert yaml.safe_load(path.read_text())["reward"]["overlong_buffer_len"] == 4096
+
+
+def test_override_parsing():
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    assert parse_override("a.b=null") == ("a.b", None)
+    assert parse_override("a.b=x=y") == ("a.b", "x=y")
+    for bad in ("a.b", "=3", "a..b=1"):
+        with pytest.raises(ConfigError):
+            parse_override(bad)
+    with pytest.raises(ConfigError, match="trainer.seed is a value, not a section"):
+        load_config(None, ["trainer.seed=1", "trainer.seed.x=2"])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_model_preset_resolution(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config(None, ["model.preset=Qwen3-0.6B", "model.num_hidden_layers=2", "model.rope_theta=10000"])
+    d = resolve_model_hf_dict(cfg.model)
+    assert d["num_hidden_layers"] == 2 and d["hidden_size"] == 1024 and d["rope_theta"] == 10000
+    scratch = load_config(None, ["model.preset=null", "model.vocab_size=128", "model.hidden_size=32",
+                                 "model.intermediate_size=64", "model.num_hidden_layers=2",
+                                 "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=8"])
+    d = resolve_model_hf_dict(scratch.model)
+    assert d["model_type"] == "qwen3" and d["vocab_size"] == 128 and d["head_dim"] == 8
+    with pytest.raises(ConfigError, match="Qwen3-99B"):
+        resolve_model_hf_dict(load_config(None, ["model.preset=Qwen3-99B"]).model)
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in ("data.gym.config", "eval.n_samples"):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_base_yaml_documents_every_key_with_its_default():
+    base = REPO / "configs" / "base.yaml"
+    raw = yaml.safe_load(base.read_text())
+    assert set(_leaves(raw)) == set(valid_keys())
+    assert load_config(base) == Config()
+    text = base.read_text()
+    for key in valid_keys():  # every key carries a comment
+        leaf = key.rsplit(".", 1)[-1]
+        lines = [ln for ln in text.splitlines() if ln.startswith(" ") and ln.strip().startswith(f"{leaf}:")]
+        assert lines and all("#" in ln for ln in lines), key
+
+
+def test_config_is_plain_dataclasses():
+    cfg = load_config(None)
+    assert dataclasses.is_dataclass(cfg) and isinstance(cfg.to_dict()["actor"]["optim"]["betas"], list)
