@@ -71,7 +71,8 @@ class ModelConfig:
 MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
                    "max_position_embeddings", "rms_norm_eps")
-_REQUIRED_SIZE_KEYS = MODEL_SIZE_KEYS[:7]
+# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.build)
+_REQUIRED_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -476,7 +477,7 @@ def validate(cfg: Config) -> None:
     if m.path is None and m.preset is None:
         missing = [f"model.{k}" for k in _REQUIRED_SIZE_KEYS if getattr(m, k) is None]
         need(not missing, f"a from-scratch model (model.path and model.preset unset) needs {missing}")
-    for k in _REQUIRED_SIZE_KEYS + ("max_position_embeddings",):
+    for k in ("vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings") + _REQUIRED_SIZE_KEYS:
         v = getattr(m, k)
         need(v is None or v >= 1, f"model.{k}={v} must be >= 1")
     if m.num_attention_heads and m.num_key_value_heads:

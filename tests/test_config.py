@@ -114,7 +114,7 @@ def test_wrong_types_are_named(override, match):
     (["actor.use_kl_loss=true", "actor.kl_loss_coef=0.001"], r"algorithm\.recipe=stapo has no KL term"),
     (["algorithm.recipe=justrl", "actor.entropy_coeff=0.001"], r"algorithm\.recipe=justrl has no entropy bonus"),
     (["s2t.enabled=false"], r"algorithm\.recipe=stapo needs s2t\.enabled=true"),
-    (["model.preset=null"], r"model\.vocab_size.*model\.head_dim"),
+    (["model.preset=null"], r"model\.hidden_size.*model\.num_attention_heads"),
     (["model.path=/x"], r"model\.path and model\.preset are both set"),
     (["reward.kind=gym"], r"reward\.kind=gym needs data\.source=gym"),
     (["data.source=gym"], r"data\.source=gym needs data\.gym\.task"),

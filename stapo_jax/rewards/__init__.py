@@ -1,0 +1,267 @@
+"""Verifiable rewards: one scalar per response, verifiers in a process pool with a per-item timeout.
+
+Kinds (``reward.kind``, stapo_spec §2 and §10.13):
+
+* ``boxed_exact_pm1`` - JustRL/DAPO strict-box string match, +1 / -1 (:mod:`.string_match`);
+* ``boxed_exact_01``  - the same match, 1 / 0;
+* ``math_verify_01``  - math-verify equivalence, gold first, 1 / 0 (:mod:`.math`);
+* ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`).
+
+The string match is pure Python over at most 300 characters and runs inline. math-verify and reasoning-gym
+run in a :class:`VerifierPool`: a ``pebble.ProcessPool`` (forkserver context where available, else spawn;
+never fork, so the JAX parent is not forked) created once and reused. Each item runs in a worker's main
+thread (math-verify uses ``signal.alarm``) under a hard per-item timeout: a worker that exceeds it, for
+instance stuck in a C-level big-integer power that no signal can interrupt, is killed and replaced. A
+timed-out or crashed verifier scores 0 and is counted (``n_timeout``, ``n_error``); the run goes on. Model
+output is parsed, never evaluated.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import multiprocessing
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from stapo_jax.rewards import string_match
+
+log = logging.getLogger(__name__)
+
+KINDS = ("boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "gym")
+_POOLED_KINDS = {"math_verify_01": "stapo_jax.rewards.math", "gym": "stapo_jax.rewards.gym"}
+
+
+class VerifierPool:
+    """A reusable process pool that runs one function call per item with a hard per-item timeout.
+
+    Args:
+      num_workers: worker processes (>= 1).
+      preload: modules the workers import at start (forkserver: imported once in the fork server).
+      initializer: optional no-argument callable run in each worker at start (module-level, picklable).
+
+    Use as a context manager or call :meth:`close`. Source: the process-pool design of MaxText
+    ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8), with pebble for kill-on-timeout.
+    """
+
+    def __init__(self, num_workers: int, preload: Sequence[str] = (), initializer: Optional[Callable] = None):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        import pebble
+
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if ctx.get_start_method() == "forkserver" and preload:
+            ctx.set_forkserver_preload(list(preload))
+        self.num_workers = num_workers
+        self._pool = pebble.ProcessPool(max_workers=num_workers, initializer=initializer, context=ctx)
+        self._closed = False
+
+    def run(self, fn: Callable[..., Any], arg_tuples: Sequence[tuple], timeout_s: float) -> list[tuple[str, Any]]:
+        """Call ``fn(*args)`` for every tuple in a worker; returns ``[(status, value), ...]`` in input order.
+
+        ``status`` is ``"ok"`` (value = the return value), ``"timeout"`` (the call ran longer than
+        ``timeout_s`` seconds of wall time in its worker; value None), or ``"error"`` (it raised, or its
+        worker died; value = the exception's repr).
+
+        Raises:
+          RuntimeError: the pool was closed.
+        """
+        if self._closed:
+            raise RuntimeError("VerifierPool is closed")
+        import pebble
+
+        futures = [self._pool.schedule(fn, args=args, timeout=timeout_s) for args in arg_tuples]
+        out: list[tuple[str, Any]] = []
+        for fut in futures:
+            try:
+                out.append(("ok", fut.result()))
+            except concurrent.futures.TimeoutError:
+                out.append(("timeout", None))
+            except pebble.ProcessExpired as e:
+                out.append(("error", f"worker died: {e!r}"))
+            except Exception as e:  # the verifier raised: counted, never fatal
+                out.append(("error", repr(e)))
+        return out
+
+    def close(self) -> None:
+        """Stop the workers (running calls are terminated) and wait for them to exit. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._pool.stop()
+            self._pool.join()
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RewardScorer:
+    """Scores batches of responses with one verifier kind; owns its :class:`VerifierPool` (if pooled).
+
+    Args:
+      kind: one of :data:`KINDS`.
+      timeout_s: per-item wall-clock limit for pooled verifiers (seconds).
+      num_workers: pool size for pooled verifiers.
+      boxed_normalize: string match after DAPO's normalisation (``reward.boxed_normalize``).
+      gym_task: reasoning-gym task name (required for ``kind="gym"``).
+      gym_answer_format: ``boxed | answer_tag | raw`` (:func:`stapo_jax.rewards.gym.extract_answer`).
+    """
+
+    def __init__(self, kind: str, *, timeout_s: float = 10.0, num_workers: int = 4, boxed_normalize: bool = False,
+                 gym_task: Optional[str] = None, gym_answer_format: str = "boxed"):
+        if kind not in KINDS:
+            raise ValueError(f"reward kind {kind!r}: expected one of {KINDS}")
+        if kind == "gym" and not gym_task:
+            raise ValueError("reward kind 'gym' needs gym_task (data.gym.task)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.kind, self.timeout_s, self.boxed_normalize = kind, float(timeout_s), boxed_normalize
+        self.gym_task, self.gym_answer_format = gym_task, gym_answer_format
+        self._pool: Optional[VerifierPool] = None
+        if kind in _POOLED_KINDS:
+            module = _POOLED_KINDS[kind]
+            init = __import__(module, fromlist=["init_worker"]).init_worker
+            self._pool = VerifierPool(num_workers, preload=[module], initializer=init)
+
+    def score(self, responses: Sequence[str], golds: Sequence[Any]) -> tuple[np.ndarray, dict[str, float]]:
+        """Score ``responses[i]`` against ``golds[i]``.
+
+        Args:
+          responses: N decoded responses (special tokens stripped), str.
+          golds: N gold answers: str for the math kinds; the reasoning-gym entry dict
+            (``{"question", "answer", "metadata"}``) for ``gym``.
+
+        Returns:
+          ``(scores, stats)``: ``scores`` float32 [N] (±1 / 0-1 per kind; 0 for a timeout or error);
+          ``stats`` has ``n``, ``n_correct``, ``n_timeout``, ``n_error``, ``accuracy`` (fraction correct:
+          a match, or a gym score of 1), ``score_mean`` and ``time_s``.
+
+        Raises:
+          ValueError: ``len(responses) != len(golds)``.
+          TypeError: a response is not a str, or a gold of the wrong type (message gives the index).
+        """
+        if len(responses) != len(golds):
+            raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+        gold_type = dict if self.kind == "gym" else str
+        for i, (r, g) in enumerate(zip(responses, golds)):
+            if not isinstance(r, str):
+                raise TypeError(f"responses[{i}] is {type(r).__name__}, expected str")
+            if not isinstance(g, gold_type):
+                raise TypeError(f"golds[{i}] is {type(g).__name__}, expected {gold_type.__name__}")
+        t0 = time.perf_counter()
+        n = len(responses)
+        scores = np.zeros(n, dtype=np.float32)
+        correct = np.zeros(n, dtype=bool)
+        n_timeout = n_error = 0
+        if self.kind.startswith("boxed_exact"):
+            wrong = -1.0 if self.kind == "boxed_exact_pm1" else 0.0
+            for i, (r, g) in enumerate(zip(responses, golds)):
+                try:
+                    ok, _ = string_match.is_correct(r, g, self.boxed_normalize)
+                except Exception:  # defensive: the matcher is total on str inputs
+                    log.exception("string-match verifier failed on item %d", i)
+                    n_error += 1
+                    continue
+                correct[i] = ok
+                scores[i] = 1.0 if ok else wrong
+        else:
+            if self.kind == "math_verify_01":
+                from stapo_jax.rewards.math import verify_one as fn
+
+                args = [(r, g) for r, g in zip(responses, golds)]
+            else:
+                from stapo_jax.rewards.gym import score_one as fn
+
+                args = [(r, g, self.gym_task, self.gym_answer_format) for r, g in zip(responses, golds)]
+            for i, (status, value) in enumerate(self._pool.run(fn, args, self.timeout_s)):
+                if status == "timeout":
+                    n_timeout += 1
+                elif status == "error":
+                    n_error += 1
+                    log.warning("verifier error on item %d: %s", i, value)
+                else:
+                    scores[i] = float(value)
+                    correct[i] = float(value) >= 1.0
+        stats = {"n": float(n), "n_correct": float(correct.sum()), "n_timeout": float(n_timeout),
+                 "n_error": float(n_error), "accuracy": float(correct.mean()) if n else 0.0,
+                 "score_mean": float(scores.mean()) if n else 0.0, "time_s": time.perf_counter() - t0}
+        return scores, stats
+
+    def close(self) -> None:
+        """Shut the worker pool down (no-op for inline kinds). Idempotent."""
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_scorer(cfg) -> RewardScorer:
+    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.Config` (``reward.*``, ``data.gym.task``)."""
+    r = cfg.reward
+    return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
+                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format)
+
+
+_SCORERS: dict[tuple, RewardScorer] = {}
+_SCORERS_LOCK = threading.Lock()
+
+
+def score(responses: Sequence[str], golds: Sequence[Any], kind: str, *, timeout_s: float = 10.0, num_workers: int = 4,
+          boxed_normalize: bool = False, gym_task: Optional[str] = None,
+          gym_answer_format: str = "boxed") -> tuple[np.ndarray, dict[str, float]]:
+    """Functional form of :meth:`RewardScorer.score`; the scorer (and its pool) for each argument set is
+    created on first use, reused, and shut down at interpreter exit (or by :func:`shutdown`).
+
+    Returns / Raises: as :meth:`RewardScorer.score` (plus ValueError for an unknown ``kind``).
+    """
+    key = (kind, float(timeout_s), int(num_workers), bool(boxed_normalize), gym_task, gym_answer_format)
+    with _SCORERS_LOCK:
+        scorer = _SCORERS.get(key)
+        if scorer is None:
+            scorer = _SCORERS[key] = RewardScorer(kind, timeout_s=timeout_s, num_workers=num_workers,
+                                                  boxed_normalize=boxed_normalize, gym_task=gym_task,
+                                                  gym_answer_format=gym_answer_format)
+    return scorer.score(responses, golds)
+
+
+@atexit.register
+def shutdown() -> None:
+    """Close every scorer created by :func:`score`."""
+    with _SCORERS_LOCK:
+        for scorer in _SCORERS.values():
+            scorer.close()
+        _SCORERS.clear()
+
+
+def overlong_reward(response_lengths: np.ndarray, max_response_length: int, buffer_len: int,
+                    penalty_factor: float = 1.0) -> np.ndarray:
+    """DAPO soft overlong punishment, added to the reward (stapo_spec §5; verl ``DAPORewardManager``):
+    ``min(0, -penalty_factor * (len - (max_response_length - buffer_len)) / buffer_len)``.
+
+    Args:
+      response_lengths: int [N], response tokens (EOS included, padding excluded).
+      max_response_length: L_max, the rollout's max new tokens.
+      buffer_len: L_cache (tokens); 0 turns shaping off (all zeros).
+      penalty_factor: kappa.
+    Returns:
+      float32 [N], <= 0: 0 up to ``L_max - L_cache`` tokens, falling linearly to ``-penalty_factor`` at L_max.
+    Raises:
+      ValueError: ``buffer_len`` < 0 or > ``max_response_length``.
+    """
+    lengths = np.asarray(response_lengths, dtype=np.float64)
+    if buffer_len == 0:
+        return np.zeros(lengths.shape, dtype=np.float32)
+    if buffer_len < 0 or buffer_len > max_response_length:
+        raise ValueError(f"buffer_len={buffer_len} must be in [0, max_response_length={max_response_length}]")
+    exceed = lengths - (max_response_length - buffer_len)
+    return np.minimum(-exceed / buffer_len * penalty_factor, 0.0).astype(np.float32)

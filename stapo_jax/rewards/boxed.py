@@ -1,0 +1,54 @@
+"""Brace-matched extraction of the last ``\\boxed{...}`` in a text (shared by every verifier).
+
+Semantics follow verl's ``utils/reward_score/math_dapo.py`` (``last_boxed_only_string`` / ``remove_boxed``,
+used by DAPO and JustRL): search for the last occurrence of the literal ``\\boxed{``, then scan forward
+counting every ``{`` and ``}`` character (escaped ``\\{``/``\\}`` included, so balanced escaped braces stay
+inside) until the brace opened by ``\\boxed{`` closes. An unclosed box yields None. Only the ``\\boxed{``
+spelling is recognised (no ``\\boxed 5``, no ``\\fbox``), as in DAPO.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+BOXED_OPEN = "\\boxed{"
+
+
+def last_boxed_only_string(text: str) -> Optional[str]:
+    """The last ``\\boxed{...}`` span of ``text`` including the command and braces, or None.
+
+    Args:
+      text: any string (model output).
+    Returns:
+      e.g. ``"\\boxed{\\frac{1}{2}}"`` for ``"so x = \\boxed{\\frac{1}{2}}."``; None when there is no
+      ``\\boxed{`` or its brace is never closed.
+    """
+    start = text.rfind(BOXED_OPEN)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len(BOXED_OPEN) - 1, len(text)):
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return None
+
+
+def remove_boxed(span: str) -> str:
+    """Strip ``\\boxed{`` and the final ``}`` from a span returned by :func:`last_boxed_only_string`.
+
+    Raises:
+      ValueError: ``span`` is not of the form ``\\boxed{...}``.
+    """
+    if not (span.startswith(BOXED_OPEN) and span.endswith("}")):
+        raise ValueError(f"not a \\boxed{{...}} span: {span[:80]!r}")
+    return span[len(BOXED_OPEN):-1]
+
+
+def extract_last_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` in ``text`` (may be the empty string), or None if there is none."""
+    span = last_boxed_only_string(text)
+    return None if span is None else remove_boxed(span)
