@@ -1,0 +1,93 @@
+"""stapo_jax/demo.py with the real Qwen3 tokenizer (../shared/data/qwen3_tokenizer): the greedy continuation of
+an HF checkpoint equals transformers' ``generate`` on the same tokens, and the printed text is the tokenizer's
+decoding of the printed ids."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from fixtures_hf import make_hf_model
+from models.presets import shared_data_dir
+from stapo_jax.demo import main
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = shared_data_dir("qwen3_tokenizer")
+
+
+def _parse(out: str) -> dict:
+    rec = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        rec[key.strip()] = value.strip()
+    return rec
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+@pytest.fixture(scope="module")
+def full_vocab_checkpoint(tmp_path_factory):
+    """Tiny HF Qwen3 with the real 151,936-entry vocabulary and Qwen3's special ids."""
+    model = make_hf_model(tied=True, seed=11, vocab_size=151936, hidden_size=32, intermediate_size=64,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    path = tmp_path_factory.mktemp("demo_ckpt")
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_demo_on_hf_checkpoint_equals_hf_generate(full_vocab_checkpoint, tokenizer, capsys):
+    hf_model, path = full_vocab_checkpoint
+    prompt = "Solve 2 + 3 = "
+    assert main(["--model", str(path), "--prompt", prompt, "--max-new-tokens", "10"]) == 0
+    rec = _parse(capsys.readouterr().out)
+    prompt_ids = json.loads(rec["prompt_ids"])
+    assert prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    got = json.loads(rec["generated_ids"])
+    with torch.no_grad():
+        ref = hf_model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                dtype=torch.long), max_new_tokens=10, do_sample=False)[0, len(prompt_ids):].tolist()
+    if 151645 in ref:                      # HF stops at EOS (and pads); the demo prints up to the EOS
+        ref = ref[: ref.index(151645) + 1]
+    assert got == ref and len(got) >= 1
+    assert json.loads(rec["text"]) == tokenizer.decode(got, skip_special_tokens=False)
+    assert "HF checkpoint" in rec["model"]
+
+
+def test_default_tiny_random_model_runs_with_chat_template(tokenizer, capsys):
+    assert main(["--max-new-tokens", "3", "--chat", "--prompt", "hi"]) == 0
+    rec = _parse(capsys.readouterr().out)
+    ids = json.loads(rec["prompt_ids"])
+    assert ids[:3] == [151644, 872, 198] and ids[-3:] == [151644, 77091, 198]   # <|im_start|>user\n ... assistant\n
+    gen = json.loads(rec["generated_ids"])
+    assert 1 <= len(gen) <= 3 and all(0 <= t < 151936 for t in gen)
+    assert json.loads(rec["text"]) == tokenizer.decode(gen, skip_special_tokens=False)
+
+
+def test_demo_errors_are_reported_with_exit_code_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert main(["--preset", "Qwen3-3B"]) == 2
+    assert "unknown Qwen3 preset" in capsys.readouterr().err
+    assert main(["--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens=0" in capsys.readouterr().err
+    assert main(["--tokenizer", str(tmp_path / "no_tok")]) == 2
+
+
+def test_stapo_jax_demo_command(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "stapo_jax", "demo", "--max-new-tokens", "2"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = _parse(r.stdout)
+    assert rec["prompt"] == repr("The capital of France is")
+    assert len(json.loads(rec["generated_ids"])) in (1, 2)
+    assert np.all(np.array(json.loads(rec["prompt_ids"])) < 151669)
