@@ -1,0 +1,263 @@
+"""In-process rollout loop over :class:`~stapo_jax.rollout.engine.Qwen3Engine` with continuous batching.
+
+``RolloutDriver.generate`` samples ``num_samples`` (G, the group size) responses for each prompt:
+
+* each prompt is prefilled once and its prefix inserted into G slots (group sampling);
+* all slots decode together with one jitted step per token; after every step the host reads the step's
+  tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
+  refilled with the next pending sample **before the next step** (continuous batching);
+* prefill, insert and step are jitted; parameters are ordinary arguments, so :meth:`RolloutDriver.sync_weights`
+  swaps in new weights of the same shapes/shardings without recompiling.
+
+Results are deterministic for a seed and do not depend on the number of slots or devices: sample
+``i * G + g`` draws its n-th token with ``fold_in(fold_in(key(seed), i * G + g), n)``.
+
+Row order of the returned :class:`RolloutBatch` is prompt-major (row ``i * G + g``), as verl repeats prompts
+``interleave=True`` for GRPO groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from stapo_jax.rollout.engine import Qwen3Engine
+from stapo_jax.rollout.sampling import SamplingParams
+
+FINISH_EOS = "eos"
+FINISH_LENGTH = "length"
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+class RolloutInputError(ValueError):
+    """Invalid rollout input; the message names the field and, for prompts, the prompt index."""
+
+
+class PromptTooLongError(RolloutInputError):
+    """A prompt longer than the engine's ``max_prefill_length`` with ``prompt_truncation='error'``."""
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Sampled responses for a batch of prompts (N = num_prompts * G rows, M = max_new_tokens).
+
+    Attributes:
+      prompt_index: [N] int32, the prompt of each row (row ``i * G + g`` belongs to prompt ``i``).
+      responses: [N, M] int32 response token ids, right-padded with ``pad_token_id`` after the response;
+        the EOS token, when generated, is included.
+      response_mask: [N, M] int32, 1 on generated tokens (EOS included), 0 on padding.
+      rollout_log_probs: [N, M] float32 sampler log-probs (full vocabulary, temperature-scaled; nats),
+        0 on padding; None when the source cannot supply them (the gRPC client: JetStream 0.2.2's protocol
+        carries token ids only).
+      response_lengths: [N] int32 = ``response_mask.sum(-1)``.
+      finish_reasons: N strings, ``"eos"`` (stopped on an EOS id) or ``"length"`` (hit ``max_new_tokens``).
+      prompts: the N prompts actually used (after any truncation), as int32 arrays, one per row.
+    """
+
+    prompt_index: np.ndarray
+    responses: np.ndarray
+    response_mask: np.ndarray
+    rollout_log_probs: Optional[np.ndarray]
+    response_lengths: np.ndarray
+    finish_reasons: list
+    prompts: list
+
+    @property
+    def group_size(self) -> int:
+        """G, the number of rows per prompt."""
+        n_prompts = int(self.prompt_index.max()) + 1 if len(self.prompt_index) else 0
+        return len(self.prompt_index) // n_prompts if n_prompts else 0
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], max_prompt_length: int, vocab_size: int,
+                     truncation: str = "error") -> list[np.ndarray]:
+    """Check (and optionally truncate) prompts before sampling.
+
+    Args:
+      prompts: token-id sequences.
+      max_prompt_length: the longest allowed prompt.
+      vocab_size: ids must lie in ``[0, vocab_size)``.
+      truncation: ``"error"`` (default), ``"left"`` (keep the last ``max_prompt_length`` tokens) or
+        ``"right"`` (keep the first), as verl's ``data.truncation``.
+    Returns:
+      The prompts as int32 arrays.
+    Raises:
+      RolloutInputError: no prompts, an empty prompt, a non-1-D prompt, ids outside the vocabulary, or an
+        unknown ``truncation`` (each naming the prompt index); PromptTooLongError: too long with "error".
+    """
+    if truncation not in TRUNCATION_MODES:
+        raise RolloutInputError(f"prompt_truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+    if len(prompts) == 0:
+        raise RolloutInputError("prompts is empty: need at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise RolloutInputError(f"prompt {i} must be a 1-D sequence of token ids, got shape {a.shape}")
+        if a.size == 0:
+            raise RolloutInputError(f"prompt {i} is empty (0 tokens)")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise RolloutInputError(f"prompt {i} must hold integer token ids, got dtype {a.dtype}")
+        if a.min() < 0 or a.max() >= vocab_size:
+            raise RolloutInputError(
+                f"prompt {i} holds token ids outside [0, {vocab_size}): min {a.min()}, max {a.max()}")
+        if a.size > max_prompt_length:
+            if truncation == "error":
+                raise PromptTooLongError(
+                    f"prompt {i} has {a.size} tokens, more than max_prefill_length={max_prompt_length} "
+                    f"(set prompt_truncation='left' or 'right' to truncate)")
+            a = a[-max_prompt_length:] if truncation == "left" else a[:max_prompt_length]
+        out.append(a.astype(np.int32))
+    return out
+
+
+def check_generation_args(num_samples: int, max_new_tokens: int, limit: int) -> None:
+    """Raise RolloutInputError unless ``1 <= num_samples`` and ``1 <= max_new_tokens <= limit``."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+        raise RolloutInputError(f"num_samples (group size) must be an int >= 1, got {num_samples!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise RolloutInputError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
+    if max_new_tokens > limit:
+        raise RolloutInputError(f"max_new_tokens={max_new_tokens} exceeds the engine's max_decode_length={limit}")
+
+
+def assemble_batch(prompts: list[np.ndarray], num_samples: int, max_new_tokens: int, rows: list[list[int]],
+                   row_log_probs: Optional[list[list[float]]], eos_token_ids: Sequence[int],
+                   pad_token_id: int) -> RolloutBatch:
+    """Pack per-row token lists (and log-probs) into a :class:`RolloutBatch` (shared with the gRPC client).
+
+    Args:
+      rows: N lists of generated ids, row ``i * G + g``; each at most ``max_new_tokens`` long.
+      row_log_probs: N lists of the same lengths, or None.
+    Returns:
+      The batch; a row's finish reason is ``"eos"`` iff its last token is in ``eos_token_ids``.
+    """
+    n, m = len(rows), max_new_tokens
+    responses = np.full((n, m), pad_token_id, np.int32)
+    mask = np.zeros((n, m), np.int32)
+    lps = None if row_log_probs is None else np.zeros((n, m), np.float32)
+    eos = set(int(e) for e in eos_token_ids)
+    reasons = []
+    for r, toks in enumerate(rows):
+        k = len(toks)
+        responses[r, :k] = toks
+        mask[r, :k] = 1
+        if lps is not None:
+            lps[r, :k] = row_log_probs[r]
+        reasons.append(FINISH_EOS if k and int(toks[-1]) in eos else FINISH_LENGTH)
+    prompt_index = np.repeat(np.arange(len(prompts), dtype=np.int32), num_samples)
+    return RolloutBatch(prompt_index=prompt_index, responses=responses, response_mask=mask,
+                        rollout_log_probs=lps, response_lengths=mask.sum(-1).astype(np.int32),
+                        finish_reasons=reasons, prompts=[prompts[i] for i in prompt_index])
+
+
+class RolloutDriver:
+    """Batched sampling over a :class:`Qwen3Engine` (see the module docstring).
+
+    Args:
+      engine: the engine (its ``max_concurrent_decodes`` is the number of slots).
+      prompt_truncation: ``"error"`` (default), ``"left"`` or ``"right"``, for prompts longer than
+        ``engine.max_prefill_length``.
+      pad_token_id: fill value of ``responses`` after a row ends; default the tokenizer/config pad
+        (151643 for Qwen3). Masks come from lengths, never from this id (conventions §6).
+    """
+
+    def __init__(self, engine: Qwen3Engine, *, prompt_truncation: str = "error",
+                 pad_token_id: Optional[int] = None):
+        if prompt_truncation not in TRUNCATION_MODES:
+            raise RolloutInputError(f"prompt_truncation must be one of {TRUNCATION_MODES}, got {prompt_truncation!r}")
+        self.engine = engine
+        self.prompt_truncation = prompt_truncation
+        cfg = engine.model_config
+        if pad_token_id is None:
+            pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (
+                engine.eos_token_ids[0] if engine.eos_token_ids else 0)
+        self.pad_token_id = int(pad_token_id)
+        self._params = engine.load_params()
+
+    @property
+    def params(self):
+        """The parameters rollouts are sampled with."""
+        return self._params
+
+    def sync_weights(self, params) -> float:
+        """Swap in new parameters (same tree, shapes, dtypes; placed with the engine's shardings).
+
+        The jitted prefill/insert/step functions are reused: nothing recompiles.
+
+        Args:
+          params: ``nnx.State`` like ``nnx.split(model)[1]`` of the trainer's model.
+        Returns:
+          Seconds spent (validation + device placement, until the arrays are ready).
+        Raises:
+          ParamsMismatchError: structure, shape or dtype differs (names the parameter).
+        """
+        t0 = time.perf_counter()
+        self._params = self.engine.set_params(params)
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, num_samples: int = 1,
+                 max_new_tokens: Optional[int] = None, seed: int = 0,
+                 sampling: Optional[SamplingParams] = None) -> RolloutBatch:
+        """Sample ``num_samples`` responses per prompt.
+
+        Args:
+          prompts: P token-id sequences (ragged lengths allowed), each 1..``max_prefill_length`` tokens.
+          num_samples: G >= 1, responses per prompt (the GRPO group size).
+          max_new_tokens: 1..``engine.config.max_decode_length``; default that maximum.
+          seed: base random seed; the result is a deterministic function of (params, prompts, G, seed,
+            sampling), independent of slot count and mesh.
+          sampling: overrides the engine's :class:`SamplingParams`.
+        Returns:
+          :class:`RolloutBatch` with N = P * G rows.
+        Raises:
+          RolloutInputError / PromptTooLongError: see :func:`validate_prompts` and
+          :func:`check_generation_args`. RuntimeError: the engine rejected a validated prompt.
+        """
+        eng = self.engine
+        limit = eng.config.max_decode_length
+        max_new_tokens = limit if max_new_tokens is None else max_new_tokens
+        check_generation_args(num_samples, max_new_tokens, limit)
+        prompts = validate_prompts(prompts, eng.max_prefill_length, eng.model_config.vocab_size,
+                                   self.prompt_truncation)
+        g_size, n_slots = int(num_samples), eng.max_concurrent_decodes
+        n_rows = len(prompts) * g_size
+        rows: list[list[int]] = [[] for _ in range(n_rows)]
+        row_lps: list[list[float]] = [[] for _ in range(n_rows)]
+        pending = deque(range(n_rows))
+        prefixes: dict[int, object] = {}
+        slot_row = np.full((n_slots,), -1, np.int64)
+        free = deque(range(n_slots))
+        params = self._params
+        state = eng.init_decode_state(seed)
+        n_active = 0
+        while pending or n_active:
+            while free and pending:  # refill every free slot before the next step
+                row = pending.popleft()
+                i, g = divmod(row, g_size)
+                if i not in prefixes:
+                    prefixes[i] = eng.prefill_tokens(params, prompts[i])
+                slot = free.popleft()
+                state = eng.insert_sample(prefixes[i], state, slot, row, max_new_tokens)
+                if g == g_size - 1:
+                    del prefixes[i]
+                slot_row[slot] = row
+                n_active += 1
+            state, out = eng.step(params, state, sampling)
+            data, log_probs, done = jax.device_get((out.result.data, out.log_probs, out.done))
+            for slot in np.nonzero(slot_row >= 0)[0]:
+                row = int(slot_row[slot])
+                if not data[slot, 1]:
+                    raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
+                rows[row].append(int(data[slot, 0]))
+                row_lps[row].append(float(log_probs[slot]))
+                if done[slot]:
+                    slot_row[slot] = -1
+                    free.append(int(slot))
+                    n_active -= 1
+        return assemble_batch(prompts, g_size, max_new_tokens, rows, row_lps, eng.eos_token_ids,
+                              self.pad_token_id)
