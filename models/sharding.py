@@ -211,7 +211,7 @@ def param_logical_axes(name: str, ndim: int, rules=PARAM_RULES) -> tuple[Optiona
     Raises:
       ShardingError: no rule matches ``name`` or the matching rule has the wrong rank.
     """
-    for pattern, logical in rules:
+    for pattern, logical in (PARAM_RULES if rules is None else rules):
         if re.search(pattern, name):
             if len(logical) != ndim:
                 raise ShardingError(f"partition rule {pattern!r} gives {len(logical)} axes for parameter "
@@ -226,7 +226,7 @@ def param_specs(state, axis_sizes: Mapping[str, int], rules=PARAM_RULES):
     Args:
       state: an ``nnx.State`` (concrete arrays or ``jax.ShapeDtypeStruct`` from ``nnx.eval_shape``).
       axis_sizes: mesh axis name -> size (``dict(mesh.shape)``); usable without devices.
-      rules: ``(regex, logical axes)`` pairs, default :data:`PARAM_RULES`.
+      rules: ``(regex, logical axes)`` pairs; ``None`` or default: :data:`PARAM_RULES`.
     Returns:
       The same tree structure with ``PartitionSpec`` values. Flattened head dimensions (``Nh*H``) are
       only split between whole heads (head_dim read from ``q_norm``), e.g. 8 KV heads on ``tensor=16``
