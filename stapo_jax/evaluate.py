@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -188,7 +187,7 @@ def load_problems(source: str, *, data_dir: str = "../shared/data", prompt_key: 
     if limit is not None and limit < 1:
         raise EvalDataError(f"limit={limit} must be >= 1 (or None for all problems)")
     path = Path(data_dir) / BENCHMARKS[source].filename if source in BENCHMARKS else Path(source).expanduser()
-    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or source in BENCHMARKS:
+    if source in BENCHMARKS or path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.is_file():
             raise FileNotFoundError(f"benchmark {source!r}: no such file {path}")
         rows, where = _read_rows(path), str(path)
@@ -217,85 +216,61 @@ def load_problems(source: str, *, data_dir: str = "../shared/data", prompt_key: 
 
 
 def _read_rows(path: Path) -> list:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    """Rows of a local ``.json`` (a list, ``{"data": [...]}`` or column-oriented) or, via
+    :mod:`stapo_jax.data`'s reader, ``.jsonl`` / ``.parquet`` / ``.arrow`` file."""
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise EvalDataError(f"{path}: not valid JSON: {e}") from e
-        if isinstance(data, dict):  # {"data": [...]} or column-oriented {"problem": [...], ...}
+        if isinstance(data, dict):
             data = data.get("data", data)
         if isinstance(data, dict):
             keys = list(data)
             data = [dict(zip(keys, vals)) for vals in zip(*(data[k] for k in keys))]
         return list(data)
+    from stapo_jax.data import _Bad, _read_file
+
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise EvalDataError(f"{path}: line {n} is not valid JSON: {e}") from e
+    for loc, rec in _read_file(path, path.suffix.lstrip(".")):
+        if isinstance(rec, _Bad):
+            raise EvalDataError(f"{loc}: {rec.reason}")
+        rows.append(rec)
     return rows
 
 
 def _read_hf(dataset_id: str, split: str) -> list:
+    """Rows of split ``split`` of an HF dataset id ``owner/name[:split]`` (``stapo_jax.data``'s hub reader)."""
     name, _, sp = dataset_id.partition(":")
-    sp = sp or split
     if name.count("/") != 1:
         raise EvalDataError(f"benchmark {dataset_id!r}: not a known benchmark ({', '.join(BENCHMARKS)}), not an "
                             f"existing .jsonl/.json/.parquet path, and not an HF dataset id owner/name[:split]")
+    from stapo_jax.data import DataError, _resolve_hf
+
     try:
-        import datasets  # optional
-    except ImportError:
-        datasets = None
-    try:
-        if datasets is not None:
-            return list(datasets.load_dataset(name, split=sp))
-        from huggingface_hub import snapshot_download
-
-        local = Path(snapshot_download(name, repo_type="dataset", allow_patterns=["*.parquet", "*.jsonl", "*.json"]))
-        files = sorted(p for p in local.rglob("*") if p.suffix in (".parquet", ".jsonl") and sp in p.name)
-        if not files:
-            raise EvalDataError(f"HF dataset {name}: no parquet/JSONL file for split {sp!r} in {local}")
-        return [r for f in files for r in _read_rows(f)]
-    except EvalDataError:
-        raise
-    except Exception as e:  # offline, gated, no such dataset ...
-        raise EvalDataError(f"HF dataset {name} (split {sp!r}) could not be loaded ({type(e).__name__}: {e}); "
-                            f"download it and pass a local file path when offline") from e
+        files = _resolve_hf(name, sp or split)
+    except DataError as e:
+        raise EvalDataError(f"HF dataset {name} (split {sp or split!r}) could not be loaded: {e}") from e
+    return [r for f in files for r in _read_rows(f)]
 
 
-def format_prompts(problems: Sequence[Problem], tokenizer: Any = None, *, prompt_suffix: str = "",
-                   apply_chat_template: bool = True, enable_thinking: bool = True) -> list[str]:
-    """The prompt text of each problem, formatted as in training (``data.*`` keys; stapo_spec §7): the user
-    turn is ``problem + prompt_suffix`` (JustRL's "Please reason step by step ... \\boxed{}." by default in
-    the config), wrapped in the tokenizer's chat template with a generation prompt.
+def format_prompts(problems: Sequence[Problem], tokenizer: Any, data_cfg: Any) -> list[str]:
+    """The prompt text of each problem, exactly as training formats it (:func:`stapo_jax.data.format_prompt`:
+    ``problem + data.prompt_suffix`` as one user turn of the chat template with the generation prompt,
+    ``data.enable_thinking``; stapo_spec §7).
 
     Args:
       problems: the problems.
-      tokenizer: a transformers tokenizer with a chat template; may be None when ``apply_chat_template`` is
-        False.
-      prompt_suffix, apply_chat_template, enable_thinking: as ``data.prompt_suffix`` etc.
+      tokenizer: the transformers tokenizer (may be None with ``data_cfg.apply_chat_template`` false).
+      data_cfg: the run's ``DataConfig`` (``cfg.data``).
     Returns:
       One string per problem.
     Raises:
-      ValueError: ``apply_chat_template`` without a tokenizer.
+      stapo_jax.config.ConfigError: a chat template is requested but the tokenizer has none.
     """
-    if apply_chat_template and tokenizer is None:
-        raise ValueError("format_prompts: apply_chat_template=True needs a tokenizer")
-    out = []
-    for p in problems:
-        content = p.problem + prompt_suffix
-        if apply_chat_template:
-            content = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                    add_generation_prompt=True, enable_thinking=enable_thinking)
-        out.append(content)
-    return out
+    from stapo_jax.data import format_prompt
+
+    return [format_prompt(p.problem, tokenizer, data_cfg) for p in problems]
 
 
 # -------------------------------------------------------------------------------------------- results
@@ -723,32 +698,6 @@ def _paper_size(cfg) -> Optional[str]:
     return f"{m.group(1)}B" if m else None
 
 
-def load_policy(cfg, mesh=None):
-    """The policy model of a run config: HF safetensors from ``model.path`` (``models.hf``), or, when only a
-    preset / size fields are given, a randomly initialised model (a smoke test; a warning is logged).
-
-    Returns:
-      ``models.qwen3.Qwen3``.
-    Raises:
-      models.hf.CheckpointError / stapo_jax.config.ConfigError: see those loaders.
-    """
-    from flax import nnx
-
-    from models.qwen3 import Qwen3, Qwen3Config
-    from stapo_jax.config import resolve_model_hf_dict
-
-    m = cfg.model
-    if m.path is not None:
-        from models.hf import load_hf_checkpoint
-
-        _, model = load_hf_checkpoint(m.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype)
-        return model
-    log.warning("model.path is unset: evaluating a RANDOMLY INITIALISED %s model (smoke test only)",
-                m.preset or "from-scratch")
-    qcfg = Qwen3Config.from_hf_dict(resolve_model_hf_dict(m), dtype=m.dtype, param_dtype=m.param_dtype)
-    return Qwen3(qcfg, rngs=nnx.Rngs(cfg.trainer.seed))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stapo-jax eval",
@@ -782,6 +731,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.data import DataError
 
     overrides = list(args.overrides)
     if args.model:
@@ -802,7 +752,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  else list(cfg.eval.benchmarks))
         problems = {b: load_problems(b, data_dir=cfg.eval.data_dir, prompt_key=cfg.data.prompt_key,
                                      answer_key=cfg.data.answer_key, limit=args.limit) for b in names}
-    except (ConfigError, EvalDataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, EvalDataError, FileNotFoundError) as e:
         print(f"stapo-jax eval: {e}", file=sys.stderr)
         return 2
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens
@@ -815,19 +765,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import jax
 
-    from models.sharding import make_mesh
+    from stapo_jax.build import build_mesh, build_model, build_tokenizer
     from stapo_jax.rollout.driver import RolloutDriver
     from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
-    from stapo_jax.tokenizer import load_tokenizer, stop_token_ids
+    from stapo_jax.tokenizer import stop_token_ids
 
-    tokenizer = load_tokenizer(cfg)
-    d = cfg.data
-    benches = {b: (ps, format_prompts(ps, tokenizer, prompt_suffix=d.prompt_suffix,
-                                      apply_chat_template=d.apply_chat_template, enable_thinking=d.enable_thinking))
-               for b, ps in problems.items()}
+    tokenizer = build_tokenizer(cfg)
+    benches = {b: (ps, format_prompts(ps, tokenizer, cfg.data)) for b, ps in problems.items()}
     longest = max(len(tokenizer.encode(p, add_special_tokens=False)) for _, ps in benches.values() for p in ps)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    model = load_policy(cfg, mesh)
+    mesh = build_mesh(cfg)
+    if cfg.model.path is None:
+        log.warning("model.path is unset: evaluating a RANDOMLY INITIALISED %s model (smoke test only)",
+                    cfg.model.preset or "from-scratch")
+    model = build_model(cfg, mesh, tokenizer, seed=cfg.trainer.seed)
     if longest + max_new > model.config.max_position_embeddings:
         print(f"stapo-jax eval: the longest prompt ({longest} tokens) + max_new_tokens ({max_new}) exceeds the "
               f"model's max_position_embeddings ({model.config.max_position_embeddings}); lower "
@@ -847,8 +797,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset, "model_name": _paper_size(cfg) or Path(str(label)).name,
             "config_file": args.config, "overrides": overrides, "recipe": cfg.algorithm.recipe,
             "max_new_tokens": max_new, "limit": args.limit, "seed": args.seed,
-            "prompt_suffix": d.prompt_suffix, "apply_chat_template": d.apply_chat_template,
-            "enable_thinking": d.enable_thinking, "devices": [str(x) for x in jax.devices()],
+            "prompt_suffix": cfg.data.prompt_suffix, "apply_chat_template": cfg.data.apply_chat_template,
+            "enable_thinking": cfg.data.enable_thinking, "devices": [str(x) for x in jax.devices()],
             "versions": {p: version(p) for p in ("jax", "flax", "math-verify")},
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_dir = args.out or os.path.join(cfg.trainer.run_dir, "eval")

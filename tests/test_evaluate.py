@@ -172,14 +172,14 @@ def test_generator_contract_errors(graders):
 
 
 def test_format_prompts_uses_chat_template_and_suffix():
-    from stapo_jax.config import JUSTRL_PROMPT_SUFFIX
+    from stapo_jax.config import JUSTRL_PROMPT_SUFFIX, DataConfig
     from stapo_jax.tokenizer import build_builtin_tokenizer
 
     tok = build_builtin_tokenizer()
     p = ev.load_problems("aime25", data_dir=str(DATA), limit=1)
-    [text] = ev.format_prompts(p, tok, prompt_suffix=JUSTRL_PROMPT_SUFFIX)
+    [text] = ev.format_prompts(p, tok, DataConfig())
     assert text == f"<|im_start|>user\n{p[0].problem}{JUSTRL_PROMPT_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
-    assert ev.format_prompts(p, None, prompt_suffix="!", apply_chat_template=False) == [p[0].problem + "!"]
+    assert ev.format_prompts(p, None, DataConfig(prompt_suffix="!", apply_chat_template=False)) == [p[0].problem + "!"]
 
 
 TINY_CONFIG = """
