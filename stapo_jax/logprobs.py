@@ -104,15 +104,17 @@ def _chunk_stats_full_vocab(h, w, ids, temperature, acc):
     z = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=acc).astype(acc) / temperature
     log_z = jax.nn.logsumexp(z, axis=-1)
     z_y = jnp.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
-    ez = jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-    return z_y - log_z, log_z - ez
+    probs = jax.nn.softmax(z, axis=-1)
+    ez = jnp.sum(probs * z, axis=-1)
+    return z_y - log_z, log_z - ez, jnp.sum(probs * probs, axis=-1)
 
 
 def _chunk_stats_streaming(h, w, ids, temperature, acc, vocab_chunk):
     """One sequence chunk, streaming log-sum-exp over vocabulary chunks of width ``vocab_chunk``.
 
-    Carries (m, s, t, z_y): running max m, s = sum exp(z - m), t = sum exp(z - m) * z, and the logit of the
-    target token. At the end logZ = m + log s, E_p[z] = t / s, entropy = logZ - E_p[z].
+    Carries (m, s, t, q, z_y): running max m, s = sum exp(z - m), t = sum exp(z - m) * z,
+    q = sum exp(2 (z - m)), and the logit of the target token. At the end logZ = m + log s, E_p[z] = t / s,
+    entropy = logZ - E_p[z], collision probability sum_v p_v^2 = q / s^2.
     """
     d, v = w.shape
     n_chunks = -(-v // vocab_chunk)
@@ -125,7 +127,7 @@ def _chunk_stats_streaming(h, w, ids, temperature, acc, vocab_chunk):
 
     @jax.checkpoint
     def body(carry, xs):
-        m, s, t, z_y = carry
+        m, s, t, q, z_y = carry
         w_c, start = xs
         z = jnp.einsum("bcd,dv->bcv", h, w_c, preferred_element_type=acc).astype(acc) / temperature
         col = start + jnp.arange(vocab_chunk)
@@ -136,22 +138,24 @@ def _chunk_stats_streaming(h, w, ids, temperature, acc, vocab_chunk):
         e = jnp.where(valid, jnp.exp(z - m_new[..., None]), 0.0)
         s = s * scale + jnp.sum(e, axis=-1)
         t = t * scale + jnp.sum(e * jnp.where(valid, z, 0.0), axis=-1)
+        q = q * scale * scale + jnp.sum(e * e, axis=-1)
         local = ids - start
         in_chunk = (local >= 0) & (local < vocab_chunk)
         picked = jnp.take_along_axis(z, jnp.clip(local, 0, vocab_chunk - 1)[..., None], axis=-1)[..., 0]
         z_y = jnp.where(in_chunk, picked, z_y)
-        return (m_new, s, t, z_y), None
+        return (m_new, s, t, q, z_y), None
 
     init = (
         jnp.full((b, c), neg, acc),
         jnp.zeros((b, c), acc),
         jnp.zeros((b, c), acc),
         jnp.zeros((b, c), acc),
+        jnp.zeros((b, c), acc),
     )
     starts = jnp.arange(n_chunks, dtype=jnp.int32) * vocab_chunk
-    (m, s, t, z_y), _ = jax.lax.scan(body, init, (w_chunks, starts))
+    (m, s, t, q, z_y), _ = jax.lax.scan(body, init, (w_chunks, starts))
     log_z = m + jnp.log(s)
-    return z_y - log_z, log_z - t / s
+    return z_y - log_z, log_z - t / s, q / (s * s)
 
 
 def chunked_log_probs_and_entropy(
@@ -162,7 +166,8 @@ def chunked_log_probs_and_entropy(
     temperature: float = 1.0,
     seq_chunk: int = 512,
     vocab_chunk: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    with_collision: bool = False,
+) -> tuple[jax.Array, ...]:
     """Per-token log-probability and entropy from hidden states, never materialising ``[B, T, V]`` logits.
 
     ``logits[b, t] = hidden[b, t] @ lm_head_weight`` (accumulated in float32), divided by ``temperature``;
@@ -184,9 +189,12 @@ def chunked_log_probs_and_entropy(
       temperature: positive float, the sampling temperature.
       seq_chunk: positive int; T need not be a multiple (the tail is zero-padded and dropped).
       vocab_chunk: positive int or None (None: one matmul over the whole vocabulary per sequence chunk).
+      with_collision: also return the collision probability ``C = sum_v softmax(z)_v^2`` ``[B, T]`` (for the
+        Lemma A.1 gradient-norm diagnostic, ``stapo_jax.diagnostics``).
 
     Returns:
-      ``(log_probs, entropy)``, each ``[B, T]`` float32 (float64 for float64 inputs), nats.
+      ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision)``), each ``[B, T]`` float32 (float64 for
+      float64 inputs); log-probs and entropy in nats.
 
     Raises:
       ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, or
@@ -240,7 +248,6 @@ def chunked_log_probs_and_entropy(
         h, i = xs
         return None, stats(h, i)
 
-    _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, id_chunks))
-    lp = lp.transpose(1, 0, 2).reshape(b, t_pad)[:, :t]
-    ent = ent.transpose(1, 0, 2).reshape(b, t_pad)[:, :t]
-    return lp, ent
+    _, outs = jax.lax.scan(body, None, (h_chunks, id_chunks))
+    outs = tuple(o.transpose(1, 0, 2).reshape(b, t_pad)[:, :t] for o in outs)
+    return outs if with_collision else outs[:2]
