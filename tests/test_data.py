@@ -201,6 +201,23 @@ def test_iterator_state_restores_the_same_next_batches():
     assert _take(resumed, 4) == expected
 
 
+def test_iterator_state_through_orbax_checkpoint_manager(tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    ex = _examples(10)
+    it = make_iterator(ex, 3, seed=1, shard_index=0, shard_count=1)
+    _take(it, 4)
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data",))
+    mngr.save(4, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.wait_until_finished()
+    expected = _take(it, 3)
+    resumed = make_iterator(ex, 3, seed=1, shard_index=0, shard_count=1)
+    mngr.restore(4, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
+    assert _take(resumed, 3) == expected
+    mngr.close()
+
+
 def test_two_processes_split_each_global_batch():
     ex = _examples(16)
     single = _take(make_iterator(ex, 4, seed=3, shard_index=0, shard_count=1), 8)
