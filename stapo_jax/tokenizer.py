@@ -14,7 +14,6 @@ derived from ``token == pad_id``; carry explicit lengths / masks (conventions.md
 """
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
