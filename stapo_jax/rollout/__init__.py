@@ -1,4 +1,86 @@
 """Rollouts: a JetStream 0.2.2 engine over the Flax Qwen3, the in-process driver, and gRPC serving.
 
-Import ``stapo_jax.rollout.compat`` before any ``jetstream`` module (the engine and server modules do).
+* :mod:`~stapo_jax.rollout.engine`: ``Qwen3Engine`` (JetStream ``Engine``), ``EngineConfig``.
+* :mod:`~stapo_jax.rollout.driver`: ``RolloutDriver`` (default for training), ``RolloutBatch``.
+* :mod:`~stapo_jax.rollout.server` / :mod:`~stapo_jax.rollout.client`: ``stapo-jax serve`` and
+  ``GrpcRolloutClient`` (``rollout.mode: grpc``).
+* :mod:`~stapo_jax.rollout.sampling`: temperature / top-k / top-p with full-vocabulary log-probs.
+* :mod:`~stapo_jax.rollout.compat`: the JetStream shim; imported before any ``jetstream`` module.
+
+:func:`build_rollout` turns a run config into the object the trainer samples from; both kinds have
+``generate(prompts, *, num_samples, max_new_tokens, seed, sampling) -> RolloutBatch`` and
+``sync_weights(params) -> seconds``. Heavy modules are imported lazily.
 """
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Optional[int] = None,
+                  seed: Optional[int] = None):
+    """``EngineConfig`` from a run config (:class:`stapo_jax.config.Config`).
+
+    Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens``;
+    ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
+    ``rollout.temperature/top_p/top_k`` (top_k null = off); stop ids from the tokenizer
+    (``stapo_jax.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
+    ``trainer.seed`` unless given.
+    """
+    from stapo_jax.rollout.engine import EngineConfig
+    from stapo_jax.rollout.sampling import SamplingParams
+
+    r = cfg.rollout
+    eos = None
+    if tokenizer is not None:
+        from stapo_jax.tokenizer import stop_token_ids
+
+        eos = tuple(stop_token_ids(tokenizer))
+    return EngineConfig(
+        max_concurrent_decodes=r.max_concurrent_decodes,
+        max_prefill_length=max_prefill_length or cfg.data.max_prompt_length,
+        max_decode_length=r.max_new_tokens,
+        sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0),
+        eos_token_ids=eos,
+        seed=cfg.trainer.seed if seed is None else seed,
+    )
+
+
+def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any = None):
+    """The rollout source selected by ``rollout.mode``.
+
+    Args:
+      cfg: run config.
+      model: the policy ``Qwen3`` (``inprocess`` only; its parameters are copied onto ``mesh``).
+      mesh: device mesh for the engine (``inprocess``); None = first device.
+      tokenizer: transformers tokenizer (stop ids and pad id).
+    Returns:
+      ``RolloutDriver`` (``inprocess``) or ``GrpcRolloutClient`` (``grpc``, talking to
+      ``rollout.server_address`` with ``rollout.request_timeout_s`` / ``rollout.max_retries``).
+    Raises:
+      ValueError: ``inprocess`` without a model, or an unknown mode.
+    """
+    from stapo_jax.rollout.sampling import SamplingParams
+
+    r = cfg.rollout
+    if r.mode == "inprocess":
+        if model is None:
+            raise ValueError("rollout.mode=inprocess needs the policy model")
+        from stapo_jax.rollout.driver import RolloutDriver
+        from stapo_jax.rollout.engine import Qwen3Engine
+
+        engine = Qwen3Engine(model, engine_config(cfg, tokenizer), mesh=mesh, tokenizer=tokenizer)
+        pad = None if tokenizer is None else tokenizer.pad_token_id
+        return RolloutDriver(engine, pad_token_id=pad)
+    if r.mode == "grpc":
+        from stapo_jax.rollout.client import GrpcRolloutClient
+
+        kw = {}
+        if tokenizer is not None:
+            from stapo_jax.tokenizer import pad_token_id, stop_token_ids
+
+            kw = dict(eos_token_ids=stop_token_ids(tokenizer), pad_token_id=pad_token_id(tokenizer))
+        return GrpcRolloutClient(
+            r.server_address, max_prompt_length=cfg.data.max_prompt_length, max_new_tokens_limit=r.max_new_tokens,
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0),
+            request_timeout_s=r.request_timeout_s, max_retries=r.max_retries, **kw)
+    raise ValueError(f"rollout.mode must be 'inprocess' or 'grpc', got {r.mode!r}")
