@@ -80,3 +80,5 @@ def rows_of(batch, row: int) -> list[int]:
 
 def as_list(a) -> list[int]:
     return np.asarray(a).tolist()
+
+PROMPTS_SHARDED = RAGGED_PROMPTS + [[9, 9, 9, 9, 9, 9], [127, 0, 64, 32, 16]]
