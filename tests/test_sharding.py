@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
 
 from fixtures_hf import hf_logits, hf_untied_sharded, padded_batch  # noqa: F401 (fixture)
-from models.hf import load_hf_checkpoint
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.presets import preset
 from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import (ShardingError, constrain, describe, make_mesh, param_shardings, param_specs,
@@ -133,6 +134,18 @@ def test_sharded_load_and_forward_equal_single_device_and_hf(hf_untied_sharded):
     valid = mask.astype(bool)
     assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-5
     assert np.abs(np.asarray(got)[valid] - hf_logits(hf_model, ids, mask)[valid]).max() <= 1e-4
+
+
+def test_export_from_a_sharded_model_equals_hf_weights(hf_untied_sharded, tmp_path):
+    _need_8_devices()
+    hf_model, path = hf_untied_sharded
+    cfg, sharded = load_hf_checkpoint(path, mesh=make_mesh(data=2, fsdp=2, tensor=2))
+    save_hf_checkpoint(sharded, cfg, tmp_path / "out")
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    ref = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    assert set(ours) == set(ref)
+    for k in ref:
+        np.testing.assert_array_equal(ours[k], ref[k], err_msg=k)
 
 
 def test_shard_model_moves_a_random_model_without_changing_it():
