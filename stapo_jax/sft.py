@@ -83,3 +83,67 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
             log(step, m)
     nnx.update(model, params)
     return history
+
+
+def gold_response_text(example: dict, cfg) -> str:
+    """The gold answer written the way the configured verifier reads it: ``\\boxed{answer}`` for the math
+    verifiers and gym's ``boxed`` format, ``<answer>...</answer>`` for ``answer_tag``, the bare answer for
+    ``raw``."""
+    answer = str(example["answer"])
+    fmt = cfg.reward.gym_answer_format if cfg.reward.kind == "gym" else "boxed"
+    if fmt == "raw":
+        return answer
+    if fmt == "answer_tag":
+        return f"<answer>{answer}</answer>"
+    return "\\boxed{" + answer + "}"
+
+
+def gold_response_ids(example: dict, tokenizer, cfg) -> list[int]:
+    """Token ids of :func:`gold_response_text` followed by the tokenizer's EOS id."""
+    ids = tokenizer.encode(gold_response_text(example, cfg), add_special_tokens=False)
+    return list(ids) + [tokenizer.eos_token_id]
+
+
+def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None) -> list[dict]:
+    """SFT warm-up of ``model`` (in place) on gold responses of ``examples`` drawn uniformly with
+    ``trainer.seed``, with the ``sft.*`` settings. Returns per-step metrics (see :func:`run_sft`)."""
+    rng = np.random.RandomState(cfg.trainer.seed)
+
+    def pairs():
+        while True:
+            ex = examples[rng.randint(len(examples))]
+            yield list(ex["prompt_ids"]), gold_response_ids(ex, tokenizer, cfg)
+
+    s = cfg.sft
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return run_sft(model, pairs(), steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
+                   pad_id=pad, seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``stapo-jax sft --config FILE [key=value ...]``: SFT warm-up only; exports the model as HF safetensors
+    to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run)."""
+    import logging
+
+    from models.hf import save_hf_checkpoint
+    from stapo_jax import build
+    from stapo_jax.config import load_config
+    from stapo_jax.data import load_prompt_dataset
+
+    p = argparse.ArgumentParser(prog="stapo-jax sft", description=main.__doc__)
+    p.add_argument("--config", default=None)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    cfg = load_config(a.config, a.overrides)
+    mesh = build.build_mesh(cfg)
+    tok = build.build_tokenizer(cfg)
+    model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
+    examples = load_prompt_dataset(cfg, tok, "train").examples
+    hist = sft_from_config(cfg, model, examples, tok, log=lambda i, m: print(
+        f"sft step {i + 1}: loss {m['sft/loss']:.4f}") if (i + 1) % 10 == 0 else None)
+    out = os.path.join(cfg.trainer.run_dir, "sft_hf")
+    save_hf_checkpoint(model, model.config, out)
+    tok.save_pretrained(out)
+    print(f"SFT: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.4f} -> {hist[-1]['sft/loss']:.4f}; saved {out}")
+    return 0

@@ -1,0 +1,233 @@
+"""The RL loop (``stapo-jax train``): prompts -> rollouts -> rewards -> advantages -> mini-batch updates ->
+weight sync -> metrics and checkpoints. It reads like ../shared/DESIGN.md's diagram; every piece lives in its
+own module (build, experience, train_step, checkpoint, metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stapo_jax import build
+from stapo_jax.checkpoint import Checkpointer
+from stapo_jax.config import Config, ConfigError, load_config
+from stapo_jax.data import load_prompt_dataset, make_iterator
+from stapo_jax.experience import collect_experience, heldout_accuracy
+from stapo_jax.metrics import MetricsLogger
+from stapo_jax.rewards import make_scorer
+from stapo_jax.rollout import build_rollout
+from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+
+log = logging.getLogger(__name__)
+
+
+class _Preemption:
+    """SIGTERM (TPU preemption) sets a flag; the loop saves a checkpoint after the current step and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def _num_micro_batches(cfg: Config, rows: int, mesh) -> int:
+    dp = int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
+    per_device = rows // dp
+    k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
+    if rows % dp or per_device % k:
+        raise ConfigError(f"mini-batch of {rows} sequences does not split into {dp} data-parallel shards of "
+                          f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}")
+    return k
+
+
+def update_policy(state: TrainState, exp, step_fn, log_prob_fn, *, mini_rows: int, mesh=None):
+    """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
+    mini-batch of ``mini_rows`` sequences. Returns (state, metrics averaged over mini-batches)."""
+    a = exp.arrays
+    R = a["response_mask"].shape[1]
+    put = (lambda x: jax.device_put(x, build_batch_sharding(mesh))) if mesh is not None else jnp.asarray
+    old_lp, old_ent = [], []
+    for s in range(0, exp.num_rows, mini_rows):
+        lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
+                              put(a["attention_mask"][s:s + mini_rows]), R)
+        old_lp.append(np.asarray(lp))
+        old_ent.append(np.asarray(ent))
+    old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
+    metrics: list[dict] = []
+    for s in range(0, exp.num_rows, mini_rows):
+        sl = slice(s, s + mini_rows)
+        rollout_lp = a.get("rollout_log_probs")
+        batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
+                      response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
+                      old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
+                      rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
+        state, m = step_fn(state, batch)
+        metrics.append(jax.device_get(m))
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
+        mask = a["response_mask"]
+        gap = np.abs(old_lp - a["rollout_log_probs"])[mask]
+        out["sampler_trainer/logp_diff_mean"] = float(gap.mean()) if gap.size else 0.0
+        out["sampler_trainer/logp_diff_max"] = float(gap.max()) if gap.size else 0.0
+    return state, out
+
+
+def build_batch_sharding(mesh):
+    from stapo_jax.train_step import batch_sharding
+    return batch_sharding(mesh)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` (SFT warm-up if ``sft.steps`` > 0, then RL for ``trainer.total_steps``); returns a summary
+    with held-out accuracy before/after RL (when a validation split exists), final step and run directory.
+
+    Raises:
+      ConfigError: missing ``trainer.total_steps`` or an inconsistent batch configuration.
+    """
+    if not cfg.trainer.total_steps:
+        raise ConfigError("trainer.total_steps must be set for an RL run (stapo_spec §10 item 15)")
+    t = cfg.trainer
+    run_dir = os.path.abspath(t.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    cfg.save(run_dir)
+    mesh = build.build_mesh(cfg)
+    tok = build.build_tokenizer(cfg)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = build.build_model(cfg, mesh, tok, seed=t.seed)
+    train_ds = load_prompt_dataset(cfg, tok, "train")
+    val_examples = _val_examples(cfg, tok)
+    scorer = make_scorer(cfg)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
+                        keep=t.keep_checkpoints)
+    resuming = t.resume and ckpt.latest_step() is not None
+    logger = MetricsLogger(run_dir, t.total_steps)
+    summary: dict[str, Any] = {"run_dir": run_dir}
+    try:
+        if cfg.sft.steps and not resuming:
+            _sft_warmup(cfg, model, train_ds.examples, tok, logger)
+        rollout = build_rollout(cfg, model, mesh, tok)
+        if val_examples:
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            summary["heldout_acc_before"] = acc
+            logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
+        recipe = build.build_recipe(cfg)
+        optimizer = build.build_optimizer(cfg)
+        state = TrainState.create(model, optimizer, mesh)
+        G = cfg.rollout.n
+        mini_rows = cfg.actor.ppo_mini_batch_size * G
+        k = _num_micro_batches(cfg, mini_rows, mesh)
+        common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
+                      vocab_chunk=cfg.actor.logprob_vocab_chunk)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step_fn = make_train_step(recipe, optimizer, num_micro_batches=k, vocab_size=model.config.vocab_size,
+                                  mesh=mesh, state_shardings=shardings, **common)
+        log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+        data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        rng = jax.random.key_data(jax.random.PRNGKey(t.seed))
+        start = 0
+        if resuming:
+            start, restored, data_state, _ = ckpt.restore({"train": state, "rng": rng})
+            state, rng = restored["train"], restored["rng"]
+            data_it.set_state(data_state["iterator"])
+            logger.write(f"resumed from step {start} ({ckpt.directory})")
+            rollout.sync_weights(state.params)
+        preempt = _Preemption()
+        for step in range(start, t.total_steps):
+            t0 = time.perf_counter()
+            rng, sub = jax.random.split(rng)
+            seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
+            exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id)
+            t1 = time.perf_counter()
+            state, m = update_policy(state, exp, step_fn, log_prob_fn, mini_rows=mini_rows, mesh=mesh)
+            t2 = time.perf_counter()
+            sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
+            m.update(exp.metrics)
+            n_tokens = float(exp.arrays["attention_mask"].sum())
+            m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
+                      "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
+            if step % t.log_every == 0 or step + 1 == t.total_steps:
+                logger.log(step + 1, m)
+            ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
+                      meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
+                      force=preempt.requested or step + 1 == t.total_steps)
+            if preempt.requested:
+                ckpt.wait()
+                logger.write(f"SIGTERM: saved step {step + 1} and stopping")
+                summary["preempted"] = True
+                break
+        preempt.restore()
+        ckpt.wait()
+        nnx.update(model, state.params)
+        summary["final_step"] = int(state.step)
+        if val_examples and not summary.get("preempted"):
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            summary["heldout_acc_after"] = acc
+            logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
+        if t.export_hf and not summary.get("preempted"):
+            from models.hf import save_hf_checkpoint
+            out = os.path.join(run_dir, "hf")
+            save_hf_checkpoint(model, model.config, out)
+            tok.save_pretrained(out)
+            summary["hf_export"] = out
+    finally:
+        logger.close()
+        ckpt.close()
+        scorer.close()
+    _write_plots(run_dir, summary)
+    _write_summary(run_dir, summary)
+    return summary
+
+
+def _val_examples(cfg: Config, tok) -> list[dict]:
+    has_val = cfg.data.gym.val_size if cfg.data.source == "gym" else bool(cfg.data.val_files)
+    return load_prompt_dataset(cfg, tok, "val").examples if has_val else []
+
+
+def _sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger) -> None:
+    from stapo_jax.sft import sft_from_config
+
+    hist = sft_from_config(cfg, model, examples, tok)
+    logger.write(f"SFT warm-up: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> {hist[-1]['sft/loss']:.3f}")
+
+
+def _write_plots(run_dir: str, summary: dict) -> None:
+    from stapo_jax.plots import plot_run
+    try:
+        summary["plots"] = plot_run(run_dir)
+    except ValueError as e:  # no metrics rows (e.g. preempted before the first step)
+        log.warning("no plots: %s", e)
+
+
+def _write_summary(run_dir: str, summary: dict) -> None:
+    import json
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``stapo-jax train --config FILE [key.sub=value ...]``."""
+    p = argparse.ArgumentParser(prog="stapo-jax train", description=__doc__)
+    p.add_argument("--config", required=False, default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.28")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(a.config, a.overrides)
+    summary = train(cfg)
+    for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "run_dir", "hf_export"):
+        if key in summary:
+            print(f"{key}: {summary[key]}")
+    return 0
