@@ -1,0 +1,117 @@
+"""The jitted update on a tiny Qwen3: K micro-batches == full batch (value and update) for every aggregation
+mode and for the S2T / 20-Entropy masks with unequal lengths; 8-device data parallel == 1 device; the first
+mini-batch ratio is 1; empty batches give a finite zero update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from models.qwen3 import Qwen3, Qwen3Config
+from models.sharding import make_mesh
+from stapo_jax.advantages import grpo_advantages
+from stapo_jax.batching import pack_prompt_response
+from stapo_jax.recipes import get_recipe
+from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+
+CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=64, initializer_range=0.5)
+SGD = optax.sgd(1.0)  # new params - old params = -gradient
+
+
+def make_batch(model, seed=0, b=8, ratio_noise=0.3):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, 64, rng.integers(1, 4))) for _ in range(b)]
+    responses = [list(rng.integers(1, 64, n)) for n in rng.integers(0, 7, b)]  # unequal, one may be empty
+    responses[1] = []
+    packed = pack_prompt_response(prompts, responses, pad_id=0, pad_multiple=1, response_length=6)
+    rewards = rng.choice([0.0, 1.0], b)
+    rewards[:2] = [1.0, 0.0]
+    adv = grpo_advantages(jnp.asarray(rewards, jnp.float32), jnp.repeat(jnp.arange(b // 4), 4))
+    graphdef, params = nnx.split(model)
+    lp, _ = make_log_prob_fn()(params, graphdef, jnp.asarray(packed["input_ids"]),
+                               jnp.asarray(packed["attention_mask"]), 6)
+    old = lp + jnp.asarray(rng.normal(size=lp.shape) * ratio_noise, jnp.float32)
+    return Batch(input_ids=jnp.asarray(packed["input_ids"]), attention_mask=jnp.asarray(packed["attention_mask"]),
+                 response_mask=jnp.asarray(packed["response_mask"]), advantages=adv, old_log_probs=old)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(CFG, rngs=nnx.Rngs(0))
+
+
+def run(model, recipe, batch, k, **kw):
+    state = TrainState.create(model, SGD)
+    step = make_train_step(recipe, SGD, num_micro_batches=k, seq_chunk=4, **kw)
+    new, m = step(state, batch)
+    delta = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, state.params)
+    return delta, {n: float(v) for n, v in m.items()}
+
+
+# every aggregation mode x mask is covered without a model in test_objectives.py
+# (test_micro_batch_accumulation_is_exact); here the full update, with both population masks
+CASES = [
+    ("stapo", "seq-mean-token-mean"),
+    ("entropy20", "seq-mean-token-sum-norm"),
+]
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_micro_batches_equal_full_batch(model, name, mode):
+    recipe = get_recipe(name, loss={"loss_agg_mode": mode}, s2t={"tau_p": 0.05})
+    batch = make_batch(model)
+    d1, m1 = run(model, recipe, batch, 1)
+    d4, m4 = run(model, recipe, batch, 2)
+    assert abs(m1["loss"] - m4["loss"]) < 1e-5 * max(1.0, abs(m1["loss"]))
+    assert m1["loss_denominator"] == m4["loss_denominator"]
+    for a, b in zip(jax.tree.leaves(d1), jax.tree.leaves(d4)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert m1["grad_norm"] > 0
+    if name == "stapo":
+        assert m1["s2t/masked_frac"] > 0 and m1["s2t/masked_frac"] == m4["s2t/masked_frac"]
+        assert m1["s2t/n_keep"] == m4["s2t/n_keep"] == m1["loss_denominator"] or mode != "token-mean"
+    if name == "entropy20":
+        n_valid = float(batch.response_mask.sum())
+        assert m1["s2t/masked_frac"] == pytest.approx(1 - max(1, int(n_valid * 0.2 + 0.9999)) / n_valid)
+
+
+def test_first_minibatch_ratio_is_one(model):
+    batch = make_batch(model, seed=1, ratio_noise=0.0)
+    _, m = run(model, get_recipe("stapo"), batch, 2)
+    assert abs(m["ratio_mean"] - 1.0) < 1e-6 and abs(m["ppo_kl"]) < 1e-6 and m["pg_clipfrac"] == 0.0
+
+
+def test_empty_batch_zero_update(model):
+    batch = make_batch(model, seed=2)
+    batch = batch.replace(response_mask=jnp.zeros_like(batch.response_mask))
+    d, m = run(model, get_recipe("stapo"), batch, 2)
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0 and m["nonfinite_grad"] == 0.0
+    assert all(np.all(x == 0) for x in jax.tree.leaves(d))
+    assert all(np.isfinite(v) for v in m.values())
+
+
+def test_eight_device_data_parallel_equals_one_device(model):
+    assert jax.device_count() == 8
+    recipe = get_recipe("stapo", s2t={"tau_p": 0.05})
+    batch = make_batch(model, seed=3, b=16)
+    d1, m1 = run(model, recipe, batch, 2)
+    mesh = make_mesh(data=4, fsdp=2)
+    state = TrainState.create(model, SGD, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = make_train_step(recipe, SGD, num_micro_batches=2, seq_chunk=4, mesh=mesh, state_shardings=shardings)
+    new, m8 = step(state, batch)
+    assert abs(float(m8["loss"]) - m1["loss"]) < 1e-5
+    assert float(m8["s2t/n_keep"]) == m1["s2t/n_keep"]
+    for a, b, c in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), jax.tree.leaves(d1)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), c, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_batch_names_field(model):
+    batch = make_batch(model)
+    with pytest.raises(ValueError, match="old_log_probs"):
+        run(model, get_recipe("grpo"), batch.replace(old_log_probs=batch.old_log_probs[:, :3]), 1)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        run(model, get_recipe("grpo"), batch, 3)
