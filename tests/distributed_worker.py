@@ -1,15 +1,12 @@
-"""Worker program of tests/test_distributed.py: a few data-parallel training steps of a tiny Qwen3 on a
-(data, fsdp) mesh over all devices of all processes, started through ``stapo_jax.distributed.initialize``.
+"""Worker program of tests/test_distributed.py: a few STAPO updates (``stapo_jax.train_step.make_train_step``:
+S2T pre-pass with the global entropy quantile, 2 micro-batches, AdamW) of a tiny Qwen3 on a (data, fsdp) mesh over
+all devices of all processes, started through ``stapo_jax.distributed.initialize``.
 
 Usage: ``python tests/distributed_worker.py OUT.npz`` with ``JAX_COORDINATOR_ADDRESS`` /
 ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` set (or none of them for a single process) and
 ``XLA_FLAGS=--xla_force_host_platform_device_count=K``. Process 0 writes the final parameters (gathered
-from every process) and the per-step losses to OUT.npz.
-
-The step is the token-mean policy-gradient surrogate of stapo_jax.objectives' convention expressed as a
-plain next-token log-likelihood weighted by per-sequence advantages (REINFORCE at ratio 1), with the global
-token count as denominator, then an SGD update: a pure function ``(params, batch) -> (params, loss)``
-jitted with explicit in/out shardings. Nothing here depends on the process count except the device layout.
+from every process) and the per-update metrics to OUT.npz. Every process builds the same model (same seed)
+and supplies only its own devices' rows of the batch (``jax.make_array_from_callback``).
 """
 from __future__ import annotations
 
@@ -19,69 +16,67 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from stapo_jax import distributed  # noqa: E402
 
-STEPS, LR, BATCH, PROMPT, RESPONSE = 3, 0.5, 8, 6, 10
+UPDATES, BATCH, PROMPT, RESPONSE, MICRO = 3, 8, 6, 10, 2
+METRICS = ("loss", "grad_norm", "s2t/tau_h", "s2t/n_keep", "entropy", "pg_clipfrac")
 
 
 def main(out_path: str) -> int:
     info = distributed.initialize()
     from models.qwen3 import Qwen3, Qwen3Config
-    from models.sharding import make_mesh, param_shardings
-    from stapo_jax.policy import response_log_probs_and_entropy
+    from models.sharding import make_mesh
+    from stapo_jax.optim import make_optimizer
+    from stapo_jax.recipes import get_recipe
+    from stapo_jax.train_step import Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
     mesh = make_mesh(data=2, fsdp=-1, tensor=1)  # all devices of all processes
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    graphdef, state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))  # same seed on every process
-    p_shard = param_shardings(state, mesh)
-    state = jax.device_put(state, p_shard)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))  # same seed on every process
+    opt = make_optimizer(lr=0.01, warmup_steps=0, weight_decay=0.1, clip_grad=1.0)
+    # tau_p above 1/|V| so the S2T mask silences some tokens of this near-uniform tiny model
+    recipe = get_recipe("stapo", s2t={"tau_p": 0.03})
+    with jax.set_mesh(mesh):
+        state = TrainState.create(model, opt, mesh)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = make_train_step(recipe, opt, num_micro_batches=MICRO, seq_chunk=4, vocab_size=cfg.vocab_size,
+                               mesh=mesh, state_shardings=shardings)
 
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, size=(BATCH, PROMPT + RESPONSE)).astype(np.int32)
-    mask = np.ones_like(ids, dtype=bool)
-    mask[:, PROMPT + 4:] = rng.random((BATCH, RESPONSE - 4)) < 0.5  # ragged responses
-    mask[:, PROMPT:] = np.cumprod(mask[:, PROMPT:], axis=1).astype(bool)
+    att = np.ones_like(ids, dtype=bool)
+    att[:, :2] = rng.random((BATCH, 2)) < 0.5  # left-padded prompts
+    resp = np.cumprod(rng.random((BATCH, RESPONSE)) < 0.9, axis=1).astype(np.int32)
+    resp[:, 0] = 1
+    att[:, PROMPT:] = resp.astype(bool)
     adv = rng.standard_normal(BATCH).astype(np.float32)
-    rows = NamedSharding(mesh, P(("data", "fsdp")))
-    rows2 = NamedSharding(mesh, P(("data", "fsdp"), None))
+    bs = batch_sharding(mesh)
 
-    def global_array(x, sharding):  # each process supplies only its devices' rows
-        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    def global_array(x):  # each process supplies only its own devices' rows
+        return jax.make_array_from_callback(x.shape, bs, lambda idx: x[idx])
 
-    batch = (global_array(ids, rows2), global_array(mask, rows2), global_array(adv, rows))
-
-    def step(state, batch):
-        ids, mask, adv = batch
-        resp_mask = mask[:, PROMPT:].astype(jnp.float32)
-
-        def loss_fn(st):
-            model = nnx.merge(graphdef, st)
-            lp, _ = response_log_probs_and_entropy(model, ids, mask, RESPONSE, seq_chunk=4)
-            return -jnp.sum(adv[:, None] * lp * resp_mask) / jnp.maximum(jnp.sum(resp_mask), 1.0)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state)
-        return jax.tree.map(lambda p, g: p - LR * g, state, grads), loss
-
-    jstep = jax.jit(step, in_shardings=(p_shard, (rows2, rows2, rows)), out_shardings=(p_shard, None),
-                    donate_argnums=(0,))
-    losses = []
     with jax.set_mesh(mesh):
-        for _ in range(STEPS):
-            state, loss = jstep(state, batch)
-            losses.append(float(loss))
-    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+        lp_fn = jax.jit(make_log_prob_fn(seq_chunk=4, num_micro_batches=MICRO), static_argnums=(1, 4))
+        old_lp, _ = lp_fn(state.params, state.graphdef, global_array(ids), global_array(att), RESPONSE)
+        batch = Batch(input_ids=global_array(ids), attention_mask=global_array(att),
+                      response_mask=global_array(resp), advantages=global_array(adv), old_log_probs=old_lp)
+        history = {k: [] for k in METRICS}
+        for _ in range(UPDATES):
+            state, metrics = step(state, batch)
+            for k in METRICS:
+                history[k].append(float(metrics[k]))
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     host = multihost_utils.process_allgather(flat, tiled=True)
     if info.process_index == 0:
-        np.savez(out_path, losses=np.asarray(losses), process_count=info.process_count,
-                 device_count=info.device_count, **{f"param{k}": np.asarray(v) for k, v in host.items()})
+        np.savez(out_path, process_count=info.process_count, device_count=info.device_count,
+                 valid_tokens=int(resp.sum()),
+                 **{f"metric/{k}": np.asarray(v) for k, v in history.items()},
+                 **{f"param{k}": np.asarray(v) for k, v in host.items()})
     multihost_utils.sync_global_devices("done")
     return 0
 
