@@ -22,7 +22,7 @@ $(VENV)/.test: $(VENV)/.runtime requirements-test.txt
 	touch $@
 
 run: setup
-	$(BIN)/stapo-jax demo
+	$(BIN)/stapo-jax train --config configs/tiny_cpu.yaml
 
 test: setup-test
 	$(BIN)/python -m pytest -q tests

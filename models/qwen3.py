@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import flax.struct
 import jax

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import types
 from dataclasses import dataclass, field
@@ -611,48 +610,6 @@ def _recipe_violations(cfg: Config) -> list[str]:
     if recipe != "stapo" and cfg.s2t.enabled:
         out.append(f"s2t.enabled=true belongs to algorithm.recipe=stapo (got {recipe}){hint}")
     return out
-
-
-# --------------------------------------------------------------------------- model config helper
-
-
-def preset_search_paths(preset: str) -> list[Path]:
-    """Where ``model.preset`` is looked for, in order: the value as a path, ``../shared/data/qwen3_configs``
-    (relative to the working directory), and ``stapo_jax/configs/qwen3`` inside the package."""
-    name = preset if preset.endswith(".json") else preset + ".json"
-    return [Path(preset), Path("../shared/data/qwen3_configs") / name,
-            Path(__file__).parent / "configs" / "qwen3" / name]
-
-
-def resolve_model_hf_dict(model: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dict of the configured model, for ``models.qwen3.Qwen3Config.from_hf_dict``.
-
-    ``model.path`` reads ``<path>/config.json`` (a local directory; hub ids are resolved by the model
-    loader); ``model.preset`` reads the preset file; explicit size fields override it; with neither, the
-    dict is built from the size fields alone (``model_type: qwen3``).
-
-    Raises:
-      ConfigError: the preset or ``config.json`` cannot be found (the message lists the paths tried).
-    """
-    if model.path is not None:
-        p = Path(model.path) / "config.json"
-        if not p.is_file():
-            raise ConfigError(f"model.path={model.path!r}: no config.json at {p}")
-        return json.loads(p.read_text())
-    base: dict[str, Any] = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
-    if model.preset is not None:
-        tried = preset_search_paths(model.preset)
-        hit = next((p for p in tried if p.is_file()), None)
-        if hit is None:
-            raise ConfigError(f"model.preset={model.preset!r} not found; tried {[str(p) for p in tried]}")
-        base = json.loads(hit.read_text())
-    for k in MODEL_SIZE_KEYS:
-        v = getattr(model, k)
-        if v is not None:
-            base[k] = v
-            if k == "rope_theta" and isinstance(base.get("rope_parameters"), dict):
-                base["rope_parameters"] = {**base["rope_parameters"], "rope_theta": v}
-    return base
 
 
 # ------------------------------------------------------------------------------------ internals

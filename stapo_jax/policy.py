@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from stapo_jax.logprobs import chunked_log_probs_and_entropy
 

@@ -1,5 +1,4 @@
 """Packing (verl layout), the policy's response log-probs, and the optimizer schedule."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from stapo_jax.config import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
-                              resolve_model_hf_dict, valid_keys)
+                              valid_keys)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,20 +185,6 @@ def test_override_parsing():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
-
-
-def test_model_preset_resolution(monkeypatch):
-    monkeypatch.chdir(REPO)
-    cfg = load_config(None, ["model.preset=Qwen3-0.6B", "model.num_hidden_layers=2", "model.rope_theta=10000"])
-    d = resolve_model_hf_dict(cfg.model)
-    assert d["num_hidden_layers"] == 2 and d["hidden_size"] == 1024 and d["rope_theta"] == 10000
-    scratch = load_config(None, ["model.preset=null", "model.vocab_size=128", "model.hidden_size=32",
-                                 "model.intermediate_size=64", "model.num_hidden_layers=2",
-                                 "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=8"])
-    d = resolve_model_hf_dict(scratch.model)
-    assert d["model_type"] == "qwen3" and d["vocab_size"] == 128 and d["head_dim"] == 8
-    with pytest.raises(ConfigError, match="Qwen3-99B"):
-        resolve_model_hf_dict(load_config(None, ["model.preset=Qwen3-99B"]).model)
 
 
 def _leaves(d: dict, prefix: str = "") -> dict:

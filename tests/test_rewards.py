@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stapo_jax.config import load_config
-from stapo_jax.rewards import RewardScorer, VerifierPool, make_scorer, overlong_reward, score, shutdown
+from stapo_jax.rewards import RewardScorer, VerifierPool, make_scorer, score, shutdown
 from stapo_jax.rewards import gym as rgym
 from stapo_jax.rewards.boxed import extract_last_boxed, last_boxed_only_string, remove_boxed
 from stapo_jax.rewards.string_match import extract_strict_box, is_correct, normalize_final_answer, score_one
@@ -187,18 +187,3 @@ def test_gym_scorer_pool_counts_verifier_crash():
         s, st = scorer.score(responses, entries + [{"question": "?"}])  # entry without answer: score_answer raises
     np.testing.assert_array_equal(s, np.array([1, 1, 1, 0], np.float32))
     assert st["n_error"] == 1 and st["n_correct"] == 3 and st["n_timeout"] == 0
-
-
-# ---------------------------------------------------------------------------------------- overlong
-
-
-def test_overlong_reward_matches_dapo_formula():
-    lengths = np.array([0, 100, 600, 700, 800, 1000])
-    out = overlong_reward(lengths, max_response_length=1000, buffer_len=400, penalty_factor=1.0)
-    # min(0, -(len - (1000 - 400)) / 400)
-    np.testing.assert_allclose(out, [0, 0, 0, -0.25, -0.5, -1.0])
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(overlong_reward(lengths, 1000, 400, 0.5), [0, 0, 0, -0.125, -0.25, -0.5])
-    np.testing.assert_array_equal(overlong_reward(lengths, 1000, 0), np.zeros(6))
-    with pytest.raises(ValueError, match="buffer_len"):
-        overlong_reward(lengths, 100, 400)

@@ -1,5 +1,4 @@
 """SFT warm-up: the cross-entropy step learns a tiny mapping; masked batches are inert."""
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -241,27 +241,3 @@ def shutdown() -> None:
         for scorer in _SCORERS.values():
             scorer.close()
         _SCORERS.clear()
-
-
-def overlong_reward(response_lengths: np.ndarray, max_response_length: int, buffer_len: int,
-                    penalty_factor: float = 1.0) -> np.ndarray:
-    """DAPO soft overlong punishment, added to the reward (stapo_spec §5; verl ``DAPORewardManager``):
-    ``min(0, -penalty_factor * (len - (max_response_length - buffer_len)) / buffer_len)``.
-
-    Args:
-      response_lengths: int [N], response tokens (EOS included, padding excluded).
-      max_response_length: L_max, the rollout's max new tokens.
-      buffer_len: L_cache (tokens); 0 turns shaping off (all zeros).
-      penalty_factor: kappa.
-    Returns:
-      float32 [N], <= 0: 0 up to ``L_max - L_cache`` tokens, falling linearly to ``-penalty_factor`` at L_max.
-    Raises:
-      ValueError: ``buffer_len`` < 0 or > ``max_response_length``.
-    """
-    lengths = np.asarray(response_lengths, dtype=np.float64)
-    if buffer_len == 0:
-        return np.zeros(lengths.shape, dtype=np.float32)
-    if buffer_len < 0 or buffer_len > max_response_length:
-        raise ValueError(f"buffer_len={buffer_len} must be in [0, max_response_length={max_response_length}]")
-    exceed = lengths - (max_response_length - buffer_len)
-    return np.minimum(-exceed / buffer_len * penalty_factor, 0.0).astype(np.float32)
