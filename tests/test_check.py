@@ -1,0 +1,86 @@
+"""``stapo-jax check`` end to end on dumps produced by the PyTorch reference (safetensors and npz)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch_reference as ref  # noqa: E402
+
+from stapo_jax.check import main  # noqa: E402
+
+
+def torch_dump(recipe_kw, seed=0):
+    rng = np.random.default_rng(seed)
+    b, t, v = 8, 10, 30
+    logits = torch.tensor(rng.normal(size=(b, t, v)) * 4, dtype=torch.float32)
+    ids = torch.tensor(rng.integers(0, v, (b, t)))
+    resp = torch.tensor(np.arange(t)[None] < rng.integers(1, t + 1, b)[:, None], dtype=torch.float32)
+    rewards = torch.tensor(rng.choice([0.0, 1.0], b), dtype=torch.float32)
+    group_ids = np.repeat(np.arange(2), 4)
+    adv = ref.grpo_advantage(rewards, list(group_ids))
+    lp = ref.logprobs_from_logits(logits, ids)
+    ent = ref.entropy_from_logits(logits)
+    old = lp + torch.tensor(rng.normal(size=(b, t)) * 0.3, dtype=torch.float32)
+    loss, keep, metrics = ref.recipe_loss(logits, ids, old, adv, resp, **recipe_kw)
+    d = {"log_probs": lp, "old_log_probs": old, "advantages": adv, "response_mask": resp, "entropy": ent,
+         "rewards": rewards, "group_ids": torch.tensor(group_ids, dtype=torch.int32), "actor/pg_loss": loss,
+         "actor/pg_clipfrac": metrics["pg_clipfrac"], "actor/ppo_kl": metrics["ppo_kl"],
+         "actor/pg_clipfrac_lower": metrics["pg_clipfrac_lower"],
+         "s2t/masked_frac": 1 - keep.float().sum() / resp.sum()}
+    return {k: ref.to_numpy(v) for k, v in d.items()}
+
+
+STAPO = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, loss_agg_mode="token-mean",
+             token_mask="s2t", tau_p=0.01)
+
+
+def test_check_passes_on_torch_dump_safetensors_and_npz(tmp_path, capsys):
+    d = torch_dump(STAPO)
+    assert d["s2t/masked_frac"] > 0
+    st = str(tmp_path / "dump.safetensors")
+    save_file(d, st)
+    assert main([st, "--recipe", "stapo", "--tau-p", "0.01"]) == 0
+    out = capsys.readouterr().out
+    for name in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "advantages", "s2t/masked_frac", "PASS"):
+        assert name in out
+    npz = str(tmp_path / "dump.npz")
+    np.savez(npz, **d)
+    assert main([npz, "--recipe", "stapo", "--tau-p", "0.01"]) == 0
+
+
+def test_check_seq_mode_and_failure_beyond_tolerance(tmp_path, capsys):
+    kw = dict(STAPO, loss_agg_mode="seq-mean-token-mean", token_mask="none", clip_ratio_c=3.0)
+    d = torch_dump(kw, seed=1)
+    path = str(tmp_path / "d.npz")
+    np.savez(path, **d)
+    assert main([path, "--recipe", "justrl", "--loss-agg-mode", "seq-mean-token-mean", "--clip-ratio-c", "3"]) == 0
+    # with the wrong aggregation mode the loss no longer matches
+    assert main([path, "--recipe", "justrl", "--clip-ratio-c", "3"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    d["actor/pg_loss"] = d["actor/pg_loss"] + 1e-3
+    np.savez(path, **d)
+    assert main([path, "--recipe", "justrl", "--loss-agg-mode", "seq-mean-token-mean", "--clip-ratio-c", "3"]) == 1
+
+
+@pytest.mark.parametrize("drop,reshape,message", [
+    ("old_log_probs", None, "missing field 'old_log_probs'"),
+    ("entropy", None, "missing field 'entropy'"),
+    (None, "response_mask", "field 'response_mask' has shape"),
+    (None, "advantages", "field 'advantages' has shape"),
+])
+def test_check_names_missing_or_misshaped_field(tmp_path, capsys, drop, reshape, message):
+    d = torch_dump(STAPO)
+    if drop:
+        d.pop(drop)
+    if reshape:
+        d[reshape] = d[reshape][:, :3] if d[reshape].ndim == 2 else d[reshape][:3]
+    path = str(tmp_path / "bad.npz")
+    np.savez(path, **d)
+    assert main([path, "--recipe", "stapo"]) == 2
+    assert message in capsys.readouterr().err
+    assert main([str(tmp_path / "nope.npz")]) == 2
