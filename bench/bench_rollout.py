@@ -1,0 +1,135 @@
+"""Rollout decode throughput: our JetStream engine + in-process driver vs transformers ``generate`` (PyTorch
+CPU, KV cache) on the same weights, in one process; plus the weight-sync time of the driver.
+
+Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
+exactly B*128 tokens). Throughput = generated tokens / wall time of one full ``generate`` call, after a
+warm-up call (ours: the same compiled shapes via a 2-token run; HF: a 2-token run). Ours includes prefill,
+per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
+log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
+weights can have near-ties, so it need not be 1.0 on the big model).
+
+Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
+``../shared/data/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
+exporter's tensor stream (``bench_forward.hf_copy`` over ``models.hf.iter_hf_tensors``).
+
+torch runs with the faster of 1 thread and all cores (measured on a 6-token run first): on a shared, busy
+host OpenMP spin-waiting can make the multi-threaded run many times slower.
+
+Weight sync: ``RolloutDriver.sync_weights`` with (a) device-resident parameters of the same shardings (the
+trainer's case: validation only, no copy) and (b) host numpy parameters (a full host->device copy); median of 3.
+
+    .venv/bin/python bench/bench_rollout.py                      # tiny and 0.6b (several minutes on 2 cores)
+    .venv/bin/python bench/bench_rollout.py --models tiny        # quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench_forward import hf_copy  # noqa: E402
+from models.presets import from_hf_config  # noqa: E402
+from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
+from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine  # noqa: E402
+from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
+
+CONFIG_06B = Path(__file__).resolve().parents[2] / "shared/data/qwen3_configs/Qwen3-0.6B.json"
+
+
+def model_config(name: str) -> Qwen3Config:
+    if name == "tiny":
+        return Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None,
+                           bos_token_id=None, pad_token_id=0, tie_word_embeddings=True)
+    if name == "0.6b":
+        import dataclasses
+
+        return dataclasses.replace(from_hf_config(str(CONFIG_06B)), dtype="float32", param_dtype="float32",
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    raise SystemExit(f"unknown model {name!r}: expected tiny or 0.6b")
+
+
+def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int) -> dict:
+    cfg = model_config(name)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    hf = hf_copy(model, cfg)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, cfg.vocab_size, size=(batch, prompt_len)).astype(np.int32)
+
+    engine = Qwen3Engine(model, EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
+                                             max_decode_length=new_tokens, sampling=SamplingParams(greedy=True),
+                                             eos_token_ids=()))
+    driver = RolloutDriver(engine, pad_token_id=0)
+    t0 = time.perf_counter()
+    driver.generate(list(prompts), max_new_tokens=2)  # compiles prefill/insert/step (shapes do not depend on N)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ours = driver.generate(list(prompts), max_new_tokens=new_tokens)
+    ours_s = time.perf_counter() - t0
+    assert ours.response_lengths.min() == new_tokens
+
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True, eos_token_id=None,
+              pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    with torch.inference_mode():
+        probe = {}
+        for threads in sorted({1, os.cpu_count() or 1}):  # OpenMP spinning can make 2 threads slower on a busy host
+            torch.set_num_threads(threads)
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=6, min_new_tokens=6, **kw)
+            probe[threads] = time.perf_counter() - t0
+        torch_threads = min(probe, key=probe.get)
+        torch.set_num_threads(torch_threads)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        hf_s = time.perf_counter() - t0
+    hf_tokens = out[:, prompt_len:].numpy()
+    same_rows = float(np.mean(np.all(hf_tokens == ours.responses, axis=1)))
+    n = batch * new_tokens
+
+    state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(1)))[1]
+    device_s = statistics.median(driver.sync_weights(state) for _ in range(3))
+    host_state = jax.tree.map(np.asarray, state)
+    host_s = statistics.median(driver.sync_weights(host_state) for _ in range(3))
+    mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    return dict(model=name, torch_threads=torch_threads, ours_tok_s=n / ours_s, hf_tok_s=n / hf_s, ratio=hf_s / ours_s, ours_s=ours_s,
+                hf_s=hf_s, compile_s=compile_s, same_rows=same_rows, sync_device_s=device_s, sync_host_s=host_s,
+                param_mib=mib)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="tiny,0.6b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=16)
+    args = p.parse_args(argv)
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), load avg {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
+    for name in args.models.split(","):
+        r = bench_one(name.strip(), args.batch, args.new_tokens, args.prompt_len)
+        print(f"[{r['model']}] ours {r['ours_tok_s']:.1f} tok/s ({r['ours_s']:.2f} s; compile+warm-up "
+              f"{r['compile_s']:.1f} s) | HF generate {r['hf_tok_s']:.1f} tok/s ({r['hf_s']:.2f} s, "
+              f"{r['torch_threads']} torch thread(s), the faster of 1 and all) | "
+              f"ratio ours/HF = {r['ratio']:.2f}x | identical greedy rows {r['same_rows']:.2f}", flush=True)
+        print(f"[{r['model']}] weight sync ({r['param_mib']:.0f} MiB): device-resident {r['sync_device_s'] * 1e3:.1f} ms,"
+              f" from host numpy {r['sync_host_s'] * 1e3:.1f} ms; load avg {os.getloadavg()[0]:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
