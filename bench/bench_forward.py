@@ -7,8 +7,8 @@ exporter's tensor stream, so both sides compute the same function; the max |logi
 A "forward" is input ids [B, S] -> full logits [B, S, V] float32 on both sides (HF's default
 ``logits_to_keep=0``; ours ``model(...)`` then ``model.logits``), no padding, no KV cache.
 
-Reported per batch size: tokens/s = B*S / median wall time of ``--repeats`` calls after one warm-up call
-(ours: ``block_until_ready``; torch: ``inference_mode``), the ratio ours/torch, and the compile time of our
+Reported per batch size: tokens/s = B*S / median wall time of ``--repeats`` calls after one warm-up call,
+the two sides interleaved (ours: ``block_until_ready``; torch: ``inference_mode``), the ratio ours/torch, and the compile time of our
 jitted forward (``jit(...).lower(...).compile()``, seconds). The 1-minute load average is printed before and
 after because the CPU may be shared.
 
@@ -54,14 +54,17 @@ def hf_copy(model: Qwen3, cfg) -> transformers.Qwen3ForCausalLM:
     return hf.eval()
 
 
-def timed(fn, repeats: int) -> float:
-    fn()                                    # warm-up
-    times = []
+def timed_pair(fa, fb, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``fa`` and ``fb`` over ``repeats`` interleaved calls (a, b, a, b, ...) after one
+    warm-up call each, so that load from other processes hits both sides alike."""
+    fa(), fb()
+    ta, tb = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for f, acc in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            f()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def main(argv=None) -> int:
@@ -111,8 +114,7 @@ def main(argv=None) -> int:
                 return hf(input_ids=ids_t, attention_mask=mask_t).logits
 
         diff = float(np.abs(np.asarray(ours(), np.float32) - theirs().float().numpy()).max())
-        t_ours = timed(ours, args.repeats)
-        t_torch = timed(theirs, args.repeats)
+        t_ours, t_torch = timed_pair(ours, theirs, args.repeats)
         tok = b * args.seq
         rows.append((b, tok / t_ours, tok / t_torch, compile_s, diff))
         print(f"batch {b} x seq {args.seq}: ours {tok / t_ours:8.1f} tok/s ({t_ours:.2f}s)  torch "
