@@ -1,0 +1,81 @@
+"""Chunked vs naive log-prob + entropy from hidden states: compiled peak memory (XLA memory analysis) at
+V=151,936, T=4,096, D=1,024, B=1, and wall time (forward and forward+backward), both sides in one process.
+
+    .venv/bin/python bench/bench_logprobs.py                    # memory at full size, time at --time-T
+    .venv/bin/python bench/bench_logprobs.py --time-T 4096      # full-size timing (accelerator)
+
+Goals (issue 3): chunked peak memory <= 1/8 of naive, time <= 1.3x naive.
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from stapo_jax.logprobs import chunked_log_probs_and_entropy, logits_to_log_probs_and_entropy
+
+
+def naive(h, w, ids):
+    return logits_to_log_probs_and_entropy(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ids)
+
+
+def make(seq_chunk, vocab_chunk):
+    return lambda h, w, ids: chunked_log_probs_and_entropy(h, w, ids, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+
+
+def with_grad(fn):
+    return jax.grad(lambda h, w, ids: jnp.sum(fn(h, w, ids)[0]) + jnp.sum(fn(h, w, ids)[1]), argnums=(0, 1))
+
+
+def peak_bytes(fn, args):
+    """(temporaries, temporaries + arguments + outputs) of the compiled function, bytes."""
+    ma = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return ma.temp_size_in_bytes, ma.temp_size_in_bytes + ma.output_size_in_bytes + ma.argument_size_in_bytes
+
+
+def timeit(fn, args, reps):
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        jax.block_until_ready(f(*args))
+    return (time.perf_counter() - t0) / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--D", type=int, default=1024)
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--seq-chunk", type=int, default=128)
+    ap.add_argument("--vocab-chunk", type=int, default=None)
+    ap.add_argument("--time-T", type=int, default=256, help="sequence length of the timing run (CPU: small; 0 skips timing)")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    print(f"backend={jax.default_backend()} devices={jax.device_count()}")
+    chunked = make(a.seq_chunk, a.vocab_chunk)
+    spec = lambda t: (jax.ShapeDtypeStruct((a.B, t, a.D), jnp.bfloat16),  # noqa: E731
+                      jax.ShapeDtypeStruct((a.D, a.V), jnp.bfloat16), jax.ShapeDtypeStruct((a.B, t), jnp.int32))
+    for label, n_fn, c_fn in (("forward", naive, chunked), ("fwd+bwd", with_grad(naive), with_grad(chunked))):
+        (nt, n), (ct, c) = peak_bytes(n_fn, spec(a.T)), peak_bytes(c_fn, spec(a.T))
+        print(f"memory {label:8s} B={a.B} T={a.T} D={a.D} V={a.V} seq_chunk={a.seq_chunk} vocab_chunk={a.vocab_chunk}:"
+              f" temporaries naive {nt / 2**30:.3f} GiB, chunked {ct / 2**30:.3f} GiB, ratio {ct / nt:.3f} "
+              f"(goal <= 0.125); with args+outputs naive {n / 2**30:.2f} GiB, chunked {c / 2**30:.2f} GiB, ratio "
+              f"{c / n:.3f}; fits 24 GB: {c < 24e9}")
+    if a.time_T <= 0:
+        return
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    t = a.time_T
+    args = (jax.random.normal(k[0], (a.B, t, a.D), jnp.bfloat16),
+            (jax.random.normal(k[1], (a.D, a.V), jnp.float32) * 0.03).astype(jnp.bfloat16),
+            jax.random.randint(k[2], (a.B, t), 0, a.V))
+    for label, n_fn, c_fn in (("forward", naive, chunked), ("fwd+bwd", with_grad(naive), with_grad(chunked))):
+        tn, tc = timeit(n_fn, args, a.reps), timeit(c_fn, args, a.reps)
+        print(f"time   {label:8s} B={a.B} T={t}: naive {tn * 1e3:.1f} ms, chunked {tc * 1e3:.1f} ms, "
+              f"ratio chunked/naive = {tc / tn:.2f} (goal <= 1.3)")
+
+
+if __name__ == "__main__":
+    main()
