@@ -24,7 +24,7 @@ from stapo_jax.experience import collect_experience, heldout_accuracy
 from stapo_jax.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
-from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+from stapo_jax.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,16 @@ def _num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     return k
 
 
-def update_policy(state: TrainState, exp, step_fn, log_prob_fn, *, mini_rows: int, mesh=None):
+def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
+                  mesh=None):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
-    mini-batch of ``mini_rows`` sequences. Returns (state, metrics averaged over mini-batches)."""
+    mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: the first mini-batch may use a step
+    that takes its token statistics from the old-log-prob pass (θ = θ_old there, stapo_spec §3), saving the
+    S2T pre-pass. Returns (state, metrics averaged over mini-batches)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
-    put = (lambda x: jax.device_put(x, build_batch_sharding(mesh))) if mesh is not None else jnp.asarray
+    sharding = batch_sharding(mesh) if mesh is not None else None
+    put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
     old_lp, old_ent = [], []
     for s in range(0, exp.num_rows, mini_rows):
         lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
@@ -67,27 +71,23 @@ def update_policy(state: TrainState, exp, step_fn, log_prob_fn, *, mini_rows: in
         old_ent.append(np.asarray(ent))
     old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
     metrics: list[dict] = []
-    for s in range(0, exp.num_rows, mini_rows):
-        sl = slice(s, s + mini_rows)
-        rollout_lp = a.get("rollout_log_probs")
-        batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
-                      response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
-                      old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
-                      rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
-        state, m = step_fn(state, batch)
-        metrics.append(jax.device_get(m))
-    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    rollout_lp = a.get("rollout_log_probs")
+    for epoch in range(ppo_epochs):  # verl: ppo_epochs passes, mini-batches in order (shuffle false)
+        for s in range(0, exp.num_rows, mini_rows):
+            sl = slice(s, s + mini_rows)
+            batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
+                          response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
+                          old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
+                          rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
+            state, m = step_fns[0 if (epoch == 0 and s == 0) else 1](state, batch)
+            metrics.append(jax.device_get(m))
+    out = {k: float((np.sum if k in COUNT_METRICS else np.mean)([m[k] for m in metrics])) for k in metrics[0]}
     if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
         mask = a["response_mask"]
         gap = np.abs(old_lp - a["rollout_log_probs"])[mask]
         out["sampler_trainer/logp_diff_mean"] = float(gap.mean()) if gap.size else 0.0
         out["sampler_trainer/logp_diff_max"] = float(gap.max()) if gap.size else 0.0
     return state, out
-
-
-def build_batch_sharding(mesh):
-    from stapo_jax.train_step import batch_sharding
-    return batch_sharding(mesh)
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -132,8 +132,13 @@ def train(cfg: Config) -> dict[str, Any]:
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
-        step_fn = make_train_step(recipe, optimizer, num_micro_batches=k, vocab_size=model.config.vocab_size,
-                                  mesh=mesh, state_shardings=shardings, **common)
+        step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
+                       state_shardings=shardings, **common)
+        step_fn = make_train_step(recipe, optimizer, **step_kw)
+        first_fn = step_fn
+        if recipe.token_mask == "s2t" and recipe.s2t.stats_policy == "current" and \
+                recipe.s2t.quantile_scope == "minibatch":
+            first_fn = make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         rng = jax.random.key_data(jax.random.PRNGKey(t.seed))
@@ -144,6 +149,11 @@ def train(cfg: Config) -> dict[str, Any]:
             data_it.set_state(data_state["iterator"])
             logger.write(f"resumed from step {start} ({ckpt.directory})")
             rollout.sync_weights(state.params)
+        if cfg.rollout.mode != "inprocess":
+            log.warning("rollout.mode=%s: JetStream 0.2.2 cannot receive weights, so rollouts keep coming from the "
+                        "server's policy while the trainer's moves on (off-policy; ratios are still computed "
+                        "against the trainer's θ_old). Restart the server from a new export to refresh it.",
+                        cfg.rollout.mode)
         preempt = _Preemption()
         for step in range(start, t.total_steps):
             t0 = time.perf_counter()
@@ -152,13 +162,18 @@ def train(cfg: Config) -> dict[str, Any]:
             exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
                                      max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id)
             t1 = time.perf_counter()
-            state, m = update_policy(state, exp, step_fn, log_prob_fn, mini_rows=mini_rows, mesh=mesh)
+            state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
+                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh)
             t2 = time.perf_counter()
             sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
+            m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
             m.update(exp.metrics)
             n_tokens = float(exp.arrays["attention_mask"].sum())
             m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
                       "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
+            if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
+                m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
+                                                max_new_tokens=cfg.rollout.max_new_tokens)
             if step % t.log_every == 0 or step + 1 == t.total_steps:
                 logger.log(step + 1, m)
             ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
