@@ -1,0 +1,160 @@
+"""``stapo-jax plan`` on 8 simulated devices against the real thing: the abstract (no weights) train step and
+rollout decode step must compile to exactly the memory XLA reports for the same programs built from real,
+allocated arrays (``TrainState.create``, ``Qwen3Engine``); the analytic FLOPs must match XLA's count where XLA's
+count is exact (every loop runs once); and the CLI gives a fit verdict."""
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stapo_jax import plan
+from stapo_jax.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = """
+model: {{preset: null, vocab_size: 512, hidden_size: {d}, intermediate_size: {f}, num_hidden_layers: {layers},
+        num_attention_heads: 4, num_key_value_heads: 2, head_dim: {h}, max_position_embeddings: 256,
+        tie_word_embeddings: false, dtype: float32, param_dtype: float32, remat: {remat}}}
+tokenizer: {{kind: builtin}}
+data: {{max_prompt_length: 16}}
+rollout: {{n: 4, max_new_tokens: 32, max_concurrent_decodes: 8}}
+actor: {{ppo_mini_batch_size: {mini}, ppo_micro_batch_size: 1, logprob_seq_chunk: {chunk}}}
+trainer: {{train_batch_size: 8}}
+algorithm: {{recipe: {recipe}}}
+"""
+
+
+def tiny_cfg(tmp_path, layers=2, remat="none", mini=4, chunk=8, recipe="stapo", d=64, f=128, h=16):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(TINY.format(layers=layers, remat=remat, mini=mini, chunk=chunk, recipe=recipe, d=d, f=f, h=h))
+    return load_config(p), p
+
+
+def shard_nbytes(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("opt_state", ["trainer", "sharded"])
+def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
+    import optax
+
+    from models.qwen3 import Qwen3, Qwen3Config
+    from models.sharding import make_mesh
+    from stapo_jax.optim import make_optimizer
+    from stapo_jax.recipes import get_recipe
+    from stapo_jax.rollout import engine as eng
+    from stapo_jax.rollout.sampling import SamplingParams
+    from stapo_jax.train_step import Batch, TrainState, batch_sharding, make_train_step
+
+    cfg, _ = tiny_cfg(tmp_path)
+    spec = plan.make_spec(cfg, mesh="data=2,fsdp=4,tensor=1", opt_state=opt_state)
+    assert spec["devices"] == 8 and spec["num_micro_batches"] == 2 and spec["mini_batch_sequences"] == 16
+    result = plan.run_plan(spec)
+
+    # ---- the real side: allocated parameters, optimizer state, batch, engine
+    qcfg = Qwen3Config(**spec["model"])
+    mesh = make_mesh(data=2, fsdp=4, tensor=1)
+    o = spec["optim"]
+    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    model = Qwen3(qcfg, rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        state = TrainState.create(model, opt, mesh)
+        if opt_state == "sharded":  # the what-if: place the moments like their parameters
+            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            psh = jax.tree.map(lambda x: x.sharding, state.params)
+            osh = optax.tree_map_params(opt, lambda _, s: s, state.opt_state, psh, transform_non_params=lambda _: rep,
+                                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+            state = state.replace(opt_state=jax.device_put(state.opt_state, osh))
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = make_train_step(get_recipe("stapo"), opt, num_micro_batches=2, seq_chunk=8, vocab_size=512,
+                               mesh=mesh, state_shardings=shardings, donate=True)
+        b, t, r = 16, 48, 32
+        bs = batch_sharding(mesh)
+        put = lambda x: jax.device_put(x, bs)  # noqa: E731
+        batch = Batch(input_ids=put(jnp.zeros((b, t), jnp.int32)), attention_mask=put(jnp.ones((b, t), bool)),
+                      response_mask=put(jnp.ones((b, r), jnp.int32)), advantages=put(jnp.ones((b,), jnp.float32)),
+                      old_log_probs=put(jnp.zeros((b, r), jnp.float32)))
+        real_train = step.lower(state, batch).compile().memory_analysis()
+        engine = eng.Qwen3Engine(model, eng.EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
+                                                         max_decode_length=32), mesh=mesh)
+        dstate = engine.init_decode_state(0)
+        real_decode = eng._step_fn.lower(engine._spec, engine.load_params(), dstate,
+                                         SamplingParams()).compile().memory_analysis()
+
+    t_plan, d_plan = result["train"], result["decode"]
+    for key in ("argument", "output", "alias", "temp"):
+        assert t_plan["memory"][key] == getattr(real_train, f"{key}_size_in_bytes"), ("train", key)
+        assert d_plan["memory"][key] == getattr(real_decode, f"{key}_size_in_bytes"), ("decode", key)
+    assert t_plan["params_bytes"] == shard_nbytes(state.params)
+    assert t_plan["opt_state_bytes"] == shard_nbytes(state.opt_state)
+    assert d_plan["kv_cache_bytes"] == shard_nbytes((dstate.cache.k, dstate.cache.v))
+    # analytic cross-checks: parameter count, and the KV cache split evenly over the 8 slot shards
+    a = result["analytic"]
+    assert a["params"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert a["kv_cache_bytes_ideal"] == d_plan["kv_cache_bytes"] == 2 * 2 * 8 * 48 * 2 * 16 * 4 / 8
+    ideal = a["params"] * 4 / 4  # fsdp=4 shards, f32
+    assert t_plan["params_bytes"] == pytest.approx(ideal, rel=0.02)  # only norms (replicated) deviate
+    if opt_state == "sharded":
+        assert t_plan["opt_state_bytes"] == pytest.approx(2 * ideal, rel=0.02)
+    report = plan.format_report(result)
+    assert "train step (one mini-batch update)" in report and "KV cache" in report
+
+
+def test_analytic_flops_match_xla_when_every_loop_runs_once(tmp_path):
+    """XLA's cost analysis counts a while-loop body once; with 1 layer, 1 micro-batch and one sequence chunk every
+    loop runs once, so its count is the program's true count and must agree with the analytic formula (which
+    counts matmuls only; elementwise work, the optimizer and the diagnostics add ~10% at this size). Without remat:
+    XLA:CPU's count of a checkpointed single-iteration scan does not include the recompute."""
+    cfg, _ = tiny_cfg(tmp_path, layers=1, remat="none", mini=2, chunk=32, d=512, f=2048, h=128)
+    spec = plan.make_spec(cfg, mesh="data=8,fsdp=1,tensor=1")
+    assert spec["num_micro_batches"] == 1
+    result = plan.run_plan(spec)
+    xla_train = result["train"]["flops_per_device"] * spec["devices"]
+    xla_decode = result["decode"]["flops_per_device"] * spec["devices"]
+    # matmuls are a lower bound; AdamW, clipping, softmaxes and the S2T diagnostics add ~10% at this size
+    assert result["analytic"]["train_flops_per_update"] <= xla_train <= 1.15 * result["analytic"]["train_flops_per_update"]
+    assert xla_decode == pytest.approx(result["analytic"]["decode_flops_per_step"], rel=0.03)
+
+
+def test_make_spec_paper_configs_and_errors(tmp_path):
+    cfg = load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml")
+    spec = plan.make_spec(cfg, mesh="tpu-v5p-64")
+    assert spec["mesh"] == {"data": 1, "fsdp": 32, "tensor": 1} and spec["devices"] == 32
+    assert spec["hbm_gb"] == 95.0 and spec["device_kind"] == "tpu-v5p"
+    assert (spec["mini_batch_sequences"], spec["num_micro_batches"], spec["updates_per_step"]) == (512, 16, 4)
+    assert (spec["prompt_length"], spec["response_length"]) == (1024, 15360)
+    from models.qwen3 import Qwen3Config, param_count
+    assert param_count(Qwen3Config(**spec["model"])) == 14_768_307_200  # Qwen3-14B (conventions.md §6: 14.768B)
+    assert plan.analytic(spec, Qwen3Config(**spec["model"]))["params"] == 14_768_307_200
+    small = plan.make_spec(load_config(REPO / "configs/paper/qwen3-1.7b-base-stapo.yaml"),
+                           mesh=str(REPO / "configs/mesh/gpu-8xh200.yaml"))
+    assert small["hbm_gb"] == 141.0 and small["devices"] == 8 and small["num_micro_batches"] == 64
+    assert plan.make_spec(cfg, mesh="data=1,fsdp=-1,tensor=2", devices=64)["mesh"]["fsdp"] == 32
+    with pytest.raises(plan.PlanError, match="pass --devices"):
+        plan.make_spec(cfg, mesh="data=1,fsdp=-1")
+    with pytest.raises(plan.PlanError, match="unknown axis 'pipe'"):
+        plan.make_spec(cfg, mesh="pipe=2")
+    with pytest.raises(plan.PlanError, match="has 8 devices, --devices says 16"):
+        plan.make_spec(cfg, mesh="fsdp=8", devices=16)
+    with pytest.raises(plan.PlanError, match="ppo_micro_batch_size"):  # 512 sequences / 64 shards = 8, not / 3
+        plan.make_spec(load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml",
+                                   ["actor.ppo_micro_batch_size=3"]), mesh="fsdp=64")
+    with pytest.raises(plan.PlanError, match="no such file"):
+        plan.make_spec(cfg, mesh="tpu-v9-1024")
+
+
+def test_cli_fit_verdict(tmp_path, capsys):
+    _, path = tiny_cfg(tmp_path)
+    rc = plan.main(["--config", str(path), "--mesh", "data=2,fsdp=4,tensor=1", "--only", "train",
+                    "--hbm-gb", "1e-6", "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert rc == 1 and "train step:" in out and "DOES NOT FIT" in out
+    import json
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["spec"]["devices"] == 8 and "decode" not in data and data["train"]["memory"]["temp"] > 0
+    assert math.isclose(plan.fits({**data, "spec": {**data["spec"], "hbm_gb": 1.0}}), True)
+    assert plan.main(["--config", str(path), "--mesh", "nope=1"]) == 2
