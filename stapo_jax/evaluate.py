@@ -791,7 +791,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     generate = engine_generator(driver, tokenizer, batch_prompts=args.batch_prompts)
     graders = make_graders(grader_names, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     label = args.label or cfg.model.path or cfg.model.preset or "from-scratch"
-    import math_verify  # noqa: F401  (version recorded below)
     from importlib.metadata import version
 
     meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset, "model_name": _paper_size(cfg) or Path(str(label)).name,
