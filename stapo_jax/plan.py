@@ -133,8 +133,8 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
       devices: device count (resolves a ``-1`` axis; checked against the mesh otherwise).
       hbm_gb: device memory in GB (decimal) for the fit verdict; default from the mesh preset's name.
       decode, train: which programs to plan.
-      opt_state: ``"trainer"`` (the optimizer-state shardings ``TrainState.create`` produces) or ``"sharded"``
-        (moments sharded like their parameters); see :func:`abstract_train_state`.
+      opt_state: ``"trainer"`` (the optimizer-state shardings ``TrainState.create`` produces: moments sharded
+        like their parameters) or ``"replicated"`` (what-if); see :func:`abstract_train_state`.
     Returns:
       dict with ``model`` (Qwen3Config fields), ``mesh`` sizes, ``devices``, ``hbm_gb``, batch shapes, ``recipe``,
       optimizer and engine settings.
@@ -232,34 +232,31 @@ def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
 
     Parameters follow ``models.sharding.param_shardings``. The optimizer state's shardings:
 
-    * ``"trainer"``: what ``stapo_jax.train_step.TrainState.create`` gives them (``jit(optimizer.init)`` of the
-      placed parameters; XLA chooses the output shardings);
-    * ``"sharded"``: every parameter-shaped leaf (AdamW ``mu``/``nu``) sharded like its parameter, scalars
-      replicated (``optax.tree_map_params``), i.e. ZeRO-3 for the moments.
+    * ``"trainer"``: what ``stapo_jax.train_step.TrainState.create`` places (``optimizer_state_shardings``:
+      AdamW moments sharded like their parameters, scalars replicated);
+    * ``"replicated"``: the what-if of a plain ``jit(optimizer.init)``, whose moments XLA replicates.
     """
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from models.qwen3 import Qwen3
     from models.sharding import param_shardings
-    from stapo_jax.train_step import TrainState
+    from stapo_jax.train_step import TrainState, optimizer_state_shardings
 
-    if opt_state not in ("trainer", "sharded"):
-        raise PlanError(f"opt_state={opt_state!r}: expected 'trainer' or 'sharded'")
+    if opt_state not in ("trainer", "replicated"):
+        raise PlanError(f"opt_state={opt_state!r}: expected 'trainer' or 'replicated'")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
     p_sh = param_shardings(params, mesh)
     params = _abstract(params, p_sh)
     rep = NamedSharding(mesh, P())
     opt_abs = jax.eval_shape(optimizer.init, params)
-    if opt_state == "trainer":
+    if opt_state == "trainer":  # what TrainState.create places: moments sharded like their parameters
+        opt_sh = optimizer_state_shardings(optimizer, params, p_sh, mesh)
+    else:  # what-if: XLA's choice for a plain jit(optimizer.init) (replicated moments)
         opt_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
-    else:
-        opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abs, p_sh, transform_non_params=lambda _: rep,
-                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
     opt_state_abs = _abstract(opt_abs, opt_sh)
     state = TrainState(params=params, opt_state=opt_state_abs,
                        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), graphdef=graphdef)
@@ -520,9 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="device count (needed when the mesh has a -1 axis)")
     p.add_argument("--hbm-gb", type=float, help="memory per device in GB (default: from the mesh preset name)")
     p.add_argument("--only", choices=("train", "decode"), help="plan only one of the two programs")
-    p.add_argument("--opt-state", choices=("trainer", "sharded"), default="trainer",
-                   help="optimizer-state shardings: as TrainState.create makes them (default), or AdamW moments "
-                        "sharded like their parameters (what-if)")
+    p.add_argument("--opt-state", choices=("trainer", "replicated"), default="trainer",
+                   help="optimizer-state shardings: as TrainState.create makes them (default: AdamW moments "
+                        "sharded like their parameters), or replicated (what-if of a plain jit(optimizer.init))")
     p.add_argument("--json", help="also write the full result as JSON here")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
