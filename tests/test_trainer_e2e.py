@@ -241,7 +241,7 @@ def _config_error(tmp_path, *overrides, yaml_extra=None):
      ["unknown config key 'actor.clip_ratio_hgh'", "did you mean 'actor.clip_ratio_high'"]),
     ([], {"trainer": {"totl_steps": 3}},
      ["unknown config key 'trainer.totl_steps'", "did you mean 'trainer.total_steps'"]),
-    (["rollout.n=eight"], None, ["rollout.n", "eight"]),
+    (["rollout.n=eight"], None, ["rollout.n: expected int, got str 'eight'"]),
 ])
 def test_config_errors_through_the_cli(tmp_path, overrides, yaml_extra, expected):
     r = _config_error(tmp_path, *overrides, yaml_extra=yaml_extra)
