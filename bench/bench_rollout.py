@@ -2,11 +2,14 @@
 CPU, KV cache) on the same weights, in one process; plus the weight-sync time of the driver.
 
 Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
-exactly B*128 tokens). Throughput = generated tokens / wall time of one full ``generate`` call, after a
-warm-up call (ours: the same compiled shapes via a 2-token run; HF: a 2-token run). Ours includes prefill,
+exactly B*128 tokens). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
+tiny, 1 for 0.6b; ours and HF alternate), after a warm-up call (ours: the same compiled shapes via a 2-token
+run; HF: 2-token runs). Ours includes prefill,
 per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
 log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
-weights can have near-ties, so it need not be 1.0 on the big model).
+weights can have near-ties, so it need not be 1.0 on the big model). Ours is timed with the driver's
+``steps_per_sync`` = 1 (default: host round trip and refill after every step) and, for tiny, 8 (eight
+steps per jitted call).
 
 Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
 ``../shared/data/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
@@ -61,7 +64,8 @@ def model_config(name: str) -> Qwen3Config:
     raise SystemExit(f"unknown model {name!r}: expected tiny or 0.6b")
 
 
-def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int) -> dict:
+def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: int,
+              steps_per_sync: tuple[int, ...]) -> dict:
     cfg = model_config(name)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     hf = hf_copy(model, cfg)
@@ -71,14 +75,12 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int) -> dict:
     engine = Qwen3Engine(model, EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                                              max_decode_length=new_tokens, sampling=SamplingParams(greedy=True),
                                              eos_token_ids=()))
-    driver = RolloutDriver(engine, pad_token_id=0)
+    drivers = {k: RolloutDriver(engine, pad_token_id=0, steps_per_sync=k) for k in steps_per_sync}
+    driver = drivers[steps_per_sync[0]]
     t0 = time.perf_counter()
-    driver.generate(list(prompts), max_new_tokens=2)  # compiles prefill/insert/step (shapes do not depend on N)
+    for d in drivers.values():  # compiles prefill/insert/step (shapes do not depend on N)
+        d.generate(list(prompts), max_new_tokens=2 * d.steps_per_sync)
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ours = driver.generate(list(prompts), max_new_tokens=new_tokens)
-    ours_s = time.perf_counter() - t0
-    assert ours.response_lengths.min() == new_tokens
 
     ids = torch.from_numpy(prompts.astype(np.int64))
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True, eos_token_id=None,
@@ -93,9 +95,18 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int) -> dict:
             probe[threads] = time.perf_counter() - t0
         torch_threads = min(probe, key=probe.get)
         torch.set_num_threads(torch_threads)
-        t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        hf_s = time.perf_counter() - t0
+        ours_times, hf_times = {k: [] for k in drivers}, []
+        for _ in range(repeats):  # alternate the sides so load changes hit all alike
+            for k, d in drivers.items():
+                t0 = time.perf_counter()
+                ours = d.generate(list(prompts), max_new_tokens=new_tokens)
+                ours_times[k].append(time.perf_counter() - t0)
+                assert ours.response_lengths.min() == new_tokens
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            hf_times.append(time.perf_counter() - t0)
+        hf_s = statistics.median(hf_times)
+        ours_s = {k: statistics.median(v) for k, v in ours_times.items()}
     hf_tokens = out[:, prompt_len:].numpy()
     same_rows = float(np.mean(np.all(hf_tokens == ours.responses, axis=1)))
     n = batch * new_tokens
@@ -105,8 +116,8 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int) -> dict:
     host_state = jax.tree.map(np.asarray, state)
     host_s = statistics.median(driver.sync_weights(host_state) for _ in range(3))
     mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
-    return dict(model=name, torch_threads=torch_threads, ours_tok_s=n / ours_s, hf_tok_s=n / hf_s, ratio=hf_s / ours_s, ours_s=ours_s,
-                hf_s=hf_s, compile_s=compile_s, same_rows=same_rows, sync_device_s=device_s, sync_host_s=host_s,
+    return dict(model=name, repeats=repeats, torch_threads=torch_threads, ours_s=ours_s, hf_tok_s=n / hf_s,
+                n=n, hf_s=hf_s, compile_s=compile_s, same_rows=same_rows, sync_device_s=device_s, sync_host_s=host_s,
                 param_mib=mib)
 
 
@@ -116,16 +127,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per side, alternating, median reported (default: 5 for tiny, 1 for 0.6b)")
+    p.add_argument("--steps-per-sync", default=None,
+                   help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), load avg {os.getloadavg()[0]:.2f}", flush=True)
     print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
     for name in args.models.split(","):
-        r = bench_one(name.strip(), args.batch, args.new_tokens, args.prompt_len)
-        print(f"[{r['model']}] ours {r['ours_tok_s']:.1f} tok/s ({r['ours_s']:.2f} s; compile+warm-up "
-              f"{r['compile_s']:.1f} s) | HF generate {r['hf_tok_s']:.1f} tok/s ({r['hf_s']:.2f} s, "
-              f"{r['torch_threads']} torch thread(s), the faster of 1 and all) | "
-              f"ratio ours/HF = {r['ratio']:.2f}x | identical greedy rows {r['same_rows']:.2f}", flush=True)
+        name = name.strip()
+        repeats = args.repeats or (5 if name == "tiny" else 1)
+        k = tuple(int(x) for x in (args.steps_per_sync or ("1,8" if name == "tiny" else "1")).split(","))
+        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k)
+        print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s (median of {r['repeats']}: {r['hf_s']:.2f} s, "
+              f"{r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
+        for k, sec in r["ours_s"].items():
+            print(f"[{r['model']}] ours steps_per_sync={k}: {r['n'] / sec:.1f} tok/s ({sec:.2f} s) | ratio ours/HF = "
+                  f"{r['hf_s'] / sec:.2f}x | identical greedy rows {r['same_rows']:.2f}", flush=True)
+        print(f"[{r['model']}] compile + warm-up of ours: {r['compile_s']:.1f} s", flush=True)
         print(f"[{r['model']}] weight sync ({r['param_mib']:.0f} MiB): device-resident {r['sync_device_s'] * 1e3:.1f} ms,"
               f" from host numpy {r['sync_host_s'] * 1e3:.1f} ms; load avg {os.getloadavg()[0]:.2f}", flush=True)
     return 0

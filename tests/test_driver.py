@@ -39,6 +39,11 @@ def test_continuous_batching_more_samples_than_slots_equals_one_wave(wide):
     waves = sum(lengths[i:i + 4].max() for i in range(0, len(lengths), 4))
     assert len(steps) <= int(np.ceil(lengths.sum() / 4)) + lengths.max()
     assert len(steps) < waves
+    # Several steps per host round trip (lax.scan inside one jitted call): same samples.
+    chunked = driver(4, steps_per_sync=5).generate(PROMPTS, num_samples=3, max_new_tokens=12, seed=5)
+    np.testing.assert_array_equal(chunked.responses, wide.responses)
+    np.testing.assert_allclose(chunked.rollout_log_probs, wide.rollout_log_probs, atol=1e-5)
+    assert chunked.finish_reasons == wide.finish_reasons
 
 
 def test_groups_eos_and_padding(wide):
@@ -109,6 +114,8 @@ def test_bad_input_raises_clear_errors(prompts, kwargs, error, match):
         driver(2).generate(prompts, **kwargs)
 
 
-def test_bad_truncation_mode():
+def test_bad_driver_settings():
     with pytest.raises(RolloutInputError, match="prompt_truncation"):
         driver(2, prompt_truncation="middle")
+    with pytest.raises(RolloutInputError, match="steps_per_sync"):
+        driver(2, steps_per_sync=0)

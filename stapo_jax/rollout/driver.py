@@ -5,7 +5,8 @@
 * each prompt is prefilled once and its prefix inserted into G slots (group sampling);
 * all slots decode together with one jitted step per token; after every step the host reads the step's
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
-  refilled with the next pending sample **before the next step** (continuous batching);
+  refilled with the next pending sample **before the next step** (continuous batching; with
+  ``steps_per_sync=k`` the host syncs, and refills, every k steps);
 * prefill, insert and step are jitted; parameters are ordinary arguments, so :meth:`RolloutDriver.sync_weights`
   swaps in new weights of the same shapes/shardings without recompiling.
 
@@ -164,10 +165,19 @@ class RolloutDriver:
         ``engine.max_prefill_length``.
       pad_token_id: fill value of ``responses`` after a row ends; default the tokenizer/config pad
         (151643 for Qwen3). Masks come from lengths, never from this id (conventions §6).
+      steps_per_sync: decode steps per jitted call and host round trip (>= 1). 1 (default) refills a
+        finished slot before the very next step; k > 1 refills after the current chunk of k steps (a finished
+        slot idles at most k - 1 steps) and saves per-step dispatch/transfer overhead, which matters for
+        small models. Results do not depend on it.
+    Raises:
+      RolloutInputError: unknown ``prompt_truncation`` or ``steps_per_sync`` < 1.
     """
 
     def __init__(self, engine: Qwen3Engine, *, prompt_truncation: str = "error",
-                 pad_token_id: Optional[int] = None):
+                 pad_token_id: Optional[int] = None, steps_per_sync: int = 1):
+        if isinstance(steps_per_sync, bool) or not isinstance(steps_per_sync, int) or steps_per_sync < 1:
+            raise RolloutInputError(f"steps_per_sync must be an int >= 1, got {steps_per_sync!r}")
+        self.steps_per_sync = steps_per_sync
         if prompt_truncation not in TRUNCATION_MODES:
             raise RolloutInputError(f"prompt_truncation must be one of {TRUNCATION_MODES}, got {prompt_truncation!r}")
         self.engine = engine
@@ -247,17 +257,24 @@ class RolloutDriver:
                     del prefixes[i]
                 slot_row[slot] = row
                 n_active += 1
-            state, out = eng.step(params, state, sampling)
+            k = self.steps_per_sync
+            if k == 1:
+                state, out = eng.step(params, state, sampling)
+            else:
+                state, out = eng.multi_step(params, state, k, sampling)
             data, log_probs, done = jax.device_get((out.result.data, out.log_probs, out.done))
-            for slot in np.nonzero(slot_row >= 0)[0]:
-                row = int(slot_row[slot])
-                if not data[slot, 1]:
-                    raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
-                rows[row].append(int(data[slot, 0]))
-                row_lps[row].append(float(log_probs[slot]))
-                if done[slot]:
-                    slot_row[slot] = -1
-                    free.append(int(slot))
-                    n_active -= 1
+            if k == 1:
+                data, log_probs, done = data[None], log_probs[None], done[None]
+            for j in range(k):
+                for slot in np.nonzero(slot_row >= 0)[0]:
+                    row = int(slot_row[slot])
+                    if not data[j, slot, 1]:
+                        raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
+                    rows[row].append(int(data[j, slot, 0]))
+                    row_lps[row].append(float(log_probs[j, slot]))
+                    if done[j, slot]:
+                        slot_row[slot] = -1
+                        free.append(int(slot))
+                        n_active -= 1
         return assemble_batch(prompts, g_size, max_new_tokens, rows, row_lps, eng.eos_token_ids,
                               self.pad_token_id)

@@ -241,13 +241,25 @@ def _fit_axes(mesh, axes: Sequence[str], dim: int):
 # ------------------------------------------------------------------------------------------ jitted steps
 # Module-level jitted functions keyed on a hashable static _Spec, so engines over the same model structure and
 # settings (e.g. a test suite, or a rollout and an eval engine) share compiled code.
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Spec:
     graphdef: Any
     model_config: Qwen3Config
     config: EngineConfig
     eos_token_ids: tuple
     state_shardings: Any  # DecodeState of NamedSharding
+
+    def _key(self):
+        return (self.graphdef, self.model_config, self.config, self.eos_token_ids, self.state_shardings)
+
+    def __post_init__(self):  # jit hashes static args on every call: compute the hash once
+        object.__setattr__(self, "_hash", hash(self._key()))
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _Spec) and self._hash == other._hash and self._key() == other._key())
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -307,8 +319,7 @@ def _init_fn(spec: _Spec, rng) -> DecodeState:
     return jax.lax.with_sharding_constraint(state, spec.state_shardings)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-def _step_fn(spec: _Spec, params, state: DecodeState, sampling: SamplingParams):
+def _step_body(spec: _Spec, params, state: DecodeState, sampling: SamplingParams):
     """One token for every slot; see :meth:`Qwen3Engine.step`."""
     active = ~state.done
     logits, cache = model_decode.decode_step(spec.graphdef, params, state.next_token, state.cache, active)
@@ -326,6 +337,14 @@ def _step_fn(spec: _Spec, params, state: DecodeState, sampling: SamplingParams):
     result = engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
                                      samples_per_slot=1)
     return new_state, StepOutput(result=result, log_probs=log_probs, done=done)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
+def _step_fn(spec: _Spec, params, state: DecodeState, sampling: SamplingParams, num_steps: int = 1):
+    """``num_steps`` decode steps in one call; outputs gain a leading [num_steps] axis when > 1."""
+    if num_steps == 1:
+        return _step_body(spec, params, state, sampling)
+    return jax.lax.scan(lambda st, _: _step_body(spec, params, st, sampling), state, None, length=num_steps)
 
 
 class Qwen3Engine(engine_api.Engine):
@@ -413,7 +432,24 @@ class Qwen3Engine(engine_api.Engine):
           ``(new_state, StepOutput)``.
         """
         with jax.set_mesh(self._mesh):
-            return _step_fn(self._spec, params, decode_state, sampling or self.config.sampling)
+            return _step_fn(self._spec, params, decode_state, sampling or self.config.sampling, 1)
+
+    def multi_step(self, params, decode_state: DecodeState, num_steps: int,
+                   sampling: Optional[SamplingParams] = None) -> tuple[DecodeState, StepOutput]:
+        """``num_steps`` (static, >= 1) decode steps in one jitted call (``lax.scan``), one host round trip.
+
+        Returns:
+          ``(new_state, StepOutput)`` whose leaves have a leading ``[num_steps]`` axis when ``num_steps`` > 1
+          (``result.data`` [num_steps, B, 3], ``log_probs`` / ``done`` [num_steps, B]). A slot that finishes
+          inside the chunk returns ``valid = 0`` for the rest of it. Tokens equal ``num_steps`` calls of
+          :meth:`step` (the random keys depend on the token index, not on the call).
+        Raises:
+          ValueError: ``num_steps`` < 1.
+        """
+        if int(num_steps) < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        with jax.set_mesh(self._mesh):
+            return _step_fn(self._spec, params, decode_state, sampling or self.config.sampling, int(num_steps))
 
     def place_params(self, params) -> Any:
         """Check ``params`` against the engine's parameters and place them with the engine's shardings.
