@@ -15,7 +15,6 @@ COMMANDS = {
     "check": ("stapo_jax.check", "recompute a dumped PyTorch batch and compare losses/metrics"),
     "plot": ("stapo_jax.plots", "PNG curves from a run directory's metrics"),
     "plan": ("stapo_jax.plan", "per-device memory and FLOPs of a run, without allocating weights"),
-    "convert": ("stapo_jax.convert", "convert checkpoints (Orbax <-> HF safetensors)"),
     "demo": ("stapo_jax.demo", "load or build a Qwen3 and greedy-decode a prompt"),
 }
 
@@ -38,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stapo-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except (ValueError, FileNotFoundError) as e:  # bad input (ConfigError, DataError, ...): one clear line
+        print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

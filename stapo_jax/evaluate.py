@@ -729,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``stapo-jax eval``; returns the exit code (0 on success, 2 on a configuration or data error)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     from stapo_jax.config import ConfigError, load_config
     from stapo_jax.data import DataError
 

@@ -62,6 +62,12 @@ class MetricsLogger:
             self._bar.set_postfix({k: f"{row[k]:.4g}" for k in _BAR_KEYS if isinstance(row.get(k), (int, float))})
         return row
 
+    def skip_to(self, step: int) -> None:
+        """Start the progress bar at ``step`` (a resumed run)."""
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
     def write(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
         if self._bar is not None:
@@ -78,7 +84,8 @@ class MetricsLogger:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Rows of a ``metrics.jsonl`` file (or a run directory containing one).
+    """Rows of a ``metrics.jsonl`` file (or a run directory containing one), one per step: when a resumed run
+    re-did steps, the last row written for a step wins; rows are sorted by step.
 
     Raises:
       FileNotFoundError: no metrics file at ``path``.
@@ -96,4 +103,5 @@ def read_metrics(path: str) -> list[dict]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not a JSON line ({e})") from e
-    return rows
+    last = {r.get("step"): r for r in rows}
+    return [last[k] for k in sorted(last, key=lambda k: (k is None, k or 0))]

@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", default=None)
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, force=True)
     cfg = load_config(a.config, a.overrides)
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)

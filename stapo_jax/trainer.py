@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.multihost_utils import global_array_to_host_local_array
 
 from stapo_jax import build
 from stapo_jax.checkpoint import Checkpointer
@@ -44,6 +45,7 @@ class _Preemption:
 
 
 def _num_micro_batches(cfg: Config, rows: int, mesh) -> int:
+    """K micro-batches per mini-batch of ``rows`` sequences (global over processes)."""
     dp = int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
     per_device = rows // dp
     k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
@@ -61,14 +63,17 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     S2T pre-pass. Returns (state, metrics averaged over mini-batches)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
+    # each process holds its own rows (multi-controller): local numpy <-> global row-sharded arrays
     sharding = batch_sharding(mesh) if mesh is not None else None
-    put = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
+    put = (lambda x: jax.make_array_from_process_local_data(sharding, x)) if sharding is not None else jnp.asarray
+    get = (lambda x: np.asarray(global_array_to_host_local_array(x, mesh, sharding.spec))) if sharding is not None \
+        else np.asarray
     old_lp, old_ent = [], []
     for s in range(0, exp.num_rows, mini_rows):
         lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
                               put(a["attention_mask"][s:s + mini_rows]), R)
-        old_lp.append(np.asarray(lp))
-        old_ent.append(np.asarray(ent))
+        old_lp.append(get(lp))
+        old_ent.append(get(ent))
     old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
     metrics: list[dict] = []
     rollout_lp = a.get("rollout_log_probs")
@@ -102,7 +107,9 @@ def train(cfg: Config) -> dict[str, Any]:
     t = cfg.trainer
     run_dir = os.path.abspath(t.run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    cfg.save(run_dir)
+    main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
+    if main_process:
+        cfg.save(run_dir)
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -113,13 +120,15 @@ def train(cfg: Config) -> dict[str, Any]:
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     resuming = t.resume and ckpt.latest_step() is not None
-    logger = MetricsLogger(run_dir, t.total_steps)
+    logger = MetricsLogger(run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"),
+                           t.total_steps, tensorboard=main_process, progress=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
+    preempt = _Preemption()  # from here on SIGTERM means: finish the current phase, save, exit 0
     try:
         if cfg.sft.steps and not resuming:
             _sft_warmup(cfg, model, train_ds.examples, tok, logger)
         rollout = build_rollout(cfg, model, mesh, tok)
-        if val_examples:
+        if val_examples and not resuming:
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
             summary["heldout_acc_before"] = acc
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
@@ -127,8 +136,8 @@ def train(cfg: Config) -> dict[str, Any]:
         optimizer = build.build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
         G = cfg.rollout.n
-        mini_rows = cfg.actor.ppo_mini_batch_size * G
-        k = _num_micro_batches(cfg, mini_rows, mesh)
+        mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
+        k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -149,13 +158,14 @@ def train(cfg: Config) -> dict[str, Any]:
             data_it.set_state(data_state["iterator"])
             logger.write(f"resumed from step {start} ({ckpt.directory})")
             rollout.sync_weights(state.params)
+            logger.skip_to(start)
         if cfg.rollout.mode != "inprocess":
             log.warning("rollout.mode=%s: JetStream 0.2.2 cannot receive weights, so rollouts keep coming from the "
                         "server's policy while the trainer's moves on (off-policy; ratios are still computed "
                         "against the trainer's θ_old). Restart the server from a new export to refresh it.",
                         cfg.rollout.mode)
-        preempt = _Preemption()
-        for step in range(start, t.total_steps):
+        summary["final_step"] = start
+        for step in range(start, t.total_steps if not preempt.requested else start):
             t0 = time.perf_counter()
             rng, sub = jax.random.split(rng)
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
@@ -179,32 +189,48 @@ def train(cfg: Config) -> dict[str, Any]:
             ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
                       meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
                       force=preempt.requested or step + 1 == t.total_steps)
+            summary["final_step"] = step + 1
             if preempt.requested:
-                ckpt.wait()
-                logger.write(f"SIGTERM: saved step {step + 1} and stopping")
-                summary["preempted"] = True
                 break
-        preempt.restore()
         ckpt.wait()
+        summary["optimizer_steps"] = int(state.step)
+        if preempt.requested:
+            logger.write(f"SIGTERM: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")
+            summary["preempted"] = True
         nnx.update(model, state.params)
-        summary["final_step"] = int(state.step)
         if val_examples and not summary.get("preempted"):
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
             summary["heldout_acc_after"] = acc
             logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
-        if t.export_hf and not summary.get("preempted"):
-            from models.hf import save_hf_checkpoint
-            out = os.path.join(run_dir, "hf")
-            save_hf_checkpoint(model, model.config, out)
-            tok.save_pretrained(out)
-            summary["hf_export"] = out
+        if t.export_hf and jax.process_count() > 1:
+            log.warning("trainer.export_hf: multi-process export is not supported; export the last Orbax "
+                        "checkpoint from a single process")
+        elif t.export_hf and not summary.get("preempted"):
+            summary["hf_export"] = _export_hf(model, tok, os.path.join(run_dir, "hf"))
     finally:
+        preempt.restore()
         logger.close()
         ckpt.close()
         scorer.close()
-    _write_plots(run_dir, summary)
-    _write_summary(run_dir, summary)
+    if main_process:
+        _write_plots(run_dir, summary)
+        _write_summary(run_dir, summary)
     return summary
+
+
+def _export_hf(model, tok, out: str) -> str:
+    """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it)."""
+    import shutil
+
+    from models.hf import save_hf_checkpoint
+
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(model, model.config, tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
 
 
 def _val_examples(cfg: Config, tok) -> list[dict]:
@@ -239,10 +265,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", required=False, default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.28")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # absl (via orbax) installs a WARNING root handler first
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
+    from stapo_jax.distributed import initialize
+
+    initialize()  # multi-controller (TPU pod / SLURM) before any device is touched; no-op on one process
     cfg = load_config(a.config, a.overrides)
     summary = train(cfg)
-    for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "run_dir", "hf_export"):
+    for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "preempted", "run_dir", "hf_export"):
         if key in summary:
             print(f"{key}: {summary[key]}")
     return 0
