@@ -6,8 +6,9 @@ prompt ``uid``). All functions are jit-able given a static ``num_groups``; rows 
 Conventions (conventions.md §1.3, verl ``compute_grpo_outcome_advantage`` / ``compute_rloo_outcome_advantage``):
 
 * GRPO: ``A = (R - mean) / (std + epsilon)`` with ``std`` of ddof 1 (``torch.std``), ``epsilon = 1e-6``.
-* A single-sample group has mean 0 and std 1, so ``A = R / (1 + epsilon)`` (GRPO) or ``A = R`` (Dr.GRPO,
-  RLOO), exactly as verl.
+* A single-sample group has no baseline: by default its advantage is 0 (``single_sample="zero"``, the
+  issue's rule; Tunix rejects G = 1). ``single_sample="verl"`` gives verl's mean 0 / std 1, i.e.
+  ``A = R / (1 + epsilon)`` (GRPO) or ``A = R`` (Dr.GRPO, RLOO), for parity checks.
 * A group whose rewards are all equal gets exactly 0 (never NaN, never a rounding residue).
 """
 
@@ -72,6 +73,7 @@ def grpo_advantages(
     epsilon: float = 1e-6,
     ddof: int = 1,
     norm_adv_by_std_in_grpo: bool = True,
+    single_sample: str = "zero",
 ) -> jax.Array:
     """GRPO group z-score advantage.
 
@@ -82,10 +84,11 @@ def grpo_advantages(
       epsilon: added to the std (verl 1e-6; TRL uses 1e-4).
       ddof: delta degrees of freedom of the std (1 = unbiased, verl/TRL/Tunix; 0 = MaxText).
       norm_adv_by_std_in_grpo: False gives Dr.GRPO, ``R - mean`` (verl's switch of the same name).
+      single_sample: ``"zero"`` (default) or ``"verl"``: the advantage of a group with one response.
 
     Returns:
-      ``[N]`` advantages, float dtype of ``rewards``. Single-sample groups: ``R/(1+epsilon)`` (or ``R``);
-      all-equal groups: exactly 0.
+      ``[N]`` advantages, float dtype of ``rewards``. Single-sample groups: 0 (``"verl"``: ``R/(1+epsilon)``
+      or ``R``); all-equal groups: exactly 0.
 
     Raises:
       ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, or ``num_groups``
@@ -94,6 +97,7 @@ def grpo_advantages(
     Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
     """
     _check(rewards, group_ids)
+    _check_single_sample(single_sample)
     r = _float(rewards)
     count, mean, std, constant = _group_stats(r, group_ids, num_groups, ddof)
     single = count <= 1
@@ -101,30 +105,42 @@ def grpo_advantages(
     std = jnp.where(single, 1.0, std)
     centred = r - mean
     adv = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
-    return jnp.where(constant & ~single, jnp.zeros_like(adv), adv)
+    return _zero_groups(adv, constant, single, single_sample)
 
 
-def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, **_unused) -> jax.Array:
+def _check_single_sample(single_sample: str) -> None:
+    if single_sample not in ("zero", "verl"):
+        raise ValueError(f"single_sample must be 'zero' or 'verl', got {single_sample!r}")
+
+
+def _zero_groups(adv, constant, single, single_sample):
+    zero = (constant & ~single) | (single if single_sample == "zero" else False)
+    return jnp.where(zero, jnp.zeros_like(adv), adv)
+
+
+def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero", **_unused) -> jax.Array:
     """Dr.GRPO advantage ``R - mean_group(R)`` (no std normalisation).
 
     Shapes, dtypes, errors and single-sample/constant-group rules as :func:`grpo_advantages`.
     Source: Liu et al. 2503.20783; verl ``norm_adv_by_std_in_grpo=False``.
     """
-    return grpo_advantages(rewards, group_ids, num_groups=num_groups, norm_adv_by_std_in_grpo=False)
+    return grpo_advantages(rewards, group_ids, num_groups=num_groups, norm_adv_by_std_in_grpo=False,
+                           single_sample=single_sample)
 
 
-def rloo_advantages(rewards, group_ids, *, num_groups=None, **_unused) -> jax.Array:
+def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero", **_unused) -> jax.Array:
     """RLOO leave-one-out advantage ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean)``.
 
-    Args/returns as :func:`grpo_advantages`. A single-sample group keeps ``R`` (verl); all-equal groups: 0.
+    Args/returns as :func:`grpo_advantages`. A single-sample group: 0 (``"verl"``: keeps ``R``); all-equal: 0.
     Source: Ahmadian et al. 2402.14740; verl ``compute_rloo_outcome_advantage``.
     """
     _check(rewards, group_ids)
+    _check_single_sample(single_sample)
     r = _float(rewards)
     count, mean, _, constant = _group_stats(r, group_ids, num_groups, 0)
     single = count <= 1
     adv = jnp.where(single, r, (r - mean) * count / jnp.maximum(count - 1, 1))
-    return jnp.where(constant & ~single, jnp.zeros_like(adv), adv)
+    return _zero_groups(adv, constant, single, single_sample)
 
 
 ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}

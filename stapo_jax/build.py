@@ -5,6 +5,7 @@ Shared by ``train``, ``sft``, ``eval`` and ``serve`` so that all of them build t
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from flax import nnx
 
@@ -54,7 +55,9 @@ def _preset_config(name: str) -> Qwen3Config:
     """A named preset from the embedded numbers, or else an HF config.json path / preset file."""
     try:
         return preset(canonical_name(name))
-    except KeyError:
+    except KeyError as unknown:
+        if not os.path.exists(name):
+            raise ConfigError(f"model.preset={name!r}: {unknown.args[0]}, and no such config.json file") from None
         return from_hf_config(name)
 
 

@@ -47,15 +47,20 @@ def load_dump(path: str) -> dict[str, np.ndarray]:
     """
     if not os.path.isfile(path):
         raise DumpError(f"dump file not found: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import load_file
 
-        raw = load_file(path)
-    elif path.endswith(".npz"):
-        with np.load(path, allow_pickle=False) as z:
-            raw = {k: z[k] for k in z.files}
-    else:
-        raise DumpError(f"{path}: expected a .safetensors or .npz file")
+            raw = load_file(path)
+        elif path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:
+                raw = {k: z[k] for k in z.files}
+        else:
+            raise DumpError(f"{path}: expected a .safetensors or .npz file")
+    except DumpError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError, zipfile/pickle errors of a corrupt .npz, ...
+        raise DumpError(f"{path}: not a readable dump ({type(e).__name__}: {e})") from e
     return {k[len("actor/"):] if k.startswith("actor/") else k: np.asarray(v) for k, v in raw.items()}
 
 
@@ -64,8 +69,8 @@ def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
         if name not in d:
             raise DumpError(f"missing field {name!r} (have: {sorted(d)})")
     shape = d["log_probs"].shape
-    if len(shape) != 2:
-        raise DumpError(f"field 'log_probs' must be [B, T], got shape {shape}")
+    if len(shape) != 2 or 0 in shape:
+        raise DumpError(f"field 'log_probs' must be a non-empty [B, T], got shape {shape}")
     for name in ("old_log_probs", "response_mask", "entropy", "ref_log_probs"):
         if name in d and d[name].shape != shape:
             raise DumpError(f"field {name!r} has shape {d[name].shape}, expected {shape} (as log_probs)")
@@ -81,6 +86,14 @@ def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
     for name in REPORTED:
         if name in d and d[name].size != 1:
             raise DumpError(f"field {name!r} must be a scalar, got shape {d[name].shape}")
+    valid = d["response_mask"].astype(bool)
+    for name in ("log_probs", "old_log_probs", "entropy", "ref_log_probs", "advantages"):
+        if name in d:
+            x = d[name] if d[name].shape == shape else d[name][:, None] * np.ones(shape)
+            bad = ~np.isfinite(x) & valid
+            if bad.any():
+                raise DumpError(f"field {name!r} has non-finite values at valid positions, first at "
+                                f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
 
 
 def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
@@ -107,7 +120,8 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
         ours["s2t/masked_frac"] = finalize_metrics({"x": diag["s2t/masked_frac"]})["x"]
     if "rewards" in d and "group_ids" in d:
         adv_ours = grpo_advantages(jnp.asarray(d["rewards"], jnp.float32), jnp.asarray(d["group_ids"]).astype(jnp.int32),
-                                   epsilon=recipe.adv_epsilon, ddof=recipe.adv_ddof)
+                                   epsilon=recipe.adv_epsilon, ddof=recipe.adv_ddof,
+                                   single_sample="verl")  # the dump comes from verl
         ours["advantages"] = adv_ours if d["advantages"].ndim == 1 else adv_ours[:, None] * resp
     return {k: np.asarray(v, np.float64) for k, v in ours.items()}
 

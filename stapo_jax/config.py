@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 from dataclasses import dataclass, field
@@ -467,6 +468,8 @@ def validate(cfg: Config) -> None:
         if not cond:
             errors.append(msg)
 
+    need(bool(cfg.trainer.run_dir.strip()), "trainer.run_dir is empty (it would write the run into the working "
+         "directory)")
     m = cfg.model
     sizes_set = [k for k in MODEL_SIZE_KEYS if getattr(m, k) is not None]
     if m.path is not None and m.preset is not None:
@@ -667,13 +670,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # nan/inf would train silently into a NaN model
+                raise ConfigError(f"{key}: {value!r} is not a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

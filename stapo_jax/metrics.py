@@ -43,10 +43,14 @@ class MetricsLogger:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self._bar = None
-        if progress:
+        self._bar = None  # created at the first step, so warm-up phases do not count towards its rate
+        self._bar_args = dict(total=total_steps, desc=desc, dynamic_ncols=True) if progress else None
+
+    def _ensure_bar(self, initial: int = 0):
+        if self._bar is None and self._bar_args is not None:
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True)
+            self._bar = tqdm(initial=initial, **self._bar_args)
+        return self._bar
 
     def log(self, step: int, metrics: Mapping[str, object]) -> dict:
         """Record ``metrics`` (name -> scalar) for ``step``; returns the JSON row written."""
@@ -57,16 +61,16 @@ class MetricsLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, int(step))
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix({k: f"{row[k]:.4g}" for k in _BAR_KEYS if isinstance(row.get(k), (int, float))})
+        bar = self._ensure_bar(initial=int(step) - 1)
+        if bar is not None:
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in _BAR_KEYS if isinstance(row.get(k), (int, float))},
+                            refresh=False)
+            bar.update(int(step) - bar.n)
         return row
 
     def skip_to(self, step: int) -> None:
         """Start the progress bar at ``step`` (a resumed run)."""
-        if self._bar is not None:
-            self._bar.n = step
-            self._bar.refresh()
+        self._ensure_bar(initial=step)
 
     def write(self, text: str) -> None:
         """Print a line without breaking the progress bar."""

@@ -262,6 +262,17 @@ def compute_policy_loss(
 
     sg = jax.lax.stop_gradient
     dt = log_probs.dtype
+    # padding may hold anything (NaN included): zero it *before* any arithmetic, so that neither the value nor
+    # the gradient (0 * exp(NaN) = NaN in a backward pass) can see it (the "double where" rule)
+    valid = response_mask.astype(bool)
+
+    def clean(x):
+        return None if x is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+    log_probs, old_log_probs, entropy = clean(log_probs), clean(old_log_probs), clean(entropy)
+    ref_log_probs, rollout_log_probs = clean(ref_log_probs), clean(rollout_log_probs)
+    if advantages.ndim == 2:
+        advantages = clean(advantages)
     old = sg(old_log_probs).astype(dt)
     adv = sg(advantages).astype(dt)
     k, d = _masks(response_mask, token_mask, renormalize)

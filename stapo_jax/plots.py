@@ -8,7 +8,8 @@ from stapo_jax.metrics import read_metrics
 
 # (metric key, panel title); the four curves the paper's figures show
 CURVES = (("reward/mean", "reward"), ("entropy", "entropy (nats)"),
-          ("s2t/masked_frac", "spurious (silenced) fraction"), ("response_length/mean", "response length (tokens)"))
+          ("s2t/masked_frac", "spurious (silenced) fraction"), ("response_length/mean", "response length (tokens)"),
+          ("val/acc", "held-out accuracy (greedy)"), ("acc/mean", "rollout accuracy"))
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
@@ -37,7 +38,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     if not series:
         raise ValueError(f"{run_dir}: metrics hold none of {[k for k, _ in CURVES]}")
     written = []
-    fig_all, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig_all, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax_all, (key, title) in zip(axes.flat, CURVES):
         if key not in series:
             ax_all.set_visible(False)

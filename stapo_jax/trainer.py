@@ -1,6 +1,6 @@
-"""The RL loop (``stapo-jax train``): prompts -> rollouts -> rewards -> advantages -> mini-batch updates ->
-weight sync -> metrics and checkpoints. It reads like ../shared/DESIGN.md's diagram; every piece lives in its
-own module (build, experience, train_step, checkpoint, metrics).
+"""The RL loop (stapo-jax train): prompts -> rollouts -> rewards -> advantages -> mini-batch updates ->
+weight sync -> metrics and checkpoints (the diagram in DESIGN.md); every piece lives in its own module
+(build, experience, train_step, checkpoint, metrics).
 """
 from __future__ import annotations
 
@@ -108,8 +108,6 @@ def train(cfg: Config) -> dict[str, Any]:
     run_dir = os.path.abspath(t.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
-    if main_process:
-        cfg.save(run_dir)
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -120,6 +118,13 @@ def train(cfg: Config) -> dict[str, Any]:
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     resuming = t.resume and ckpt.latest_step() is not None
+    if resuming:
+        _check_same_model(cfg, run_dir)
+    if main_process:
+        cfg.save(run_dir)
+    G = cfg.rollout.n
+    mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
+    k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)  # checked before any expensive phase
     logger = MetricsLogger(run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"),
                            t.total_steps, tensorboard=main_process, progress=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
@@ -135,9 +140,6 @@ def train(cfg: Config) -> dict[str, Any]:
         recipe = build.build_recipe(cfg)
         optimizer = build.build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
-        G = cfg.rollout.n
-        mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
-        k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -175,6 +177,10 @@ def train(cfg: Config) -> dict[str, Any]:
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh)
             t2 = time.perf_counter()
+            if not bool(_all_finite(state.params)):
+                raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "
+                                         f"{m.get('loss')}, grad_norm {m.get('grad_norm')}); stopping without "
+                                         f"checkpointing or exporting them")
             sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
             m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
             m.update(exp.metrics)
@@ -218,6 +224,28 @@ def train(cfg: Config) -> dict[str, Any]:
     return summary
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+def _check_same_model(cfg: Config, run_dir: str) -> None:
+    """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore)."""
+    import yaml
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = (yaml.safe_load(f) or {}).get("model", {})
+    now = cfg.to_dict()["model"]
+    diff = [f"model.{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError(f"trainer.run_dir={run_dir} holds checkpoints of a different model ({'; '.join(diff)}); "
+                          f"use a new trainer.run_dir or trainer.resume=false")
+
+
 def _export_hf(model, tok, out: str) -> str:
     """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it)."""
     import shutil
@@ -254,9 +282,15 @@ def _write_plots(run_dir: str, summary: dict) -> None:
 
 
 def _write_summary(run_dir: str, summary: dict) -> None:
+    """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL)."""
     import json
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+    path = os.path.join(run_dir, "summary.json")
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**previous, **summary}, f, indent=2, default=str)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref  # noqa: E402
 
-from stapo_jax.advantages import (  # noqa: E402
+from stapo_jax.advantages import (
+    dr_grpo_advantages,  # noqa: E402
     compute_advantages,
     grpo_advantages,
     nonzero_variance_groups,
@@ -36,9 +37,12 @@ def fixture(seed=0):
 def test_grpo_matches_verl_reference_float64():
     r, g = fixture()
     with jax.enable_x64(True):
-        ours = np.asarray(grpo_advantages(jnp.asarray(r), jnp.asarray(g)))
-        dr = np.asarray(grpo_advantages(jnp.asarray(r), jnp.asarray(g), norm_adv_by_std_in_grpo=False))
-        rl = np.asarray(rloo_advantages(jnp.asarray(r), jnp.asarray(g)))
+        v = dict(single_sample="verl")  # parity sets the convention explicitly (conventions.md §4)
+        ours = np.asarray(grpo_advantages(jnp.asarray(r), jnp.asarray(g), **v))
+        dr = np.asarray(grpo_advantages(jnp.asarray(r), jnp.asarray(g), norm_adv_by_std_in_grpo=False, **v))
+        rl = np.asarray(rloo_advantages(jnp.asarray(r), jnp.asarray(g), **v))
+        default = [np.asarray(f(jnp.asarray(r), jnp.asarray(g))) for f in (grpo_advantages, dr_grpo_advantages,
+                                                                           rloo_advantages)]
     theirs = ref.grpo_advantage(torch.tensor(r), list(g)).numpy()
     # verl leaves a rounding residue (mean of equal floats / 1e-6, here ~1e-10) on constant groups; we give 0
     const = g == 2
@@ -51,6 +55,10 @@ def test_grpo_matches_verl_reference_float64():
     single = g == 1
     np.testing.assert_allclose(ours[single], r[single] / (1 + 1e-6), rtol=1e-12)
     assert np.all(ours[g == 2] == 0.0) and np.all(rl[g == 2] == 0.0) and np.all(dr[g == 2] == 0.0)
+    # default (the rule): single-sample and constant groups get exactly 0; other groups as verl
+    for d, verl_like in zip(default, (ours, dr, rl)):
+        assert np.all(d[single] == 0.0) and np.all(d[g == 2] == 0.0)
+        np.testing.assert_array_equal(d[~single], verl_like[~single])
 
 
 def test_grpo_by_hand_and_ddof():
@@ -67,7 +75,7 @@ def test_grpo_by_hand_and_ddof():
 
 def test_jit_with_static_num_groups_and_dispatch():
     r, g = fixture(1)
-    f = jax.jit(lambda r, g: compute_advantages("grpo", r, g, num_groups=4))
+    f = jax.jit(lambda r, g: compute_advantages("grpo", r, g, num_groups=4, single_sample="verl"))
     np.testing.assert_allclose(np.asarray(f(jnp.asarray(r, jnp.float32), jnp.asarray(g))),
                                ref.grpo_advantage(torch.tensor(r, dtype=torch.float32), list(g)).numpy(), atol=1e-5)
     with pytest.raises(ValueError, match="unknown advantage estimator"):

@@ -119,9 +119,9 @@ def test_analytic_flops_match_xla_when_every_loop_runs_once(tmp_path):
 def test_make_spec_paper_configs_and_errors(tmp_path):
     cfg = load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml")
     spec = plan.make_spec(cfg, mesh="tpu-v5p-64")
-    assert spec["mesh"] == {"data": 1, "fsdp": 32, "tensor": 1} and spec["devices"] == 32
+    assert spec["mesh"] == {"data": 1, "fsdp": 4, "tensor": 8} and spec["devices"] == 32
     assert spec["hbm_gb"] == 95.0 and spec["device_kind"] == "tpu-v5p"
-    assert (spec["mini_batch_sequences"], spec["num_micro_batches"], spec["updates_per_step"]) == (512, 16, 4)
+    assert (spec["mini_batch_sequences"], spec["num_micro_batches"], spec["updates_per_step"]) == (512, 128, 4)
     assert (spec["prompt_length"], spec["response_length"]) == (1024, 15360)
     from models.qwen3 import Qwen3Config, param_count
     assert param_count(Qwen3Config(**spec["model"])) == 14_768_307_200  # Qwen3-14B (conventions.md §6: 14.768B)

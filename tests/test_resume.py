@@ -144,7 +144,7 @@ def test_sigkill_then_resume_equals_uninterrupted(runs):
 def test_sigterm_saves_exits_zero_and_resumes(runs):
     t, u = runs["T"], runs["U"]
     assert t["rc"] == 0, t["log_first"][-3000:]
-    m = re.search(r"SIGTERM: saved step (\d+) and stopping", t["log_first"])
+    m = re.search(r"SIGTERM: stopping after RL step (\d+)", t["log_first"])
     assert m, t["log_first"][-3000:]
     stopped = int(m.group(1))
     assert 1 < stopped < TOTAL

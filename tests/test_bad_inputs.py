@@ -1,0 +1,61 @@
+"""Regressions from the bad-input review: padding that holds NaN, non-finite settings, broken files."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stapo_jax.objectives import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_nan_in_padding_never_reaches_loss_or_gradient(mode):
+    mask = jnp.ones((2, 5)).at[:, 3:].set(0)
+    old = jnp.full((2, 5), -1.1)
+    adv = jnp.array([1.0, -0.5])
+    clean_lp = jnp.full((2, 5), -1.0)
+    dirty_lp = clean_lp.at[0, 4].set(jnp.nan).at[1, 3].set(jnp.inf)
+    dirty_old = old.at[1, 4].set(jnp.nan)
+    cfg = PolicyLossConfig(loss_agg_mode=mode)
+
+    def loss(lp, o):
+        return compute_policy_loss(lp, o, adv, mask, None, cfg)[0]
+
+    ref_v, ref_g = jax.value_and_grad(loss)(clean_lp, old)
+    v, g = jax.value_and_grad(loss)(dirty_lp, dirty_old)
+    assert np.isfinite(float(ref_v)) and float(ref_v) != 0.0
+    np.testing.assert_allclose(float(v), float(ref_v), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(ref_g), rtol=1e-6)
+
+
+def test_check_rejects_corrupt_empty_and_non_finite_dumps(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    from stapo_jax.check import main as check_main
+
+    (tmp_path / "text.safetensors").write_text("not a safetensors file")
+    assert check_main([str(tmp_path / "text.safetensors")]) == 2
+    assert "not a readable dump" in capsys.readouterr().err
+    base = {"log_probs": np.full((2, 3), -1.0, np.float32), "old_log_probs": np.full((2, 3), -1.0, np.float32),
+            "advantages": np.array([1.0, -1.0], np.float32), "response_mask": np.ones((2, 3), np.float32),
+            "entropy": np.full((2, 3), 0.5, np.float32)}
+    empty = {k: v[:0] for k, v in base.items()}
+    save_file(empty, str(tmp_path / "empty.safetensors"))
+    assert check_main([str(tmp_path / "empty.safetensors")]) == 2
+    assert "non-empty [B, T]" in capsys.readouterr().err
+    bad = dict(base, log_probs=base["log_probs"].copy())
+    bad["log_probs"][1, 2] = np.nan
+    save_file(bad, str(tmp_path / "nan.safetensors"))
+    assert check_main([str(tmp_path / "nan.safetensors")]) == 2
+    assert "'log_probs' has non-finite values at valid positions, first at (1, 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.optim.lr=inf", "actor.optim.lr: 'inf' is not a finite number"),
+    ("actor.clip_ratio_high=nan", "actor.clip_ratio_high: 'nan' is not a finite number"),
+    ("trainer.run_dir=", "trainer.run_dir is empty"),
+])
+def test_config_rejects_non_finite_numbers_and_empty_run_dir(override, message):
+    from stapo_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config("configs/tiny_cpu.yaml", [override])
