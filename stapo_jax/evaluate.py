@@ -734,8 +734,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from stapo_jax.data import DataError
 
     overrides = list(args.overrides)
-    if args.model:
-        overrides += [f"model.path={args.model}", "model.preset=null"]
+    if args.model:  # the checkpoint's config.json defines the model: drop the config's preset / size fields
+        from stapo_jax.config import MODEL_SIZE_KEYS
+
+        overrides += [f"model.path={args.model}", "model.preset=null"] + [f"model.{k}=null" for k in MODEL_SIZE_KEYS]
     try:
         cfg = load_config(args.config, overrides)
         settings = []
