@@ -18,11 +18,13 @@
 #         REMOTE_DIR (stapo_jax, relative to the remote home), WORKER (0), INTERVAL (300),
 #         DRY_RUN=1 (print the gcloud commands instead of running them)
 #
-# Resume after preemption: trainer.run_dir must be shared by all workers and outlive the VMs (a gs:// bucket
-# path); the trainer resumes from its latest checkpoint by default, so re-running `run` (or `watch`) continues.
+# Resume after preemption: trainer.run_dir must be shared by all workers and outlive the VMs: a POSIX path on
+# shared storage, e.g. a bucket mounted with gcsfuse at the same path on every worker (the trainer writes
+# metrics and plots with plain file I/O, so a gs:// URL is not accepted); the trainer resumes from its latest
+# checkpoint by default, so re-running `run` (or `watch`) continues.
 # example:
 #   launch/tpu_pod.sh run my-v5p-64 us-east5-a configs/paper/qwen3-14b-base-stapo.yaml \
-#     trainer.run_dir=gs://my-bucket/stapo/qwen3-14b-stapo trainer.total_steps=500 \
+#     trainer.run_dir=/mnt/gcs/stapo/qwen3-14b-stapo trainer.total_steps=500 \
 #     data.train_files=[data/dapo_math_17k.jsonl] model.path=/mnt/ckpt/Qwen3-14B-Base
 set -euo pipefail
 cd "$(dirname "$0")/.."
