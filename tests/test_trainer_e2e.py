@@ -31,7 +31,8 @@ REQUIRED_KEYS = (
     "response_length/clip_frac", "advantages/mean", "reward/n_timeout", "reward/n_error", "time/rollout",
     "time/reward", "time/update", "time/sync", "time/step", "perf/tokens_per_s",
     "sampler_trainer/logp_diff_mean", "sampler_trainer/logp_diff_max")
-PLOTS = ("reward_mean.png", "entropy.png", "s2t_masked_frac.png", "response_length_mean.png", "curves.png")
+PLOTS = ("reward_mean.png", "entropy.png", "s2t_masked_frac.png", "response_length_mean.png", "acc_mean.png",
+         "curves.png")
 
 
 @pytest.fixture(scope="module")
