@@ -42,8 +42,12 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
     rl = np.asarray([len(r) for r in responses], np.int32)
     if (pl == 0).any():
         raise ValueError(f"prompt {int(np.argmin(pl))} is empty")
-    P = prompt_length or round_up(int(pl.max()), pad_multiple)
-    R = response_length or round_up(int(rl.max()), pad_multiple)
+    if pad_multiple < 1 or (prompt_length is not None and prompt_length < 1) or \
+            (response_length is not None and response_length < 1):
+        raise ValueError(f"prompt_length={prompt_length}, response_length={response_length} and "
+                         f"pad_multiple={pad_multiple} must be >= 1")
+    P = prompt_length if prompt_length is not None else round_up(int(pl.max()), pad_multiple)
+    R = response_length if response_length is not None else round_up(int(rl.max()), pad_multiple)
     if pl.max() > P:
         i = int(np.argmax(pl))
         raise ValueError(f"prompt {i} has {pl[i]} tokens > prompt_length {P}")

@@ -117,6 +117,9 @@ def run(args) -> dict:
     if not ids:
         raise ValueError("--prompt encodes to no tokens")
     cfg, model, desc = load_model(args)
+    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
     if max(ids) >= cfg.vocab_size:
         raise ValueError(f"prompt token id {max(ids)} is outside the model vocabulary ({cfg.vocab_size}); "
                          f"tokenizer and model do not match")

@@ -757,7 +757,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, DataError, EvalDataError, FileNotFoundError) as e:
         print(f"stapo-jax eval: {e}", file=sys.stderr)
         return 2
-    max_new = args.max_new_tokens or cfg.eval.max_new_tokens
+    max_new = cfg.eval.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    if max_new < 1:
+        print(f"stapo-jax eval: --max-new-tokens={max_new} must be >= 1", file=sys.stderr)
+        return 2
     n_samples = args.n_samples if args.n_samples is not None else cfg.eval.n_samples
     size = _paper_size(cfg) if args.paper == "auto" else (None if args.paper == "none" else args.paper)
     if size is not None and size not in {k[0] for k in PAPER_TABLE2}:

@@ -59,3 +59,18 @@ def test_config_rejects_non_finite_numbers_and_empty_run_dir(override, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("configs/tiny_cpu.yaml", [override])
+
+
+def test_pack_rejects_zero_lengths():
+    from stapo_jax.batching import pack_prompt_response
+
+    for kw in (dict(prompt_length=0), dict(response_length=0), dict(pad_multiple=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            pack_prompt_response([[1, 2]], [[3]], pad_id=0, **kw)
+
+
+def test_demo_checks_the_context_limit(capsys):
+    from stapo_jax.demo import main as demo_main
+
+    assert demo_main(["--max-new-tokens", "100000"]) == 2
+    assert "exceeds the model's max_position_embeddings (40960)" in capsys.readouterr().err
