@@ -21,6 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.objectives import metric_pair
+
 __all__ = [
     "vocab_constant",
     "collision_probability",
@@ -82,10 +84,6 @@ def gradient_norm_bounds(p: jax.Array, entropy: jax.Array, w: jax.Array, vocab_s
 PHASE_CELLS = tuple(f"{pp}_{a}_{h}" for pp in ("plow", "phigh") for a in ("apos", "aneg") for h in ("hlow", "hhigh"))
 
 
-def _pair(x, w):
-    return (jnp.sum(x * w), jnp.sum(w))
-
-
 def token_diagnostics(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -138,9 +136,9 @@ def token_diagnostics(
     p = jnp.exp(lp)
     low_p, low_h = p < tau_p, ent < tau_h
     out = {
-        "s2t/masked_frac": _pair(1.0 - keep, v),
-        "s2t/frac_pos_lowp": _pair(((adv > 0) & low_p).astype(dt), v),
-        "s2t/frac_below_tau_h": _pair(low_h.astype(dt), v),
+        "s2t/masked_frac": metric_pair(1.0 - keep, v),
+        "s2t/frac_pos_lowp": metric_pair(((adv > 0) & low_p).astype(dt), v),
+        "s2t/frac_below_tau_h": metric_pair(low_h.astype(dt), v),
         "s2t/n_keep": (jnp.sum(keep), jnp.ones((), dt)),
     }
     cells = {}
@@ -149,22 +147,22 @@ def token_diagnostics(
         sel = (low_p if pp == "plow" else ~low_p) & ((adv > 0) if a == "apos" else (adv < 0))
         sel = sel & (low_h if h == "hlow" else ~low_h)
         cells[cell] = sel.astype(dt) * v
-        out[f"phase/{cell}/frac"] = _pair(cells[cell], v)
+        out[f"phase/{cell}/frac"] = metric_pair(cells[cell], v)
     ratio = jnp.exp(jnp.clip(lp - old, -log_ratio_clamp, log_ratio_clamp))
     w = surrogate_weight(ratio, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                          clip_ratio_c=clip_ratio_c)
     if collision is not None:
         g = 1.0 - 2.0 * p + sg(collision).astype(dt)
         w2g = w * w * g
-        out["grad/g_mean"] = _pair(g, v)
-        out["grad/w2g_mean"] = _pair(w2g, v)
+        out["grad/g_mean"] = metric_pair(g, v)
+        out["grad/w2g_mean"] = metric_pair(w2g, v)
         for cell, sel in cells.items():
-            out[f"phase/{cell}/g_mean"] = _pair(g, sel)
-            out[f"phase/{cell}/w2g_mean"] = _pair(w2g, sel)
+            out[f"phase/{cell}/g_mean"] = metric_pair(g, sel)
+            out[f"phase/{cell}/w2g_mean"] = metric_pair(w2g, sel)
     if vocab_size is not None:
         lo, hi = gradient_norm_bounds(p, ent, w, vocab_size)
-        out["grad/bound_lower_mean"] = _pair(lo, v)
-        out["grad/bound_upper_mean"] = _pair(hi, v)
+        out["grad/bound_lower_mean"] = metric_pair(lo, v)
+        out["grad/bound_upper_mean"] = metric_pair(hi, v)
         if collision is not None:
             exact = w * w * (1.0 - 2.0 * p + sg(collision).astype(dt))
             tol = 1e-5 * (1.0 + w * w)

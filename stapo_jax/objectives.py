@@ -191,7 +191,8 @@ def global_loss_denominator(
     return aggregate(jnp.zeros(k.shape, jnp.float32), k, d, config.loss_agg_mode, config.loss_scale_factor)[1]
 
 
-def _pair(x, w):
+def metric_pair(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A deferred-mean metric ``(sum(x * w), sum(w))`` (Tunix ``WeightedMetric``); see :func:`finalize_metrics`."""
     return (jnp.sum(x * w), jnp.sum(w))
 
 
@@ -286,23 +287,23 @@ def compute_policy_loss(
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
         lc = jnp.maximum(l1, l2)
-        metrics["pg_clipfrac"] = _pair((l2 > l1).astype(dt), k)
+        metrics["pg_clipfrac"] = metric_pair((l2 > l1).astype(dt), k)
         if config.clip_ratio_c is not None:
             l3 = -adv * config.clip_ratio_c
             pg = jnp.where(adv < 0, jnp.minimum(l3, lc), lc)
-            metrics["pg_clipfrac_lower"] = _pair(((lc > l3) & (adv < 0)).astype(dt), k)
+            metrics["pg_clipfrac_lower"] = metric_pair(((lc > l3) & (adv < 0)).astype(dt), k)
         else:
             pg = lc
     else:
         sel = kl_cov_selection.astype(dt)
         pg = -adv * ratio + sel * config.ppo_kl_coef * jnp.abs(delta)
-        metrics["kl_cov_selected_frac"] = _pair(sel, k)
+        metrics["kl_cov_selected_frac"] = metric_pair(sel, k)
     if config.rollout_is_threshold is not None:
         w = jnp.minimum(jnp.exp(old - sg(rollout_log_probs).astype(dt)), config.rollout_is_threshold)
         pg = pg * w
-        metrics["rollout_is_weight"] = _pair(w, k)
-    metrics["ppo_kl"] = _pair(-delta, k)
-    metrics["ratio_mean"] = _pair(ratio, k)
+        metrics["rollout_is_weight"] = metric_pair(w, k)
+    metrics["ppo_kl"] = metric_pair(-delta, k)
+    metrics["ratio_mean"] = metric_pair(ratio, k)
 
     mode, factor = config.loss_agg_mode, config.loss_scale_factor
     total = pg
@@ -313,7 +314,7 @@ def compute_policy_loss(
         total = total + config.kl_loss_coef * kl
         metrics["kl_loss"] = (aggregate(kl, k, d, mode, factor)[0], den)
     if entropy is not None:
-        metrics["entropy"] = _pair(sg(entropy).astype(dt), v)
+        metrics["entropy"] = metric_pair(sg(entropy).astype(dt), v)
         if config.entropy_coeff != 0:
             total = total - config.entropy_coeff * entropy.astype(dt)
             metrics["entropy_loss"] = (aggregate(entropy.astype(dt), k, d, mode, factor)[0], den)

@@ -1,4 +1,4 @@
-"""Test-wide setup: 8 simulated CPU devices (set before jax is imported) and a quiet, deterministic JAX.
+"""Test-wide setup: 8 simulated CPU devices (set before jax is imported), offline HF, derandomized hypothesis.
 
 Every test process sees 8 host devices, so mesh tests run in-process; single-device code still runs on
 device 0. Shared fixtures live in tests/fixtures_*.py modules and are imported where needed.
@@ -10,3 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# property tests draw the same examples every run (CI must not depend on luck or on a local example database)
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("stapo_jax", derandomize=True, database=None, deadline=None)
+settings.load_profile("stapo_jax")
