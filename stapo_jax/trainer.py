@@ -155,8 +155,11 @@ def train(cfg: Config) -> dict[str, Any]:
         rng = jax.random.key_data(jax.random.PRNGKey(t.seed))
         start = 0
         if resuming:
-            start, restored, data_state, _ = ckpt.restore({"train": state, "rng": rng})
+            start, restored, data_state, meta = ckpt.restore({"train": state, "rng": rng})
             state, rng = restored["train"], restored["rng"]
+            if meta.get("dataset_fingerprint") not in (None, train_ds.fingerprint):
+                log.warning("the training prompts differ from those of the checkpointed run: the resumed run "
+                            "will not see the same samples as an uninterrupted one")
             data_it.set_state(data_state["iterator"])
             logger.write(f"resumed from step {start} ({ckpt.directory})")
             rollout.sync_weights(state.params)
