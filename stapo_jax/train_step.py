@@ -3,7 +3,7 @@
 Data flow (stapo_spec.md §3-4, conventions.md §2):
 
 1. **Pre-pass** (only when the recipe's mask needs the mini-batch population: S2T or 20-Entropy with
-   ``scope=minibatch``, and the mini-batch has more than one micro-batch): a forward-only pass over all micro-batches gives ``log_probs`` and ``entropy`` of every
+   ``scope=minibatch``): a forward-only pass over all micro-batches gives ``log_probs`` and ``entropy`` of every
    response token under the current parameters; the token mask (``tau_h`` quantile / top-k) is computed once on
    the whole mini-batch. Under ``jit`` with batch-sharded inputs, the sort behind the quantile runs on the global
    array, so the population spans all data-parallel shards.
@@ -199,9 +199,7 @@ def make_train_step(
     loss_cfg = recipe.loss
     mask = recipe.token_mask
     scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
-    # with one micro-batch the micro-batch *is* the mini-batch: the mask comes from the gradient pass's own
-    # (stop-gradient) statistics, exactly the mini-batch population, and no extra forward is needed
-    prepass = mask in ("s2t", "top_entropy") and scope == "minibatch" and num_micro_batches > 1
+    prepass = mask in ("s2t", "top_entropy") and scope == "minibatch"
     use_old_stats = mask == "s2t" and recipe.s2t.stats_policy == "old"
     k = num_micro_batches
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
