@@ -305,7 +305,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON types (tuples become lists)."""
-        return _plain(dataclasses.asdict(self))
+        return _plain_copy(dataclasses.asdict(self))
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
@@ -410,7 +410,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     Raises:
       ConfigError: see :func:`load_config`.
     """
-    raw = _deep_copy(raw)
+    raw = _plain_copy(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
     if recipe in RECIPE_DEFAULTS:
@@ -766,17 +766,10 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _deep_copy(x: Any) -> Any:
+def _plain_copy(x: Any) -> Any:
+    """A copy made of plain dicts and lists (YAML-safe; tuples become lists)."""
     if isinstance(x, Mapping):
-        return {k: _deep_copy(v) for k, v in x.items()}
+        return {k: _plain_copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_deep_copy(v) for v in x]
-    return x
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [_plain_copy(v) for v in x]
     return x

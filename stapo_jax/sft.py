@@ -115,9 +115,10 @@ def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None) -
             yield list(ex["prompt_ids"]), gold_response_ids(ex, tokenizer, cfg)
 
     s = cfg.sft
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    from stapo_jax.tokenizer import pad_token_id
+
     return run_sft(model, pairs(), steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
-                   pad_id=pad, seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log)
+                   pad_id=pad_token_id(tokenizer), seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

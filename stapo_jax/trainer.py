@@ -25,6 +25,7 @@ from stapo_jax.experience import collect_experience, heldout_accuracy
 from stapo_jax.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
+from stapo_jax.tokenizer import pad_token_id
 from stapo_jax.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def train(cfg: Config) -> dict[str, Any]:
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = pad_token_id(tok)
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
     train_ds = load_prompt_dataset(cfg, tok, "train")
     val_examples = _val_examples(cfg, tok)
