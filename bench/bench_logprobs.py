@@ -25,7 +25,13 @@ def make(seq_chunk, vocab_chunk):
 
 
 def with_grad(fn):
-    return jax.grad(lambda h, w, ids: jnp.sum(fn(h, w, ids)[0]) + jnp.sum(fn(h, w, ids)[1]), argnums=(0, 1))
+    """Gradient w.r.t. (hidden, lm_head_weight) of sum(log_probs) + sum(entropy), one call of ``fn``."""
+
+    def loss(h, w, ids):
+        log_probs, entropy = fn(h, w, ids)
+        return jnp.sum(log_probs) + jnp.sum(entropy)
+
+    return jax.grad(loss, argnums=(0, 1))
 
 
 def peak_bytes(fn, args):

@@ -11,12 +11,15 @@ which is the trainer definition of conventions.md §5 (verl ``logprobs_from_logi
 sampler and the trainer share it, which makes the first ratio of an on-policy update exactly 1.
 
 ``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head without
-materialising the ``[B, T, V]`` logits: a ``lax.scan`` over sequence chunks with ``jax.checkpoint`` (Tunix
-``compute_chunked_logps``) and, optionally, a streaming log-sum-exp over vocabulary chunks (EasyDeL
-``_logprob_utils.py``) with entropy = logZ - E_p[z].
+materialising the ``[B, T, V]`` logits: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
+logits (EasyDeL ``_logprob_utils.py``; Tunix ``compute_chunked_logps`` chunks the sequence the same way) with
+entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that recomputes each tile once and
+keeps only a ``[D, vocab_chunk]`` float32 head-gradient accumulator.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,12 @@ __all__ = [
     "logits_to_log_probs",
     "logits_to_log_probs_and_entropy",
     "chunked_log_probs_and_entropy",
+    "BACKWARD_VOCAB_CHUNK",
 ]
+
+# Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32
+# head-gradient accumulator is [D, BACKWARD_VOCAB_CHUNK] instead of [D, V] (1024 x 8192 x 4 B = 32 MiB for Qwen3-0.6B).
+BACKWARD_VOCAB_CHUNK = 8192
 
 
 def _check_temperature(temperature) -> None:
@@ -36,6 +44,11 @@ def _check_temperature(temperature) -> None:
 def _acc_dtype(x: jax.Array):
     """float32 accumulation unless the caller works in float64 (parity tests)."""
     return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _acc_of(h: jax.Array, w: jax.Array):
+    """Accumulation dtype of the hidden-state path: float64 if either operand is float64, else float32."""
+    return jnp.float64 if jnp.float64 in (h.dtype, w.dtype) else jnp.float32
 
 
 def _check_token_ids(logits_shape, token_ids: jax.Array, name: str = "logits") -> None:
@@ -99,63 +112,171 @@ def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: fl
     return z_y - jax.nn.logsumexp(z, axis=-1)
 
 
-def _chunk_stats_full_vocab(h, w, ids, temperature, acc):
-    """One sequence chunk, whole vocabulary at once. h [B,c,D], w [D,V], ids [B,c] -> (log_p, H) [B,c]."""
-    z = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=acc).astype(acc) / temperature
-    log_z = jax.nn.logsumexp(z, axis=-1)
-    z_y = jnp.take_along_axis(z, ids[..., None], axis=-1)[..., 0]
-    probs = jax.nn.softmax(z, axis=-1)
-    ez = jnp.sum(probs * z, axis=-1)
-    return z_y - log_z, log_z - ez, jnp.sum(probs * probs, axis=-1)
+def _tile(k, width: int, total: int, ragged: bool):
+    """Start of tile ``k`` of ``width`` along an axis of length ``total`` and its mask of fresh positions.
 
-
-def _chunk_stats_streaming(h, w, ids, temperature, acc, vocab_chunk):
-    """One sequence chunk, streaming log-sum-exp over vocabulary chunks of width ``vocab_chunk``.
-
-    Carries (m, s, t, q, z_y): running max m, s = sum exp(z - m), t = sum exp(z - m) * z,
-    q = sum exp(2 (z - m)), and the logit of the target token. At the end logZ = m + log s, E_p[z] = t / s,
-    entropy = logZ - E_p[z], collision probability sum_v p_v^2 = q / s^2.
+    Tiles start at ``k * width`` except the last one of a ragged axis (``width`` does not divide ``total``),
+    which is shifted back to ``total - width`` so that every tile has the same static width and no operand is
+    padded; its positions already covered by the previous tile are marked stale (``fresh`` False) and ignored.
     """
-    d, v = w.shape
-    n_chunks = -(-v // vocab_chunk)
-    v_pad = n_chunks * vocab_chunk
-    if v_pad != v:
-        w = jnp.pad(w, ((0, 0), (0, v_pad - v)))
-    w_chunks = w.reshape(d, n_chunks, vocab_chunk).transpose(1, 0, 2)  # [n, D, vc]
-    b, c = ids.shape
-    neg = jnp.asarray(-1e30 if acc == jnp.float32 else -1e300, acc)
+    nominal = k * width
+    if not ragged:
+        return nominal, None
+    start = jnp.minimum(nominal, total - width)
+    return start, start + jnp.arange(width) >= nominal
 
-    @jax.checkpoint
-    def body(carry, xs):
-        m, s, t, q, z_y = carry
-        w_c, start = xs
-        z = jnp.einsum("bcd,dv->bcv", h, w_c, preferred_element_type=acc).astype(acc) / temperature
-        col = start + jnp.arange(vocab_chunk)
-        valid = col < v
-        z = jnp.where(valid, z, neg)
-        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
-        scale = jnp.exp(m - m_new)
-        e = jnp.where(valid, jnp.exp(z - m_new[..., None]), 0.0)
-        s = s * scale + jnp.sum(e, axis=-1)
-        t = t * scale + jnp.sum(e * jnp.where(valid, z, 0.0), axis=-1)
-        q = q * scale * scale + jnp.sum(e * e, axis=-1)
-        local = ids - start
-        in_chunk = (local >= 0) & (local < vocab_chunk)
-        picked = jnp.take_along_axis(z, jnp.clip(local, 0, vocab_chunk - 1)[..., None], axis=-1)[..., 0]
-        z_y = jnp.where(in_chunk, picked, z_y)
-        return (m_new, s, t, q, z_y), None
 
-    init = (
-        jnp.full((b, c), neg, acc),
-        jnp.zeros((b, c), acc),
-        jnp.zeros((b, c), acc),
-        jnp.zeros((b, c), acc),
-        jnp.zeros((b, c), acc),
-    )
-    starts = jnp.arange(n_chunks, dtype=jnp.int32) * vocab_chunk
-    (m, s, t, q, z_y), _ = jax.lax.scan(body, init, (w_chunks, starts))
-    log_z = m + jnp.log(s)
-    return z_y - log_z, log_z - t / s, q / (s * s)
+def _slice(x, start, width: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, width, axis=axis)
+
+
+def _put(x, update, start, axis: int):
+    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis=axis)
+
+
+def _fenced_slice(x, start, width: int, axis: int):
+    """``_slice`` behind an optimization barrier on (operand, start), numerically a no-op. Without it the CPU
+    compiler moves the float32 upcast of a bf16 matmul operand in front of the slice and hoists it out of the
+    loop, i.e. materialises a float32 copy of the whole operand (``[D, V]`` for the head weight)."""
+    x, start = jax.lax.optimization_barrier((x, start))
+    return _slice(x, start, width, axis)
+
+
+def _neg(acc):
+    return jnp.asarray(-1e30 if acc == jnp.float32 else -1e300, acc)
+
+
+def _tile_logits(h_c, w_c, temperature, acc):
+    """z = (h_c @ w_c) / temperature, ``[B, c, vc]`` in ``acc`` (``h_c [B, c, D]``, ``w_c [D, vc]``)."""
+    return jnp.einsum("bcd,dv->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
+
+
+def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
+    """Streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the logits; vocabulary tiles outermost.
+
+    Per token it carries the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum exp(2 (z - m))
+    and the target logit z_y (each ``[B, T]``), so the weight is read once and no tile outlives its step.
+    Returns ``(log_z, e_z, collision or None, z_y)``: logZ, E_p[z], sum_v p_v^2, z[target].
+    """
+    acc = _acc_of(h, w)
+    _, t, _ = h.shape
+    v = w.shape[1]
+    c, vc = seq_chunk, vocab_chunk
+    ragged_t, ragged_v = t % c != 0, v % vc != 0
+    neg = _neg(acc)
+    names = ("m", "s", "t", "q", "z_y") if with_collision else ("m", "s", "t", "z_y")
+
+    def vocab_step(j, carry):
+        vs, col_fresh = _tile(j, vc, v, ragged_v)
+        w_c = _fenced_slice(w, vs, vc, 1)
+
+        def seq_step(k, carry):
+            ss, row_fresh = _tile(k, c, t, ragged_t)
+            old = {n: _slice(a, ss, c, 1) for n, a in zip(names, carry)}
+            i_c = _slice(ids, ss, c, 1)
+            z = _tile_logits(_fenced_slice(h, ss, c, 1), w_c, temperature, acc)
+            if col_fresh is not None:
+                z = jnp.where(col_fresh, z, neg)  # stale columns: exp underflows to exactly 0
+            m = jnp.maximum(old["m"], jnp.max(z, axis=-1))
+            scale = jnp.exp(old["m"] - m)
+            e = jnp.exp(z - m[..., None])
+            new = {"m": m, "s": old["s"] * scale + jnp.sum(e, axis=-1),
+                   "t": old["t"] * scale + jnp.sum(e * z, axis=-1)}
+            if with_collision:
+                new["q"] = old["q"] * scale * scale + jnp.sum(e * e, axis=-1)
+            hit = (i_c >= j * vc) & (i_c < vs + vc)
+            picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
+            new["z_y"] = jnp.where(hit, picked, old["z_y"])
+            if row_fresh is not None:
+                new = {n: jnp.where(row_fresh, new[n], old[n]) for n in names}
+            return tuple(_put(a, new[n], ss, 1) for n, a in zip(names, carry))
+
+        return jax.lax.fori_loop(0, -(-t // c), seq_step, carry)
+
+    zeros = jnp.zeros(ids.shape, acc)
+    init = tuple(jnp.full(ids.shape, neg, acc) if n == "m" else zeros for n in names)
+    out = dict(zip(names, jax.lax.fori_loop(0, -(-v // vc), vocab_step, init)))
+    log_z = out["m"] + jnp.log(out["s"])
+    collision = out["q"] / (out["s"] * out["s"]) if with_collision else None
+    return log_z, out["t"] / out["s"], collision, out["z_y"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
+    """``(log_probs, entropy[, collision])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``."""
+    return _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision)[0]
+
+
+def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
+    log_z, e_z, collision, z_y = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision)
+    outs = (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
+    # residuals: the inputs and three [B, T] statistics; no logits are kept
+    return outs, (h, w, ids, temperature, log_z, e_z, collision)
+
+
+def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
+    """Hand-written backward over the same tiles, recomputing each logits tile once.
+
+    With p = softmax(z), E = E_p[z], C = sum_v p_v^2 and cotangents (g_lp, g_H, g_C) per token:
+      dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C p_v (p_v - C)
+    then d logits = dz / temperature, dh = d logits @ w^T, dw = h^T @ d logits, d temperature = -sum dz z / T.
+    Vocabulary tiles (``bwd_vocab_chunk`` wide) are outermost, so the float32 head-gradient accumulator is one tile
+    (written once into the ``[D, V]`` result in the weight's dtype) while dh ``[B, T, D]`` (small) accumulates.
+    """
+    h, w, ids, temperature, log_z, e_z, collision = res
+    g_lp, g_h = cts[0], cts[1]
+    g_c = cts[2] if with_collision else None
+    acc = _acc_of(h, w)
+    _, t, d = h.shape
+    v = w.shape[1]
+    c, vc = seq_chunk, vocab_chunk
+    ragged_t, ragged_v = t % c != 0, v % vc != 0
+    g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
+    per_token = (ids, log_z, e_z, g_lp, g_h) + ((collision, g_c.astype(acc)) if with_collision else ())
+
+    n_v = -(-v // vc)
+
+    def vocab_step(i, carry):
+        # last tile first: when it is shifted back (ragged V), its stale columns are written as zeros and then
+        # overwritten by the previous tile, so dw is only ever written, never read (XLA updates it in place)
+        j = n_v - 1 - i
+        dh, dw, dtemp = carry
+        vs, col_fresh = _tile(j, vc, v, ragged_v)
+        w_c = _fenced_slice(w, vs, vc, 1)
+
+        def seq_step(k, carry):
+            dh, dw_c, dtemp = carry
+            ss, row_fresh = _tile(k, c, t, ragged_t)
+            h_c = _fenced_slice(h, ss, c, 1)
+            i_c, lz, ez, glp, gh, *coll = (_slice(a, ss, c, 1)[..., None] for a in per_token)
+            z = _tile_logits(h_c, w_c, temperature, acc)
+            p = jnp.exp(z - lz)
+            onehot = i_c == vs + jnp.arange(vc)
+            dz = glp * (onehot - p) - gh * p * (z - ez)
+            if with_collision:
+                cc, gc = coll
+                dz = dz + 2.0 * gc * p * (p - cc)
+            if col_fresh is not None or row_fresh is not None:
+                fresh = jnp.ones((c, vc), bool)
+                fresh = fresh if col_fresh is None else fresh & col_fresh
+                fresh = fresh if row_fresh is None else fresh & row_fresh[:, None]
+                dz = jnp.where(fresh, dz, 0.0)
+            dtemp = dtemp - jnp.sum(dz * z) / temperature
+            dlogits = dz / temperature
+            dh_c = jnp.einsum("bcv,dv->bcd", dlogits, w_c, preferred_element_type=acc)
+            dh = _put(dh, _slice(dh, ss, c, 1) + dh_c, ss, 1)
+            dw_c = dw_c + jnp.einsum("bcd,bcv->dv", h_c, dlogits, preferred_element_type=acc)
+            return dh, dw_c, dtemp
+
+        dh, dw_c, dtemp = jax.lax.fori_loop(0, -(-t // c), seq_step, (dh, jnp.zeros((d, vc), acc), dtemp))
+        return dh, _put(dw, dw_c.astype(w.dtype), vs, 1), dtemp
+
+    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((), acc))
+    dh, dw, dtemp = jax.lax.fori_loop(0, n_v, vocab_step, init)
+    return dh.astype(h.dtype), dw, None, dtemp.astype(temperature.dtype)
+
+
+_lm_head_stats.defvjp(_lm_head_stats_fwd, _lm_head_stats_bwd)
 
 
 def chunked_log_probs_and_entropy(
@@ -175,11 +296,17 @@ def chunked_log_probs_and_entropy(
     ``entropy[b, t] = logsumexp(logits[b, t]) - E_softmax[logits[b, t]]``, identical (to float rounding)
     to ``logits_to_log_probs_and_entropy(hidden @ lm_head_weight, token_ids, temperature)``.
 
-    The sequence is processed in chunks of ``seq_chunk`` positions by a ``lax.scan`` whose body is
-    rematerialised (``jax.checkpoint``), so the backward pass holds one chunk's logits ``[B, seq_chunk, V]``
-    at a time. With ``vocab_chunk`` set, each sequence chunk is further streamed over vocabulary slices of
-    that width (online log-sum-exp), so the largest logits buffer is ``[B, seq_chunk, vocab_chunk]``.
-    Gradients flow to ``hidden`` and ``lm_head_weight`` through both paths.
+    The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
+    tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
+    exponentials, their z-weighted sum (and sum of squares for the collision probability), so the largest
+    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile. The backward is hand-written (``jax.custom_vjp``): it
+    saves only the inputs and logZ, E_p[z] (and C) per token, recomputes each tile once, accumulates the
+    hidden-state gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32
+    ``[D, vocab_chunk]`` tile at a time, written into the ``[D, V]`` result in the weight's dtype. Gradients
+    w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
+    differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
+    its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so
+    no operand is padded or copied.
 
     Args:
       hidden: ``[B, T, D]`` float (bf16/f32/f64), the model's final-norm hidden states at the positions that
@@ -187,8 +314,10 @@ def chunked_log_probs_and_entropy(
       lm_head_weight: ``[D, V]`` float (``embedding.T`` for tied models).
       token_ids: ``[B, T]`` integer ids of the tokens whose probability is wanted.
       temperature: positive float, the sampling temperature.
-      seq_chunk: positive int; T need not be a multiple (the tail is zero-padded and dropped).
-      vocab_chunk: positive int or None (None: one matmul over the whole vocabulary per sequence chunk).
+      seq_chunk: positive int, sequence positions per tile (capped at T).
+      vocab_chunk: positive int or None, vocabulary entries per tile (capped at V). None: the forward takes the
+        whole vocabulary per tile (one ``[B, seq_chunk, V]`` tile) and the backward tiles it at
+        ``BACKWARD_VOCAB_CHUNK`` (8192) entries, so its float32 head-gradient accumulator never is ``[D, V]``.
       with_collision: also return the collision probability ``C = sum_v softmax(z)_v^2`` ``[B, T]`` (for the
         Lemma A.1 gradient-norm diagnostic, ``stapo_jax.diagnostics``).
 
@@ -220,34 +349,14 @@ def chunked_log_probs_and_entropy(
     if vocab_chunk is not None and int(vocab_chunk) <= 0:
         raise ValueError(f"vocab_chunk must be > 0 or None, got {vocab_chunk}")
 
-    acc = jnp.float64 if (hidden.dtype == jnp.float64 or lm_head_weight.dtype == jnp.float64) else jnp.float32
-    b, t, d = hidden.shape
+    acc = _acc_of(hidden, lm_head_weight)
+    b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1]
+    if t == 0:
+        empty = jnp.zeros((b, 0), acc)
+        return (empty,) * (3 if with_collision else 2)
     c = min(int(seq_chunk), t)
-    n = -(-t // c)
-    t_pad = n * c
-    ids = token_ids.astype(jnp.int32)
-    if t_pad != t:
-        hidden = jnp.pad(hidden, ((0, 0), (0, t_pad - t), (0, 0)))
-        ids = jnp.pad(ids, ((0, 0), (0, t_pad - t)))
-    h_chunks = hidden.reshape(b, n, c, d).transpose(1, 0, 2, 3)  # [n, B, c, D]
-    id_chunks = ids.reshape(b, n, c).transpose(1, 0, 2)  # [n, B, c]
-
-    if vocab_chunk is None or int(vocab_chunk) >= lm_head_weight.shape[1]:
-
-        def stats(h, i):
-            return _chunk_stats_full_vocab(h, lm_head_weight, i, temperature, acc)
-
-    else:
-        vc = int(vocab_chunk)
-
-        def stats(h, i):
-            return _chunk_stats_streaming(h, lm_head_weight, i, temperature, acc, vc)
-
-    @jax.checkpoint
-    def body(_, xs):
-        h, i = xs
-        return None, stats(h, i)
-
-    _, outs = jax.lax.scan(body, None, (h_chunks, id_chunks))
-    outs = tuple(o.transpose(1, 0, 2).reshape(b, t_pad)[:, :t] for o in outs)
-    return outs if with_collision else outs[:2]
+    vc = v if vocab_chunk is None else min(int(vocab_chunk), v)
+    vc_bwd = min(BACKWARD_VOCAB_CHUNK if vocab_chunk is None else int(vocab_chunk), v)
+    temp = jnp.asarray(temperature, acc)
+    return _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
+                          bool(with_collision))
