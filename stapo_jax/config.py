@@ -207,6 +207,7 @@ class S2TConfig:
     quantile_tokens: Literal["valid", "positive_adv"] = "valid"
     quantile_method: Literal["linear", "nearest", "topk_ceil"] = "linear"
     stats_policy: Literal["current", "old"] = "current"
+    minibatch_method: Literal["correction", "prepass"] = "correction"
     renormalize: bool = True
 
 

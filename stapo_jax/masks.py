@@ -46,7 +46,10 @@ class S2TConfig:
     quantile_scope: 'minibatch' (pre-pass, global over devices and micro-batches) or 'microbatch'.
     quantile_tokens: 'valid' (all valid response tokens) or 'positive_adv'. quantile_method: 'linear'
     (torch.quantile default), 'nearest' or 'topk_ceil' (80/20 code). stats_policy: 'current' or 'old'
-    (policy giving p and H). renormalize: masked tokens leave the denominator too.
+    (policy giving p and H). minibatch_method: how the train step gets the exact mini-batch ``tau_h`` under the
+    current policy: 'correction' (mask with the old-policy quantile during the gradient pass, then redo forward +
+    backward only for micro-batches where the exact quantile changes a token's mask) or 'prepass' (one extra
+    forward over the mini-batch first, stapo_spec §3). renormalize: masked tokens leave the denominator too.
     """
 
     tau_p: float = 0.002
@@ -55,6 +58,7 @@ class S2TConfig:
     quantile_tokens: str = "valid"
     quantile_method: str = "linear"
     stats_policy: str = "current"
+    minibatch_method: str = "correction"
     renormalize: bool = True
 
     def __post_init__(self):
@@ -66,6 +70,7 @@ class S2TConfig:
         _one_of("s2t.quantile_tokens", self.quantile_tokens, ("valid", "positive_adv"))
         _one_of("s2t.quantile_method", self.quantile_method, QUANTILE_METHODS)
         _one_of("s2t.stats_policy", self.stats_policy, ("current", "old"))
+        _one_of("s2t.minibatch_method", self.minibatch_method, ("correction", "prepass"))
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,7 @@ def s2t_mask(
     quantile_method: str = "linear",
     quantile_tokens: str = "valid",
     axis_name=None,
+    tau_h=None,
 ) -> tuple[jax.Array, jax.Array]:
     """STAPO's Silencing-Spurious-Tokens (S2T) mask.
 
@@ -203,6 +209,8 @@ def s2t_mask(
       response_mask: ``[B, T]`` 0/1 or bool, valid response tokens.
       tau_p, entropy_quantile, quantile_method, quantile_tokens: see :class:`S2TConfig`.
       axis_name: mesh axis name(s) for the global quantile inside ``shard_map``.
+      tau_h: optional scalar entropy threshold to use instead of the population quantile (the train step's
+        provisional threshold in ``minibatch_method='correction'``); returned as given.
 
     Returns:
       ``(keep, tau_h)``: ``keep`` ``[B, T]`` bool (valid and not silenced); ``tau_h`` scalar (0 if the
@@ -220,7 +228,8 @@ def s2t_mask(
     adv = _tokenwise(sg(advantages), response_mask)
     valid = response_mask.astype(bool)
     population = valid & (adv > 0) if quantile_tokens == "positive_adv" else valid
-    tau_h = masked_quantile(entropy, population, entropy_quantile, quantile_method, axis_name=axis_name)
+    if tau_h is None:
+        tau_h = masked_quantile(entropy, population, entropy_quantile, quantile_method, axis_name=axis_name)
     silenced = valid & (adv > 0) & (jnp.exp(log_probs) < tau_p) & (entropy < tau_h)
     return valid & ~silenced, tau_h
 

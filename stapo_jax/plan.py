@@ -167,7 +167,9 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         "vocab_chunk": a.logprob_vocab_chunk,
         "optim": dataclasses.asdict(a.optim),
         "use_kl": bool(a.use_kl_loss and a.kl_loss_coef > 0), "sampler_is": a.sampler_is != "off",
-        "old_stats": cfg.s2t.enabled and cfg.s2t.stats_policy == "old",
+        "s2t_minibatch_method": cfg.s2t.minibatch_method,
+        # the trainer hands the update the old-log-prob pass's entropies (stats_policy=old, correction mode)
+        "old_stats": cfg.s2t.enabled and (cfg.s2t.stats_policy == "old" or cfg.s2t.minibatch_method == "correction"),
         "decode_slots": cfg.rollout.max_concurrent_decodes,
         "rollout_sequences_per_step": cfg.trainer.train_batch_size * cfg.rollout.n,
         "plan_train": train, "plan_decode": decode, "opt_state": opt_state,
@@ -277,7 +279,8 @@ def _plan_train(spec, qcfg, mesh) -> dict:
     opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
     changes = {}
     if spec["s2t_scope"] in QUANTILE_SCOPES:
-        changes["s2t"] = {"quantile_scope": spec["s2t_scope"]}
+        changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
+                          "minibatch_method": spec.get("s2t_minibatch_method", "correction")}
     if spec["top_entropy_scope"] in QUANTILE_SCOPES:
         changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
     recipe = get_recipe(spec["recipe"], **changes)
@@ -301,9 +304,17 @@ def _plan_train(spec, qcfg, mesh) -> dict:
         "params_bytes": _shard_bytes(state.params), "opt_state_bytes": _shard_bytes(state.opt_state),
         "batch_bytes": _shard_bytes(batch), "params_total_bytes": _total_bytes(state.params),
         "memory": _memory(compiled), "flops_per_device": _flops(compiled),
-        "prepass": recipe.token_mask in ("s2t", "top_entropy") and (
-            recipe.s2t.quantile_scope if recipe.token_mask == "s2t" else recipe.top_entropy.scope) == "minibatch",
+        "prepass": _has_prepass(recipe, batch),
     }
+
+
+def _has_prepass(recipe, batch) -> bool:
+    """Whether ``make_train_step`` runs the forward-only mini-batch pre-pass for this recipe and batch."""
+    if recipe.token_mask == "top_entropy":
+        return recipe.top_entropy.scope == "minibatch"
+    if recipe.token_mask != "s2t" or recipe.s2t.quantile_scope != "minibatch" or recipe.s2t.stats_policy == "old":
+        return False
+    return recipe.s2t.minibatch_method == "prepass" or batch.old_entropy is None
 
 
 def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
@@ -380,7 +391,8 @@ def analytic(spec: dict, qcfg) -> dict:
     FLOPs (dense, padding included, attention over the full T x T score matrix as the XLA kernel computes it):
     forward per sequence = 2 x (matmul params x T) + 4 x L x T^2 x Nh x H + 2 x D x V x R (LM head on the
     response positions only); an update = forward x (1 pre-pass if any + 1 + 1 recompute if remat) + 2 x
-    forward (backward).
+    forward (backward). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
+    case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
     """
     d, f, layers = qcfg.hidden_size, qcfg.intermediate_size, qcfg.num_hidden_layers
     nh, nkv, h, v = qcfg.num_attention_heads, qcfg.num_key_value_heads, qcfg.head_dim, qcfg.vocab_size
@@ -392,8 +404,12 @@ def analytic(spec: dict, qcfg) -> dict:
     p, r = spec["prompt_length"], spec["response_length"]
     t = p + r
     fwd = 2 * layers * layer * t + 4 * layers * t * t * nh * h + 2 * d * v * r
-    prepass = spec["recipe"] in ("stapo", "entropy20")
-    passes = (1 if prepass else 0) + 1 + (1 if qcfg.remat != "none" else 0) + 2
+    prepass = spec["recipe"] == "entropy20" or (spec["recipe"] == "stapo" and (
+        not spec["old_stats"] or spec.get("s2t_minibatch_method") == "prepass"))
+    grad_passes = 1 + (1 if qcfg.remat != "none" else 0) + 2  # forward (+ recompute) + backward
+    passes = (1 if prepass else 0) + grad_passes
+    # S2T correction: XLA counts the compiled conditional, in which every micro-batch is redone (the worst case)
+    correction = spec["recipe"] == "stapo" and spec["old_stats"] and spec.get("s2t_minibatch_method") == "correction"
     b = spec["mini_batch_sequences"]
     cache_item = 2 if qcfg.dtype in ("bfloat16", "float16") else 4
     slot_shards = min(spec["decode_slots"], mesh["data"] * mesh["fsdp"])
@@ -404,7 +420,9 @@ def analytic(spec: dict, qcfg) -> dict:
         "params": n_params, "params_bytes_ideal": n_params * itemsize / shards,
         "opt_state_bytes_ideal": 2 * n_params * itemsize / shards,
         "kv_cache_bytes_ideal": kv / kv_shards, "kv_cache_total_bytes": kv,
-        "train_flops_per_update": float(b * fwd * passes), "forward_flops_per_sequence": float(fwd),
+        "train_flops_per_update": float(b * fwd * passes),
+        "train_flops_per_update_max": float(b * fwd * (passes + (grad_passes if correction else 0))),
+        "forward_flops_per_sequence": float(fwd),
         "decode_flops_per_step": float(spec["decode_slots"] * decode_fwd),
         # one layer's attention scores of one sequence in float32, [heads / tensor shards, T, T]
         "attention_scores_bytes": (nh / (mesh["tensor"] if nh % mesh["tensor"] == 0 else 1)) * t * t * 4,
@@ -470,7 +488,9 @@ def format_report(result: dict) -> str:
             f"  peak = args + outputs - aliased + temp {_gb(mem['peak']):>7}",
             f"  FLOPs per update: XLA {t['flops_per_device'] or 0:.3e} per device x {s['devices']} = "
             f"{(t['flops_per_device'] or 0) * s['devices']:.3e};  analytic {a['train_flops_per_update']:.3e}"
-            f"  (x{s['updates_per_step']} updates per step)"]
+            + (f" (every S2T correction run: {a['train_flops_per_update_max']:.3e})"
+               if a["train_flops_per_update_max"] != a["train_flops_per_update"] else "")
+            + f"  (x{s['updates_per_step']} updates per step)"]
         verdicts.append(("train step", mem["peak"]))
     if "decode" in result:
         dd, mem = result["decode"], result["decode"]["memory"]

@@ -122,13 +122,15 @@ def compute_token_mask(
     old_log_probs=None,
     key=None,
     axis_name=None,
+    tau_h=None,
 ):
     """The recipe's token mask on this population (all inputs stop-gradient).
 
     Args:
       recipe: a :class:`Recipe`. log_probs / entropy / response_mask: ``[B, T]``; advantages ``[B]`` or
         ``[B, T]``; old_log_probs ``[B, T]`` (Clip-Cov only); key: PRNG key (Clip-Cov only); axis_name: mesh
-        axes to gather the threshold population over (inside ``shard_map``).
+        axes to gather the threshold population over (inside ``shard_map``); tau_h: S2T only, a given entropy
+        threshold instead of the population quantile (see :func:`stapo_jax.masks.s2t_mask`).
 
     Returns:
       ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for ``kl_cov`` it is the KL-Cov
@@ -143,7 +145,8 @@ def compute_token_mask(
         c = recipe.s2t
         keep, tau_h = masks.s2t_mask(log_probs, entropy, advantages, response_mask, tau_p=c.tau_p,
                                      entropy_quantile=c.entropy_quantile, quantile_method=c.quantile_method,
-                                     quantile_tokens=c.quantile_tokens, axis_name=axis_name)
+                                     quantile_tokens=c.quantile_tokens, axis_name=axis_name,
+                                     tau_h=tau_h)
         return keep, {"s2t/tau_h": tau_h}
     if recipe.token_mask == "top_entropy":
         return masks.top_entropy_mask(entropy, response_mask, ratio=recipe.top_entropy.ratio,

@@ -40,7 +40,8 @@ from stapo_jax.recipes import Recipe, compute_token_mask
 __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS"]
 
 DATA_AXES = ("data", "fsdp")
-COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated")  # reported as totals, not means
+# reported as totals over the mini-batches of a step, not means
+COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes", "s2t/corrected_tokens")
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
@@ -159,6 +160,33 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes))
 
 
+def _correct(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact):
+    """S2T ``minibatch_method='correction'``: add ``grad(sum_exact - sum_provisional)`` for every micro-batch in
+    which the exact mini-batch ``tau_h`` changed the mask of at least one token (``lax.cond``: the others cost
+    nothing). ``keep_*``: ``[K, B/K, R]`` bool. Returns ``(grad_sum, metrics)`` with the counts
+    ``s2t/correction_passes`` (micro-batches redone) and ``s2t/corrected_tokens``."""
+    changed = keep_guess != keep_exact
+    redo = jnp.any(changed.reshape(changed.shape[0], -1), axis=1)
+
+    def one(acc, xs):
+        mb, kg, kc, flag = xs
+
+        def fix(_):
+            def diff(p):
+                lp, ent = forward(p, mb)
+                return surrogate(lp, ent, mb, kc)[0] - surrogate(lp, ent, mb, kg)[0]
+
+            return jax.grad(diff)(params)
+
+        g = jax.lax.cond(flag, fix, lambda _: jax.tree.map(jnp.zeros_like, params), None)
+        return jax.tree.map(jnp.add, acc, g), None
+
+    grad_sum = jax.lax.cond(jnp.any(redo), lambda g: jax.lax.scan(one, g, (mbs, keep_guess, keep_exact, redo))[0],
+                            lambda g: g, grad_sum)
+    return grad_sum, {"s2t/correction_passes": jnp.sum(redo).astype(jnp.float32),
+                      "s2t/corrected_tokens": jnp.sum(changed).astype(jnp.float32)}
+
+
 def make_train_step(
     recipe: Recipe,
     optimizer: optax.GradientTransformation,
@@ -199,12 +227,14 @@ def make_train_step(
     loss_cfg = recipe.loss
     mask = recipe.token_mask
     scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
-    prepass = mask in ("s2t", "top_entropy") and scope == "minibatch"
+    population = mask in ("s2t", "top_entropy") and scope == "minibatch"
     use_old_stats = mask == "s2t" and recipe.s2t.stats_policy == "old"
+    correction = population and mask == "s2t" and not use_old_stats and recipe.s2t.minibatch_method == "correction"
     k = num_micro_batches
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
     q = recipe.s2t.entropy_quantile
+    sg = jax.lax.stop_gradient
 
     def step(state: TrainState, batch: Batch):
         _validate(batch, k)
@@ -214,61 +244,75 @@ def make_train_step(
         graphdef, params = state.graphdef, state.params
         resp = batch.response_mask.astype(jnp.float32)
         key = jax.random.fold_in(jax.random.PRNGKey(0), state.step)
+        correct = correction and batch.old_entropy is not None  # without old statistics: the pre-pass
 
-        keep_all, tau_all = None, None
-        if prepass or use_old_stats:
+        keep_all, tau_all, tau_guess = None, None, None
+        if use_old_stats or (population and not correct):
             if use_old_stats:
                 lp_all, ent_all = batch.old_log_probs, batch.old_entropy
             else:
-                lp_all, ent_all = lp_fn(jax.lax.stop_gradient(params), graphdef, batch.input_ids,
-                                        batch.attention_mask, r)
+                lp_all, ent_all = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r)
             keep_all, _ = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
                                              advantages=batch.advantages, response_mask=resp,
                                              old_log_probs=batch.old_log_probs, key=key)
             tau_all = masked_quantile(ent_all, resp, q, recipe.s2t.quantile_method)
+        elif correct:  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
+            tau_guess = compute_token_mask(recipe, log_probs=batch.old_log_probs, entropy=batch.old_entropy,
+                                           advantages=batch.advantages, response_mask=resp)[1]["s2t/tau_h"]
+
+        def forward(p, mb):
+            return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
+                                                  temperature=temperature, seq_chunk=seq_chunk,
+                                                  vocab_chunk=vocab_chunk)
+
+        def surrogate(lp, ent, mb, keep):
+            kl_sel = keep if mask == "kl_cov" else None
+            return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
+                                       None if mask == "kl_cov" else keep, loss_cfg, entropy=ent,
+                                       ref_log_probs=mb.ref_log_probs, rollout_log_probs=mb.rollout_log_probs,
+                                       kl_cov_selection=kl_sel, renormalize=recipe.renormalize)
 
         mbs = jax.tree.map(lambda x: _split(x, k), batch)
-        keep_mbs = _split(keep_all, k)
 
         def micro(grad_acc, xs):
             mb, keep_mb, j = xs
-            mresp = mb.response_mask.astype(jnp.float32)
 
             def loss_fn(p):
-                model = nnx.merge(graphdef, p)
-                lp, ent = response_log_probs_and_entropy(model, mb.input_ids, mb.attention_mask, r,
-                                                         temperature=temperature, seq_chunk=seq_chunk,
-                                                         vocab_chunk=vocab_chunk)
-                sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
+                lp, ent = forward(p, mb)
+                sg_lp, sg_ent = sg(lp), sg(ent)
+                mresp = mb.response_mask.astype(jnp.float32)
                 keep, tau = keep_mb, tau_all
                 if keep is None and mask != "none":
                     keep, _ = compute_token_mask(recipe, log_probs=sg_lp, entropy=sg_ent, advantages=mb.advantages,
                                                  response_mask=mresp, old_log_probs=mb.old_log_probs,
-                                                 key=jax.random.fold_in(key, j))
+                                                 key=jax.random.fold_in(key, j), tau_h=tau_guess)
                 if tau is None:
                     tau = masked_quantile(sg_ent, mresp, q, recipe.s2t.quantile_method)
-                kl_sel = keep if mask == "kl_cov" else None
-                token_mask = None if mask == "kl_cov" else keep
-                s, d, m = compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mresp, token_mask, loss_cfg,
-                                              entropy=ent, ref_log_probs=mb.ref_log_probs,
-                                              rollout_log_probs=mb.rollout_log_probs, kl_cov_selection=kl_sel,
-                                              renormalize=recipe.renormalize)
-                m = dict(m)
-                m.update(token_diagnostics(sg_lp, sg_ent, mb.advantages, mb.old_log_probs, mresp, token_mask,
-                                           tau_p=recipe.s2t.tau_p, tau_h=tau,
-                                           clip_ratio_low=loss_cfg.clip_ratio_low,
-                                           clip_ratio_high=loss_cfg.clip_ratio_high,
-                                           clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,
-                                           log_ratio_clamp=loss_cfg.log_ratio_clamp))
-                return s, (d, m, tau)
+                return surrogate(lp, ent, mb, keep)[0], (sg_lp, sg_ent, keep, tau)
 
-            (s, (d, m, tau)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            grad_acc = jax.tree.map(jnp.add, grad_acc, g)
-            return grad_acc, (s, d, m, tau)
+            g, out = jax.grad(loss_fn, has_aux=True)(params)
+            return jax.tree.map(jnp.add, grad_acc, g), out
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (sums, dens, ms, taus) = jax.lax.scan(micro, zeros, (mbs, keep_mbs, jnp.arange(k)))
-        den = dens[0] if loss_cfg.loss_agg_mode == "seq-mean-token-sum-norm" else jnp.sum(dens)
+        grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, _split(keep_all, k), jnp.arange(k)))
+        lp_all, ent_all = _unsplit(lps), _unsplit(ents)
+        keep_full = keep_all if keep_all is not None else (None if keeps is None else _unsplit(keeps))
+        extra = {}
+        if correct:
+            keep_full, stats = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
+                                                  advantages=batch.advantages, response_mask=resp)
+            tau_all = stats["s2t/tau_h"]
+            grad_sum, extra = _correct(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
+        b = batch.response_mask.shape[0]
+        tau_rows = tau_all if tau_all is not None else _unsplit(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
+        # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs)
+        loss_sum, den, m = surrogate(lp_all, ent_all, batch, keep_full)
+        m = dict(m)
+        m.update(token_diagnostics(lp_all, ent_all, batch.advantages, batch.old_log_probs, resp,
+                                   None if mask == "kl_cov" else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
+                                   clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
+                                   clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,
+                                   log_ratio_clamp=loss_cfg.log_ratio_clamp))
         grads = jax.tree.map(lambda g: safe_divide(g, den), grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -278,13 +322,13 @@ def make_train_step(
         new_state = state.replace(params=jax.tree.map(keep_old, new_params, params),
                                   opt_state=jax.tree.map(keep_old, new_opt, state.opt_state),
                                   step=state.step + finite.astype(jnp.int32))
-        summed = jax.tree.map(lambda x: jnp.sum(x, axis=0), ms)
-        metrics = finalize_metrics(summed, den)
+        metrics = finalize_metrics(m, den)
         for name in COUNT_METRICS:
-            if name in summed:
-                metrics[name] = summed[name][0]
+            if name in m:
+                metrics[name] = m[name][0]
+        metrics.update(extra)
         metrics.update({
-            "loss": safe_divide(jnp.sum(sums), den),
+            "loss": safe_divide(loss_sum, den),
             "loss_denominator": den,
             "grad_norm": grad_norm,
             "nonfinite_grad": (~finite).astype(jnp.float32),

@@ -59,9 +59,10 @@ def _num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
-    mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: the first mini-batch may use a step
-    that takes its token statistics from the old-log-prob pass (θ = θ_old there, stapo_spec §3), saving the
-    S2T pre-pass. Returns (state, metrics averaged over mini-batches)."""
+    mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
+    the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
+    there, stapo_spec §3), saving the pre-pass; with ``correction`` both are the same step (``old_entropy``
+    gives it the provisional tau_h, exact on the first mini-batch). Returns (state, metrics averaged over mini-batches)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
     # each process holds its own rows (multi-controller): local numpy <-> global row-sharded arrays
@@ -149,7 +150,7 @@ def train(cfg: Config) -> dict[str, Any]:
         step_fn = make_train_step(recipe, optimizer, **step_kw)
         first_fn = step_fn
         if recipe.token_mask == "s2t" and recipe.s2t.stats_policy == "current" and \
-                recipe.s2t.quantile_scope == "minibatch":
+                recipe.s2t.quantile_scope == "minibatch" and recipe.s2t.minibatch_method == "prepass":
             first_fn = make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)

@@ -71,7 +71,8 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
         put = lambda x: jax.device_put(x, bs)  # noqa: E731
         batch = Batch(input_ids=put(jnp.zeros((b, t), jnp.int32)), attention_mask=put(jnp.ones((b, t), bool)),
                       response_mask=put(jnp.ones((b, r), jnp.int32)), advantages=put(jnp.ones((b,), jnp.float32)),
-                      old_log_probs=put(jnp.zeros((b, r), jnp.float32)))
+                      old_log_probs=put(jnp.zeros((b, r), jnp.float32)),
+                      old_entropy=put(jnp.zeros((b, r), jnp.float32)))  # as the trainer passes it (S2T correction)
         real_train = step.lower(state, batch).compile().memory_analysis()
         engine = eng.Qwen3Engine(model, eng.EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
                                                          max_decode_length=32), mesh=mesh)
@@ -111,8 +112,11 @@ def test_analytic_flops_match_xla_when_every_loop_runs_once(tmp_path):
     result = plan.run_plan(spec)
     xla_train = result["train"]["flops_per_device"] * spec["devices"]
     xla_decode = result["decode"]["flops_per_device"] * spec["devices"]
-    # matmuls are a lower bound; AdamW, clipping, softmaxes and the S2T diagnostics add ~10% at this size
-    assert result["analytic"]["train_flops_per_update"] <= xla_train <= 1.15 * result["analytic"]["train_flops_per_update"]
+    # matmuls are a lower bound; AdamW, clipping, softmaxes and the S2T diagnostics add ~10% at this size. XLA
+    # counts both branches' work of the S2T correction conditional: compare with the every-micro-batch-redone count
+    a = result["analytic"]
+    assert a["train_flops_per_update_max"] == 2 * a["train_flops_per_update"]  # no remat: 3 forwards, twice
+    assert a["train_flops_per_update_max"] <= xla_train <= 1.15 * a["train_flops_per_update_max"]
     assert xla_decode == pytest.approx(result["analytic"]["decode_flops_per_step"], rel=0.03)
 
 

@@ -115,3 +115,62 @@ def test_bad_batch_names_field(model):
         run(model, get_recipe("grpo"), batch.replace(old_log_probs=batch.old_log_probs[:, :3]), 1)
     with pytest.raises(ValueError, match="num_micro_batches"):
         run(model, get_recipe("grpo"), batch, 3)
+
+
+def with_old_entropy(model, batch, noise, seed=0):
+    """The batch plus ``old_entropy``: the current policy's entropies, plus ``noise`` (a stand-in for the drift of
+    pi_theta away from pi_old over the earlier mini-batches of a step)."""
+    graphdef, params = nnx.split(model)
+    _, ent = make_log_prob_fn()(params, graphdef, batch.input_ids, batch.attention_mask, 6)
+    rng = np.random.default_rng(seed)
+    return batch.replace(old_entropy=ent + jnp.asarray(rng.normal(size=ent.shape) * noise, jnp.float32))
+
+
+@pytest.mark.parametrize("mode,k", [("token-mean", 2), ("seq-mean-token-mean", 1), ("seq-mean-token-sum", 4)])
+def test_s2t_correction_equals_prepass(model, mode, k):
+    """minibatch_method='correction' (provisional tau_h from old_entropy, then redo the micro-batches whose mask
+    the exact tau_h changes) gives the pre-pass update, even when the provisional threshold is far off."""
+    batch = with_old_entropy(model, make_batch(model, seed=4), noise=1.0)
+    s2t = {"tau_p": 0.05}
+    d_pre, m_pre = run(model, get_recipe("stapo", loss={"loss_agg_mode": mode},
+                                         s2t={**s2t, "minibatch_method": "prepass"}), batch, k)
+    d_cor, m_cor = run(model, get_recipe("stapo", loss={"loss_agg_mode": mode}, s2t=s2t), batch, k)
+    assert m_cor["s2t/correction_passes"] >= 1 and m_cor["s2t/corrected_tokens"] >= 1  # the fix-up did run
+    assert "s2t/correction_passes" not in m_pre
+    for name in ("loss", "loss_denominator", "s2t/n_keep", "s2t/masked_frac", "s2t/tau_h", "pg_clipfrac"):
+        assert m_cor[name] == pytest.approx(m_pre[name], rel=1e-5, abs=1e-6), name
+    assert m_pre["s2t/masked_frac"] > 0
+    for a, b in zip(jax.tree.leaves(d_pre), jax.tree.leaves(d_cor)):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4)
+    # a provisional threshold that is wrong, but not corrected, would give a different update
+    d_bad, m_bad = run(model, get_recipe("stapo", loss={"loss_agg_mode": mode},
+                                         s2t={**s2t, "stats_policy": "old"}), batch, k)
+    assert m_bad["s2t/tau_h"] != pytest.approx(m_pre["s2t/tau_h"], rel=1e-3)
+
+
+def test_s2t_correction_needs_no_pass_on_policy(model):
+    """With old_entropy from the current parameters (the first mini-batch of a step) nothing is redone."""
+    batch = with_old_entropy(model, make_batch(model, seed=5), noise=0.0)
+    recipe = get_recipe("stapo", s2t={"tau_p": 0.05})
+    d_cor, m_cor = run(model, recipe, batch, 2)
+    d_pre, m_pre = run(model, recipe, batch.replace(old_entropy=None), 2)  # no old statistics: the pre-pass
+    assert m_cor["s2t/correction_passes"] == 0 and m_cor["s2t/corrected_tokens"] == 0
+    assert m_cor["s2t/n_keep"] == m_pre["s2t/n_keep"] and m_pre["s2t/masked_frac"] > 0
+    for a, b in zip(jax.tree.leaves(d_pre), jax.tree.leaves(d_cor)):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_s2t_correction_eight_devices_equals_one(model):
+    assert jax.device_count() == 8
+    recipe = get_recipe("stapo", s2t={"tau_p": 0.05})
+    batch = with_old_entropy(model, make_batch(model, seed=6, b=16), noise=1.0)
+    d1, m1 = run(model, recipe, batch, 2)
+    mesh = make_mesh(data=4, fsdp=2)
+    state = TrainState.create(model, SGD, mesh)
+    step = make_train_step(recipe, SGD, num_micro_batches=2, seq_chunk=4, mesh=mesh,
+                           state_shardings=jax.tree.map(lambda x: x.sharding, state))
+    new, m8 = step(state, batch)
+    assert m1["s2t/correction_passes"] >= 1 and float(m8["s2t/correction_passes"]) == m1["s2t/correction_passes"]
+    assert float(m8["s2t/n_keep"]) == m1["s2t/n_keep"]
+    for a, b, c in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), jax.tree.leaves(d1)):
+        np.testing.assert_allclose(np.asarray(a) - np.asarray(b), c, atol=1e-5, rtol=1e-4)
