@@ -151,30 +151,66 @@ def _tile_logits(h_c, w_c, temperature, acc):
     return jnp.einsum("bcd,dv->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
 
 
-def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
-    """Streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the logits; vocabulary tiles outermost.
+def _per_token_seq_loop(t: int, c: int, names, init, step):
+    """``fori_loop`` over sequence tiles updating per-token ``[B, T]`` arrays ``init`` (named ``names``):
+    ``step(k, start, old)`` gets tile k's slice of each array and returns its new values; rows of a shifted
+    last tile that an earlier tile already visited keep their values."""
+    ragged = t % c != 0
 
-    Per token it carries the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum exp(2 (z - m))
-    and the target logit z_y (each ``[B, T]``), so the weight is read once and no tile outlives its step.
-    Returns ``(log_z, e_z, collision or None, z_y)``: logZ, E_p[z], sum_v p_v^2, z[target].
+    def body(k, carry):
+        start, row_fresh = _tile(k, c, t, ragged)
+        old = {n: _slice(a, start, c, 1) for n, a in zip(names, carry)}
+        new = step(k, start, old)
+        if row_fresh is not None:
+            new = {n: jnp.where(row_fresh, new[n], old[n]) for n in names}
+        return tuple(_put(a, new[n], start, 1) for n, a in zip(names, carry))
+
+    return dict(zip(names, jax.lax.fori_loop(0, -(-t // c), body, tuple(init))))
+
+
+def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
+    """Per-token logZ, E_p[z], sum_v p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile.
+
+    With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
+    ``logits_to_log_probs_and_entropy`` does (``jax.nn.logsumexp``, ``jax.nn.softmax``), so the trainer's
+    log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles outermost
+    carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum exp(2 (z - m)) and
+    z_y, so the weight is read once and no tile outlives its step.
     """
     acc = _acc_of(h, w)
     _, t, _ = h.shape
     v = w.shape[1]
     c, vc = seq_chunk, vocab_chunk
-    ragged_t, ragged_v = t % c != 0, v % vc != 0
     neg = _neg(acc)
+    zeros = jnp.zeros(ids.shape, acc)
+
+    def logits(start, w_c):
+        return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc)
+
+    if vc == v:
+        names = ("log_z", "e_z", "q", "z_y") if with_collision else ("log_z", "e_z", "z_y")
+
+        def whole_vocab(k, start, old):
+            z = logits(start, w)
+            probs = jax.nn.softmax(z, axis=-1)
+            new = {"log_z": jax.nn.logsumexp(z, axis=-1), "e_z": jnp.sum(probs * z, axis=-1),
+                   "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
+            if with_collision:
+                new["q"] = jnp.sum(probs * probs, axis=-1)
+            return new
+
+        out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab)
+        return out["log_z"], out["e_z"], out.get("q"), out["z_y"]
+
+    ragged_v = v % vc != 0
     names = ("m", "s", "t", "q", "z_y") if with_collision else ("m", "s", "t", "z_y")
 
     def vocab_step(j, carry):
         vs, col_fresh = _tile(j, vc, v, ragged_v)
         w_c = _fenced_slice(w, vs, vc, 1)
 
-        def seq_step(k, carry):
-            ss, row_fresh = _tile(k, c, t, ragged_t)
-            old = {n: _slice(a, ss, c, 1) for n, a in zip(names, carry)}
-            i_c = _slice(ids, ss, c, 1)
-            z = _tile_logits(_fenced_slice(h, ss, c, 1), w_c, temperature, acc)
+        def streaming(k, start, old):
+            z = logits(start, w_c)
             if col_fresh is not None:
                 z = jnp.where(col_fresh, z, neg)  # stale columns: exp underflows to exactly 0
             m = jnp.maximum(old["m"], jnp.max(z, axis=-1))
@@ -184,16 +220,15 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
                    "t": old["t"] * scale + jnp.sum(e * z, axis=-1)}
             if with_collision:
                 new["q"] = old["q"] * scale * scale + jnp.sum(e * e, axis=-1)
+            i_c = _slice(ids, start, c, 1)
             hit = (i_c >= j * vc) & (i_c < vs + vc)
             picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
             new["z_y"] = jnp.where(hit, picked, old["z_y"])
-            if row_fresh is not None:
-                new = {n: jnp.where(row_fresh, new[n], old[n]) for n in names}
-            return tuple(_put(a, new[n], ss, 1) for n, a in zip(names, carry))
+            return new
 
-        return jax.lax.fori_loop(0, -(-t // c), seq_step, carry)
+        out = _per_token_seq_loop(t, c, names, carry, streaming)
+        return tuple(out[n] for n in names)
 
-    zeros = jnp.zeros(ids.shape, acc)
     init = tuple(jnp.full(ids.shape, neg, acc) if n == "m" else zeros for n in names)
     out = dict(zip(names, jax.lax.fori_loop(0, -(-v // vc), vocab_step, init)))
     log_z = out["m"] + jnp.log(out["s"])
