@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "grpo_advantages",
@@ -46,9 +47,24 @@ def _num_groups(group_ids, num_groups):
         raise ValueError("pass num_groups= when calling under jit") from e
 
 
+def _check_group_range(group_ids, n_g: int) -> None:
+    """Concrete ``group_ids`` must lie in ``[0, n_g)``: ``segment_sum`` drops ids >= n_g and the gather back
+    clamps them, so a bad id would silently merge rows into another group. Skipped for tracers (under jit the
+    values are unknown; the caller guarantees the range there)."""
+    if isinstance(group_ids, jax.core.Tracer) or not group_ids.size:
+        return
+    ids = np.asarray(group_ids)
+    bad = (ids < 0) | (ids >= n_g)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"group_ids[{i}] = {int(ids[i])} is outside [0, num_groups={n_g}) "
+                         f"({int(bad.sum())} of {ids.size} ids out of range)")
+
+
 def _group_stats(rewards, group_ids, num_groups, ddof):
     """Per-row (count, mean, std with ``ddof``, all-equal flag) of the row's group. rewards float [N]."""
     n_g = _num_groups(group_ids, num_groups)
+    _check_group_range(group_ids, n_g)
     ones = jnp.ones_like(rewards)
     count = jax.ops.segment_sum(ones, group_ids, n_g)[group_ids]
     mean = (jax.ops.segment_sum(rewards, group_ids, n_g) / jnp.maximum(jax.ops.segment_sum(ones, group_ids, n_g), 1))[
@@ -91,8 +107,9 @@ def grpo_advantages(
       or ``R``); all-equal groups: exactly 0.
 
     Raises:
-      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, or ``num_groups``
-        is missing under jit.
+      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, concrete (not
+        traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad index; under jit the range is
+        the caller's to guarantee), or ``num_groups`` is missing under jit.
 
     Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
     """
@@ -161,6 +178,7 @@ def nonzero_variance_groups(rewards: jax.Array, group_ids: jax.Array, *, num_gro
     """DAPO dynamic-sampling filter: True for rows whose group's rewards are not all equal.
 
     Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int. Returns ``[N]`` bool.
+    Raises: ValueError as :func:`grpo_advantages` (shapes, dtype, concrete ``group_ids`` out of range).
     Source: Yu et al. 2503.14476 §3.2 (dynamic sampling); stapo_spec.md §5.
     """
     _check(rewards, group_ids)

@@ -19,7 +19,7 @@ def round_up(n: int, multiple: int) -> int:
 
 def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
                          prompt_length: Optional[int] = None, response_length: Optional[int] = None,
-                         pad_multiple: int = 8) -> dict[str, np.ndarray]:
+                         pad_multiple: int = 8, vocab_size: Optional[int] = None) -> dict[str, np.ndarray]:
     """Left-pad prompts and right-pad responses into one batch.
 
     Args:
@@ -27,12 +27,15 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
       responses: B token-id lists (may be empty: such a row has no response token).
       pad_id: id written into padding (masks, never ids, mark padding: Qwen3's pad id equals the base EOS).
       prompt_length, response_length: fixed P and R; default: the longest, rounded up to ``pad_multiple``.
+      vocab_size: when given, every id must be < ``vocab_size`` (an id past the embedding table would be
+        clamped or read garbage by the jitted gather instead of failing).
     Returns:
       ``input_ids`` [B, P+R] int32, ``attention_mask`` [B, P+R] bool, ``response_mask`` [B, R] bool,
       ``prompt_lengths`` [B] int32, ``response_lengths`` [B] int32 (tokens).
     Raises:
-      ValueError: different numbers of prompts and responses, an empty prompt (names its index), or a sequence
-        longer than the fixed ``prompt_length``/``response_length`` (no silent truncation).
+      ValueError: different numbers of prompts and responses, an empty prompt (names its index), a sequence
+        longer than the fixed ``prompt_length``/``response_length`` (no silent truncation), or a token id that
+        is negative or >= ``vocab_size`` (names the prompt/response index, position and id).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -43,9 +46,9 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
     if (pl == 0).any():
         raise ValueError(f"prompt {int(np.argmin(pl))} is empty")
     if pad_multiple < 1 or (prompt_length is not None and prompt_length < 1) or \
-            (response_length is not None and response_length < 1):
-        raise ValueError(f"prompt_length={prompt_length}, response_length={response_length} and "
-                         f"pad_multiple={pad_multiple} must be >= 1")
+            (response_length is not None and response_length < 1) or (vocab_size is not None and vocab_size < 1):
+        raise ValueError(f"prompt_length={prompt_length}, response_length={response_length}, "
+                         f"pad_multiple={pad_multiple} and vocab_size={vocab_size} must be >= 1")
     P = prompt_length if prompt_length is not None else round_up(int(pl.max()), pad_multiple)
     R = response_length if response_length is not None else round_up(int(rl.max()), pad_multiple)
     if pl.max() > P:
@@ -54,6 +57,8 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
     if rl.max() > R:
         i = int(np.argmax(rl))
         raise ValueError(f"response {i} has {rl[i]} tokens > response_length {R}")
+    _check_token_ids(prompts, "prompt", vocab_size)
+    _check_token_ids(responses, "response", vocab_size)
     b = len(prompts)
     ids = np.full((b, P + R), pad_id, np.int32)
     att = np.zeros((b, P + R), bool)
@@ -65,6 +70,24 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
     resp_mask = att[:, P:].copy()
     return {"input_ids": ids, "attention_mask": att, "response_mask": resp_mask,
             "prompt_lengths": pl, "response_lengths": rl}
+
+
+def _check_token_ids(seqs: Sequence[Sequence[int]], what: str, vocab_size: Optional[int]) -> None:
+    """Raise ValueError naming ``what`` {index} for the first id that is not an integer in
+    ``[0, vocab_size)`` (``[0, 2**31)``, the int32 range of ``input_ids``, without ``vocab_size``)."""
+    upper = vocab_size if vocab_size is not None else np.iinfo(np.int32).max + 1
+    for i, seq in enumerate(seqs):
+        a = np.asarray(seq)
+        if not a.size:
+            continue
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{what} {i} must be a flat list of integer token ids, got dtype {a.dtype} "
+                             f"shape {a.shape}")
+        bad = (a < 0) | (a >= upper)
+        if bad.any():
+            j = int(np.argmax(bad))
+            bound = f"vocab_size={upper}" if vocab_size is not None else f"{upper} (int32 input_ids)"
+            raise ValueError(f"{what} {i} has token id {int(a[j])} at position {j}, outside [0, {bound})")
 
 
 def response_hidden_slice(prompt_length: int, response_length: int) -> slice:

@@ -74,3 +74,47 @@ def test_demo_checks_the_context_limit(capsys):
 
     assert demo_main(["--max-new-tokens", "100000"]) == 2
     assert "exceeds the model's max_position_embeddings (40960)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompts,responses,kw,message", [
+    ([[1, 2], [3, -1]], [[4], [5]], {}, r"prompt 1 has token id -1 at position 1, outside \[0, "),
+    ([[1, 2], [3]], [[4], [5, 6, -7]], {}, r"response 1 has token id -7 at position 2"),
+    ([[1, 2], [3]], [[4, 10], [5]], dict(vocab_size=10), r"response 0 has token id 10 at position 1, "
+                                                         r"outside \[0, vocab_size=10\)"),
+    ([[1, 12]], [[4]], dict(vocab_size=10), r"prompt 0 has token id 12 at position 1"),
+    ([[1, 2.5]], [[4]], {}, r"prompt 0 must be a flat list of integer token ids"),
+])
+def test_pack_rejects_out_of_range_token_ids(prompts, responses, kw, message):
+    from stapo_jax.batching import pack_prompt_response
+
+    with pytest.raises(ValueError, match=message):
+        pack_prompt_response(prompts, responses, pad_id=0, **kw)
+    # the same batch with the bad id replaced packs, ids in place
+    good = pack_prompt_response([[abs(int(t)) % 10 for t in p] for p in prompts],
+                                [[abs(int(t)) % 10 for t in r] for r in responses], pad_id=0, vocab_size=10)
+    assert good["input_ids"].max() < 10 and good["input_ids"].min() >= 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "nonzero_variance"])
+@pytest.mark.parametrize("ids,num_groups,message", [
+    ([0, 0, 1, -1], None, r"group_ids\[3\] = -1 is outside \[0, num_groups=2\)"),
+    ([0, 2, 1, 1], 2, r"group_ids\[1\] = 2 is outside \[0, num_groups=2\)"),
+])
+def test_advantages_reject_concrete_group_ids_out_of_range(name, ids, num_groups, message):
+    from stapo_jax.advantages import compute_advantages, nonzero_variance_groups
+
+    def run(r, g):
+        if name == "nonzero_variance":
+            return nonzero_variance_groups(r, g, num_groups=num_groups)
+        return compute_advantages(name, r, g, num_groups=num_groups)
+
+    rewards = jnp.array([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(ValueError, match=message):
+        run(rewards, jnp.asarray(ids, jnp.int32))
+    with pytest.raises(ValueError, match=message):  # host (numpy) ids too
+        run(rewards, np.asarray(ids))
+    # traced ids are not checked (jit-compatible): in-range ids give the eager result under jit
+    good = jnp.array([0, 0, 1, 1], jnp.int32)
+    fn = (lambda r, g: nonzero_variance_groups(r, g, num_groups=2)) if name == "nonzero_variance" else \
+        (lambda r, g: compute_advantages(name, r, g, num_groups=2))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(rewards, good)), np.asarray(fn(rewards, good)))
