@@ -22,8 +22,8 @@ Each kept row becomes an *example* dict:
 * ``gold``: what :meth:`stapo_jax.rewards.RewardScorer.score` takes: the answer string, or for ``gym`` the
   reasoning-gym entry dict.
 
-Rows whose prompt or answer field is missing, not a string, or empty (and JSONL lines that are not JSON
-objects) are counted by reason in a :class:`DataReport` and skipped (``data.on_bad_row: skip``) or raise
+Rows whose prompt or answer field is missing, not a string, or empty (and JSONL lines that are not valid
+UTF-8 or not JSON objects) are counted by reason in a :class:`DataReport` and skipped (``data.on_bad_row: skip``) or raise
 :class:`DataError` (``error``). Prompts longer than ``data.max_prompt_length`` tokens are dropped and counted,
 never truncated.
 
@@ -233,14 +233,22 @@ class _Bad:
 
 def _read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
     if kind == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        # bytes, decoded line by line: a bad UTF-8 byte is a bad row of its own line (file:line in the report
+        # or error), not a UnicodeDecodeError from the file iterator that names neither
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                where = f"{path}:{line_no}"
+                try:
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                except UnicodeDecodeError:
+                    yield where, _Bad("invalid_utf8")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield f"{path}:{line_no}", json.loads(line)
+                    yield where, json.loads(line)
                 except json.JSONDecodeError:
-                    yield f"{path}:{line_no}", _Bad("invalid_json")
+                    yield where, _Bad("invalid_json")
     elif kind in ("parquet", "arrow"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -346,7 +354,7 @@ def _build_examples(rows: Sequence[tuple[str, Any]], tokenizer: Any, d: DataConf
 
 def _row_problem(rec: Any, prompt_key: str, answer_key: str) -> Optional[str]:
     """Why a record is unusable (``"missing:<key>"``, ``"not_str:<key>"``, ``"empty:<key>"``,
-    ``"not_object"``, ``"invalid_json"``), or None if it is fine."""
+    ``"not_object"``, ``"invalid_json"``, ``"invalid_utf8"``), or None if it is fine."""
     if isinstance(rec, _Bad):
         return rec.reason
     if not isinstance(rec, dict):

@@ -118,3 +118,21 @@ def test_advantages_reject_concrete_group_ids_out_of_range(name, ids, num_groups
     fn = (lambda r, g: nonzero_variance_groups(r, g, num_groups=2)) if name == "nonzero_variance" else \
         (lambda r, g: compute_advantages(name, r, g, num_groups=2))
     np.testing.assert_array_equal(np.asarray(jax.jit(fn)(rewards, good)), np.asarray(fn(rewards, good)))
+
+
+def test_jsonl_with_a_bad_utf8_byte_names_file_and_line(tmp_path):
+    from stapo_jax.config import load_config
+    from stapo_jax.data import DataError, load_prompt_dataset
+    from stapo_jax.tokenizer import build_builtin_tokenizer
+
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"problem": "ok 1", "answer": "1"}\n'  # a UTF-8 BOM on line 1 is fine
+                  b'{"problem": "caf\xe9", "answer": "2"}\n'         # latin-1 byte: not UTF-8
+                  b'{"problem": "ok 3", "answer": "3"}\n')
+    tok = build_builtin_tokenizer()
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: bad row \(invalid_utf8\)"):
+        load_prompt_dataset(load_config(None, [f"data.train_files=[{p}]", "data.on_bad_row=error"]), tok)
+    ds = load_prompt_dataset(load_config(None, [f"data.train_files=[{p}]"]), tok)
+    assert [ex["problem"] for ex in ds.examples] == ["ok 1", "ok 3"]
+    assert [ex["index"] for ex in ds.examples] == [0, 2]
+    assert ds.report.bad_reasons == {"invalid_utf8": 1}
