@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
-    except (ValueError, FileNotFoundError) as e:  # bad input (ConfigError, DataError, ...): one clear line
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        # bad input (ConfigError, DataError, a file where a directory belongs, ...): one clear line
         print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Mapping, Optional
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # shown in the progress bar, in this order, when present
 _BAR_KEYS = ("reward/mean", "acc/mean", "entropy", "s2t/masked_frac", "response_length/mean", "loss")
@@ -38,6 +41,7 @@ class MetricsLogger:
                  progress: bool = True, desc: str = "train"):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        _drop_partial_last_line(self.path)
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -87,25 +91,60 @@ class MetricsLogger:
         self._file.close()
 
 
+def _drop_partial_last_line(path: str) -> None:
+    """Cut a metrics file back to its last newline: a run killed mid-write leaves an unterminated row, and a
+    resumed run appending after it would glue its first row onto it (a corrupt line in the middle)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if not size:
+            return
+        f.seek(max(size - 1, 0))
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        keep = f.read().rfind(b"\n") + 1
+        f.truncate(keep)
+    log.warning("%s: dropped a half-written last line (%d bytes) before appending", path, size - keep)
+
+
 def read_metrics(path: str) -> list[dict]:
     """Rows of a ``metrics.jsonl`` file (or a run directory containing one), one per step: when a resumed run
     re-did steps, the last row written for a step wins; rows are sorted by step.
 
+    Args:
+      path: a run directory (``path/metrics.jsonl`` is read) or the metrics file itself.
+    Returns:
+      one dict per step (``"step"``: int, metric name -> number or None), sorted by step.
     Raises:
       FileNotFoundError: no metrics file at ``path``.
-      ValueError: a line that is not JSON (names the file and line number).
+      ValueError: a line that is not JSON, not a JSON object, or has no integer ``"step"`` (names the file and
+        line number). Only a half-written *last* line (no trailing newline: the run was killed mid-write) is
+        skipped, with a logged warning.
     """
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file: {path}")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not a JSON line ({e})") from e
-    last = {r.get("step"): r for r in rows}
-    return [last[k] for k in sorted(last, key=lambda k: (k is None, k or 0))]
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError as e:  # JSONDecodeError or a bad UTF-8 byte
+            if i == len(lines):  # split() leaves the unterminated tail last: a row cut off mid-write
+                log.warning("%s:%d: skipping a half-written last line (%d bytes; the run was stopped while "
+                            "writing it)", path, i, len(raw))
+                continue
+            raise ValueError(f"{path}:{i}: not a JSON line ({e})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected one JSON object per line, got a JSON {type(row).__name__}")
+        if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+            raise ValueError(f"{path}:{i}: the row has no integer 'step' (got {row.get('step')!r})")
+        rows.append(row)
+    last = {r["step"]: r for r in rows}
+    return [last[k] for k in sorted(last)]

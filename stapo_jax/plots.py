@@ -1,4 +1,5 @@
-"""PNG training curves from a run's ``metrics.jsonl`` (``stapo-jax plot RUN_DIR``)."""
+"""PNG training curves from a run's ``metrics.jsonl`` (``stapo-jax plot RUN_DIR`` or ``stapo-jax plot
+RUN_DIR/metrics.jsonl``)."""
 from __future__ import annotations
 
 import argparse
@@ -16,19 +17,24 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write one PNG per curve in :data:`CURVES` plus ``curves.png`` (all panels) into ``out_dir``.
 
     Args:
-      run_dir: a run directory with ``metrics.jsonl``.
-      out_dir: where PNGs go (default ``run_dir/plots``).
+      run_dir: a run directory with ``metrics.jsonl``, or the path of a metrics file itself.
+      out_dir: where PNGs go (default ``plots/`` next to the metrics file, i.e. ``run_dir/plots``).
     Returns:
       paths of the PNG files written (curves missing from the metrics are skipped and not returned).
     Raises:
-      FileNotFoundError: no metrics file; ValueError: a metrics file without any of the curves.
+      FileNotFoundError: no metrics file; ValueError: a metrics file without any of the curves, a malformed
+        metrics line (file and line named, see :func:`stapo_jax.metrics.read_metrics`), or an ``out_dir``
+        that is an existing file.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    out_dir = out_dir or os.path.join(run_dir, "plots")
+    base = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.abspath(run_dir))
+    out_dir = out_dir or os.path.join(base, "plots")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"plot output directory {out_dir} is an existing file, not a directory")
     os.makedirs(out_dir, exist_ok=True)
     series = {}
     for key, _ in CURVES:
@@ -65,7 +71,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="stapo-jax plot", description=__doc__)
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory, or its metrics.jsonl file")
     p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
     a = p.parse_args(argv)
     for path in plot_run(a.run_dir, a.out):

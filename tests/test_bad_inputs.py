@@ -1,4 +1,8 @@
 """Regressions from the bad-input review: padding that holds NaN, non-finite settings, broken files."""
+import json
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +140,69 @@ def test_jsonl_with_a_bad_utf8_byte_names_file_and_line(tmp_path):
     assert [ex["problem"] for ex in ds.examples] == ["ok 1", "ok 3"]
     assert [ex["index"] for ex in ds.examples] == [0, 2]
     assert ds.report.bad_reasons == {"invalid_utf8": 1}
+
+
+def _metrics_file(tmp_path, lines: list[bytes]):
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_bytes(b"".join(lines))
+    return run
+
+
+_ROW = lambda s: json.dumps({"step": s, "reward/mean": 0.1 * s, "entropy": 1.0 - 0.1 * s}).encode()  # noqa: E731
+
+
+@pytest.mark.parametrize("bad,message", [
+    (b"[1, 2]", r"metrics\.jsonl:2: expected one JSON object per line, got a JSON list"),
+    (b'{"step": 2, "reward/m', r"metrics\.jsonl:2: not a JSON line"),  # cut-off row in the middle
+    (b'{"reward/mean": 0.5}', r"metrics\.jsonl:2: the row has no integer 'step'"),
+])
+def test_plot_names_file_and_line_of_a_bad_middle_line(tmp_path, capsys, bad, message):
+    from stapo_jax.cli import main as cli_main
+    from stapo_jax.metrics import read_metrics
+
+    run = _metrics_file(tmp_path, [_ROW(1) + b"\n", bad + b"\n", _ROW(3) + b"\n"])
+    with pytest.raises(ValueError, match=message):
+        read_metrics(str(run))
+    assert cli_main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+
+
+def test_metrics_truncated_last_line_is_skipped_with_a_warning(tmp_path, caplog):
+    from stapo_jax.metrics import MetricsLogger, read_metrics
+
+    run = _metrics_file(tmp_path, [_ROW(1) + b"\n", _ROW(2) + b"\n", _ROW(3)[:15]])  # killed mid-write
+    with caplog.at_level("WARNING", logger="stapo_jax.metrics"):
+        rows = read_metrics(str(run))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["reward/mean"] == pytest.approx(0.2)
+    assert "metrics.jsonl:3: skipping a half-written last line" in caplog.text
+    # a bad last line that was fully written (newline-terminated) is corrupt, not truncated
+    bad_end = _metrics_file(tmp_path / "b", [_ROW(1) + b"\n", b"[3]\n"])
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: expected one JSON object"):
+        read_metrics(str(bad_end))
+    # a resumed run appends after the cut-off row without gluing onto it
+    log = MetricsLogger(str(run), progress=False, tensorboard=False)
+    log.log(3, {"reward/mean": 0.3})
+    log.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stapo_jax.metrics"):
+        assert [r["step"] for r in read_metrics(str(run))] == [1, 2, 3]
+    assert caplog.text == ""
+    assert (run / "metrics.jsonl").read_bytes().endswith(b'"reward/mean": 0.3}\n')
+
+
+def test_plot_accepts_the_metrics_file_path_and_rejects_a_file_as_out_dir(tmp_path, capsys):
+    from stapo_jax.cli import main as cli_main
+
+    run = _metrics_file(tmp_path, [_ROW(1) + b"\n", _ROW(2) + b"\n"])
+    assert cli_main(["plot", str(run / "metrics.jsonl")]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(os.path.basename(p) for p in written) == ["curves.png", "entropy.png", "reward_mean.png"]
+    assert all(os.path.dirname(p) == str(run / "plots") for p in written)
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in written)
+    (tmp_path / "taken").write_text("x")
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err
+    assert f"plot output directory {tmp_path / 'taken'} is an existing file" in err and "Traceback" not in err
