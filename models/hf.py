@@ -170,7 +170,8 @@ def _tensor_files(ckpt_dir: Path) -> tuple[dict[str, Path], str]:
 # ----------------------------------------------------------------------------------------------- loading
 def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[jax.sharding.Mesh] = None,
                        rules=PARAM_RULES, dtype: Optional[str] = None, param_dtype: Optional[str] = None,
-                       remat: Optional[str] = None, revision: Optional[str] = None) -> tuple[Qwen3Config, Qwen3]:
+                       remat: Optional[str] = None, revision: Optional[str] = None,
+                       strict: bool = True) -> tuple[Qwen3Config, Qwen3]:
     """Load an HF Qwen3 checkpoint into a ``Qwen3`` whose parameters are placed on ``mesh``.
 
     Each parameter is created with ``jax.make_array_from_callback``: a device receives only its slice, read
@@ -183,12 +184,17 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
       dtype: compute dtype (``"float32"`` default, ``"bfloat16"``); param_dtype: parameter storage dtype
         (default float32, whatever the file holds: bf16 files are upcast exactly). remat: remat policy.
       revision: hub revision for a repo id.
+      strict: a tensor in the files that the model has no parameter for (e.g. ``model.layers.{i}`` beyond
+        ``num_hidden_layers``, or another architecture's weights) raises; ``False`` warns and ignores it
+        (transformers reports such names as "unexpected keys"). A stored ``lm_head.weight`` of a tied model
+        is always only a warning, as in HF.
     Returns:
       ``(config, model)``: the ``Qwen3Config`` read from config.json (with the overrides) and the model.
       Use ``nnx.split(model)`` for ``(graphdef, state)``.
     Raises:
       CheckpointError: not a Qwen3 config; a missing tensor or one of the wrong shape (message names the
-        tensor, the expected and actual shapes and the file); unreadable/absent files; hub unreachable.
+        tensor, the expected and actual shapes and the file); with ``strict``, tensors the model does not
+        have (names up to 10 of them and their files); unreadable/absent files; hub unreachable.
     """
     ckpt = resolve_checkpoint(path_or_id, revision)
     overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat).items() if v is not None}
@@ -201,6 +207,7 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
     else:
         shardings = param_shardings(abstract_state, mesh, rules)
     files, where = _tensor_files(ckpt)
+    _check_unexpected(files, abstract_state, cfg, where, strict)
 
     with contextlib.ExitStack() as stack:
         handles: dict[Path, object] = {}
@@ -260,6 +267,27 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
         warnings.warn(f"{where}: config has tie_word_embeddings=true; ignoring the stored lm_head.weight "
                       f"(HF ties it to model.embed_tokens.weight too)")
     return cfg, nnx.merge(graphdef, loaded)
+
+
+def _check_unexpected(files: dict[str, Path], abstract_state, cfg: Qwen3Config, where: str, strict: bool) -> None:
+    """Raise (``strict``) or warn about HF tensors that no parameter of ``abstract_state`` reads."""
+    expected = set()
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    for path, var in jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=is_var)[0]:
+        if isinstance(var, nnx.Param):  # other variables are rejected by the loader with their own message
+            expected.update(_entry(param_path(path)).hf_names(cfg.num_hidden_layers))
+    if cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")  # HF ties it too; warned about after loading
+    unexpected = sorted(set(files) - expected)
+    if not unexpected:
+        return
+    shown = ", ".join(f"{n!r} ({files[n].name})" for n in unexpected[:10])
+    more = f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""
+    msg = (f"{where}: {len(unexpected)} tensor(s) that the Qwen3 model (num_hidden_layers="
+           f"{cfg.num_hidden_layers}, tie_word_embeddings={cfg.tie_word_embeddings}) does not have: {shown}{more}")
+    if strict:
+        raise CheckpointError(msg + "; pass strict=False to ignore them")
+    warnings.warn(msg + "; ignored (strict=False)")
 
 
 # ----------------------------------------------------------------------------------------------- export

@@ -265,3 +265,22 @@ def test_load_and_export_do_not_import_torch(hf_tied, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("ok")
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_unexpected_tensors_raise_unless_not_strict(hf_tied, tmp_path):
+    ck = _copy_checkpoint(hf_tied[1], tmp_path / "ck")
+    extra = {f"model.layers.2.mlp.extra_{i:02d}.weight": np.full((3,), i, np.float32) for i in range(11)}
+    extra["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((8,), np.float32)
+    _rewrite(ck, lambda t: {**t, **extra})
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(ck)
+    msg = str(e.value)
+    names = sorted(extra)
+    assert "12 tensor(s) that the Qwen3 model (num_hidden_layers=2" in msg
+    assert all(f"{n!r} (model.safetensors)" in msg for n in names[:10])
+    assert names[10] not in msg and names[11] not in msg and "and 2 more" in msg and "strict=False" in msg
+    with pytest.warns(UserWarning, match="12 tensor.*ignored"):
+        cfg, model = load_hf_checkpoint(ck, strict=False)
+    ids, mask = padded_batch()
+    valid = mask.astype(bool)
+    assert np.abs(our_logits(model, ids, mask)[valid] - hf_logits(hf_tied[0], ids, mask)[valid]).max() <= TOL
