@@ -384,8 +384,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ConfigError: unknown key (with the closest valid key suggested), wrong type, malformed override,
-        or a cross-field check failed; the message names the key(s).
+      ConfigError: unknown keys (all of them in one message, each with the closest valid key suggested),
+        wrong type, malformed override, or a cross-field check failed; the message names the key(s).
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -418,6 +418,11 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         for key, value in RECIPE_DEFAULTS[recipe].items():
             if not _has_dotted(raw, key):
                 _set_dotted(raw, key, value)
+    unknown = _unknown_keys(Config, raw, "")
+    if len(unknown) == 1:
+        raise ConfigError(unknown[0])
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg
@@ -632,6 +637,21 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             raise ConfigError(_unknown_key_message(f"{prefix}{key}", list(hints), prefix))
     kwargs = {name: _coerce(raw[name], hints[name], f"{prefix}{name}") for name in hints if name in raw}
     return cls(**kwargs)
+
+
+def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+    """One message (with its did-you-mean) per unknown key anywhere under ``raw``, in file order, so that a
+    config with several typos is fixed in one round; sections that are not mappings are left to ``_build``."""
+    if not isinstance(raw, dict):
+        return []
+    hints = get_type_hints(cls)
+    out = []
+    for key, value in raw.items():
+        if key not in hints:
+            out.append(_unknown_key_message(f"{prefix}{key}", list(hints), prefix))
+        elif dataclasses.is_dataclass(hints[key]):
+            out.extend(_unknown_keys(hints[key], value, f"{prefix}{key}."))
+    return out
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

@@ -206,3 +206,22 @@ def test_plot_accepts_the_metrics_file_path_and_rejects_a_file_as_out_dir(tmp_pa
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "taken")]) == 2
     err = capsys.readouterr().err
     assert f"plot output directory {tmp_path / 'taken'} is an existing file" in err and "Traceback" not in err
+
+
+def test_config_reports_every_unknown_key_at_once(tmp_path):
+    from stapo_jax.config import ConfigError, load_config
+
+    p = tmp_path / "typos.yaml"
+    p.write_text("rolout:\n  n: 4\nactor:\n  clip_ratio_hi: 0.3\n  optim:\n    weight_decy: 0.0\n"
+                 "s2t:\n  tau_h: 0.5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["trainer.total_step=3"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "5 unknown config keys:"
+    assert lines[1:] == [
+        "  unknown config key 'rolout'; did you mean 'rollout'?",
+        "  unknown config key 'actor.clip_ratio_hi'; did you mean 'actor.clip_ratio_high'?",
+        "  unknown config key 'actor.optim.weight_decy'; did you mean 'actor.optim.weight_decay'?",
+        "  unknown config key 's2t.tau_h'; did you mean 's2t.tau_p'?",
+        "  unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?",
+    ]
