@@ -106,17 +106,23 @@ def train(cfg: Config) -> dict[str, Any]:
     """
     if not cfg.trainer.total_steps:
         raise ConfigError("trainer.total_steps must be set for an RL run (stapo_spec §10 item 15)")
+    cfg.check_rl_ready()
     t = cfg.trainer
     run_dir = os.path.abspath(t.run_dir)
-    os.makedirs(run_dir, exist_ok=True)
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
     mesh = build.build_mesh(cfg)
+    G = cfg.rollout.n
+    mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
+    # every check that can reject the config runs before anything is written into run_dir
+    k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)
+    recipe = build.build_recipe(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
     train_ds = load_prompt_dataset(cfg, tok, "train")
     val_examples = _val_examples(cfg, tok)
     scorer = make_scorer(cfg)
+    os.makedirs(run_dir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     resuming = t.resume and ckpt.latest_step() is not None
@@ -124,9 +130,6 @@ def train(cfg: Config) -> dict[str, Any]:
         _check_same_model(cfg, run_dir)
     if main_process:
         cfg.save(run_dir)
-    G = cfg.rollout.n
-    mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
-    k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)  # checked before any expensive phase
     logger = MetricsLogger(run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"),
                            t.total_steps, tensorboard=main_process, progress=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
@@ -139,7 +142,6 @@ def train(cfg: Config) -> dict[str, Any]:
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
             summary["heldout_acc_before"] = acc
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
-        recipe = build.build_recipe(cfg)
         optimizer = build.build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,

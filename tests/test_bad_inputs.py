@@ -225,3 +225,23 @@ def test_config_reports_every_unknown_key_at_once(tmp_path):
         "  unknown config key 's2t.tau_h'; did you mean 's2t.tau_p'?",
         "  unknown config key 'trainer.total_step'; did you mean 'trainer.total_steps'?",
     ]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # 1 sequence per mini-batch cannot split over the 8 simulated data-parallel devices (known only at run time)
+    (["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1", "rollout.n=1", "trainer.train_batch_size=1"],
+     r"mini-batch of 1 sequences does not split into 8 data-parallel shards"),
+    (["data.source=jsonl", "data.train_files=[]", "reward.kind=boxed_exact_pm1"],
+     r"data.train_files is empty \(data.source=jsonl\)"),
+])
+def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message):
+    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.trainer import train
+
+    assert jax.device_count() == 8  # tests/conftest.py
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/tiny_cpu.yaml", [f"trainer.run_dir={run_dir}", "sft.steps=0", "data.gym.size=16",
+                                                "data.gym.val_size=0", "trainer.total_steps=1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+    assert not run_dir.exists()  # no config.yaml, no checkpoints directory, nothing
