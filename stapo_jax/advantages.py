@@ -50,8 +50,9 @@ def _num_groups(group_ids, num_groups):
 def _check_group_range(group_ids, n_g: int) -> None:
     """Concrete ``group_ids`` must lie in ``[0, n_g)``: ``segment_sum`` drops ids >= n_g and the gather back
     clamps them, so a bad id would silently merge rows into another group. Skipped for tracers (under jit the
-    values are unknown; the caller guarantees the range there)."""
-    if isinstance(group_ids, jax.core.Tracer) or not group_ids.size:
+    values are unknown; the caller guarantees the range there) and for arrays spread over several processes."""
+    if isinstance(group_ids, jax.core.Tracer) or not group_ids.size or \
+            (isinstance(group_ids, jax.Array) and not group_ids.is_fully_addressable):
         return
     ids = np.asarray(group_ids)
     bad = (ids < 0) | (ids >= n_g)
