@@ -3,7 +3,7 @@ Qwen3, all variants in one process, interleaved, best of ``--reps``.
 
 The responses are sampled from the model (temperature 1), so token probabilities look like a rollout's rather
 than like random ids. ``old_log_probs`` / ``old_entropy`` come from θ_old; the timed state is θ after
-``--updates`` AdamW steps at lr 1e-6 (paper settings) from θ_old, i.e. a later mini-batch of the step, where
+``--updates`` AdamW steps at ``--lr`` 1e-6 (paper settings) from θ_old, i.e. a later mini-batch of the step, where
 π_θ != π_old and the exact mini-batch mask must be recomputed. Variants:
 
 * ``stapo correction`` (default, ``s2t.minibatch_method=correction``): provisional tau_h from ``old_entropy``,
@@ -63,11 +63,13 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--K", type=int, default=2)
     ap.add_argument("--updates", type=int, default=3, help="AdamW steps from θ_old to the timed θ")
+    ap.add_argument("--lr", type=float, default=1e-6, help="their learning rate (paper: 1e-6)")
+    ap.add_argument("--init", type=float, default=0.1, help="initializer_range of the random model")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     cfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                       num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=a.hidden // 4, max_position_embeddings=a.P + a.R, initializer_range=0.1)
+                      head_dim=a.hidden // 4, max_position_embeddings=a.P + a.R, initializer_range=a.init)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     ids = sample_responses(model, jnp.asarray(rng.integers(1, a.vocab, (a.B, a.P)), jnp.int32), a.R, seed=0)
@@ -79,7 +81,7 @@ def main():
                   advantages=jnp.asarray(rng.normal(size=a.B), jnp.float32), old_log_probs=old, old_entropy=old_ent)
     worst = batch.replace(old_entropy=jnp.asarray(rng.permutation(np.asarray(old_ent).ravel()).reshape(old_ent.shape)
                                                   * rng.uniform(0.5, 1.5, old_ent.shape), jnp.float32))
-    opt = optax.adamw(1e-6)
+    opt = optax.adamw(a.lr)
     state0 = TrainState.create(model, opt)
     stapo = get_recipe("stapo")
     drift = make_train_step(get_recipe("stapo", s2t={"minibatch_method": "prepass"}), opt, num_micro_batches=a.K,
@@ -112,8 +114,8 @@ def main():
     base = best["justrl (no mask)"]
     m = info["stapo pre-pass"]
     print(f"backend={jax.default_backend()} B={a.B} T={a.P + a.R} layers={a.layers} hidden={a.hidden} V={a.vocab} "
-          f"K={a.K}, {a.updates} AdamW updates from θ_old: justrl (no mask) {base * 1e3:.1f} ms/step (best of "
-          f"{a.reps}, interleaved); S2T masks {100 * float(m['s2t/masked_frac']):.3f} % of tokens")
+          f"K={a.K}, {a.updates} AdamW updates (lr {a.lr:g}) from θ_old: justrl (no mask) {base * 1e3:.1f} ms/step "
+          f"(best of {a.reps}, interleaved); S2T masks {100 * float(m['s2t/masked_frac']):.3f} % of tokens")
     for label, t_ in best.items():
         if label == "justrl (no mask)":
             continue

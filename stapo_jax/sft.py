@@ -62,7 +62,8 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
       lr, warmup_steps, weight_decay, clip_grad: see ``stapo_jax.optim.make_optimizer``.
       pad_id: padding id; log: optional callable(step, metrics).
     Raises:
-      ValueError: non-positive ``steps`` or ``batch_size``.
+      ValueError: non-positive ``steps`` or ``batch_size``; a token id outside ``[0, vocab_size)`` (naming the
+        example), e.g. a tokenizer larger than the model's embedding.
     """
     if steps <= 0 or batch_size <= 0:
         raise ValueError(f"sft.steps={steps} and sft.batch_size={batch_size} must be > 0")
@@ -72,7 +73,8 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
     history = []
     for step in range(steps):
         pairs = [next(examples) for _ in range(batch_size)]
-        b = pack_prompt_response([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad_id)
+        b = pack_prompt_response([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad_id,
+                                 vocab_size=model.config.vocab_size)
         R = b["response_mask"].shape[1]
         params, opt_state, m = sft_step(graphdef, optimizer, R, seq_chunk, params, opt_state,
                                         jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]),
