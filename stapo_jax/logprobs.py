@@ -142,6 +142,17 @@ def _fenced_slice(x, start, width: int, axis: int):
     return _slice(x, start, width, axis)
 
 
+def _to_storage(x):
+    """16-bit floats as their raw bits (uint16) for the head-gradient buffer; other dtypes unchanged. The
+    CPU compiler has no 16-bit-float dynamic-update-slice: it would convert the whole ``[D, V]`` buffer to
+    float32 and back on every vocabulary tile. An integer update is done in place on every backend."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
+
+
+def _from_storage(x, dtype):
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _neg(acc):
     return jnp.asarray(-1e30 if acc == jnp.float32 else -1e300, acc)
 
@@ -304,11 +315,11 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
             return dh, dw_c, dtemp
 
         dh, dw_c, dtemp = jax.lax.fori_loop(0, -(-t // c), seq_step, (dh, jnp.zeros((d, vc), acc), dtemp))
-        return dh, _put(dw, dw_c.astype(w.dtype), vs, 1), dtemp
+        return dh, _put(dw, _to_storage(dw_c.astype(w.dtype)), vs, 1), dtemp
 
-    init = (jnp.zeros(h.shape, acc), jnp.zeros(w.shape, w.dtype), jnp.zeros((), acc))
+    init = (jnp.zeros(h.shape, acc), _to_storage(jnp.zeros(w.shape, w.dtype)), jnp.zeros((), acc))
     dh, dw, dtemp = jax.lax.fori_loop(0, n_v, vocab_step, init)
-    return dh.astype(h.dtype), dw, None, dtemp.astype(temperature.dtype)
+    return dh.astype(h.dtype), _from_storage(dw, w.dtype), None, dtemp.astype(temperature.dtype)
 
 
 _lm_head_stats.defvjp(_lm_head_stats_fwd, _lm_head_stats_bwd)
