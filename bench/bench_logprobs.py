@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--D", type=int, default=1024)
     ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--seq-chunk", type=int, default=512)
+    ap.add_argument("--seq-chunk", type=int, default=128)
     ap.add_argument("--vocab-chunk", type=int, default=8192, help="0: None (whole vocabulary per forward tile)")
     ap.add_argument("--time-T", type=int, default=256, help="sequence length of the timing run (CPU: small; 0 skips timing)")
     ap.add_argument("--reps", type=int, default=3)
