@@ -14,7 +14,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from stapo_jax.logprobs import chunked_log_probs_and_entropy, logits_to_log_probs_and_entropy
+from stapo_jax.logprobs import (
+    chunked_log_probs_and_entropy,
+    logits_to_log_probs_and_entropy,
+)
 
 
 def naive(h, w, ids):
@@ -71,7 +74,7 @@ def main():
     print(f"backend={jax.default_backend()} devices={jax.device_count()}")
     a.vocab_chunk = a.vocab_chunk or None
     chunked = make(a.seq_chunk, a.vocab_chunk)
-    spec = lambda t: (jax.ShapeDtypeStruct((a.B, t, a.D), jnp.bfloat16),  # noqa: E731
+    spec = lambda t: (jax.ShapeDtypeStruct((a.B, t, a.D), jnp.bfloat16),
                       jax.ShapeDtypeStruct((a.D, a.V), jnp.bfloat16), jax.ShapeDtypeStruct((a.B, t), jnp.int32))
     for label, n_fn, c_fn in (("forward", naive, chunked), ("fwd+bwd", with_grad(naive), with_grad(chunked))):
         (nt, n), (ct, c) = peak_bytes(n_fn, spec(a.T)), peak_bytes(c_fn, spec(a.T))

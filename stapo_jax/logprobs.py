@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "BACKWARD_VOCAB_CHUNK",
+    "chunked_log_probs_and_entropy",
     "logits_to_log_probs",
     "logits_to_log_probs_and_entropy",
-    "chunked_log_probs_and_entropy",
-    "BACKWARD_VOCAB_CHUNK",
 ]
 
 # Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32

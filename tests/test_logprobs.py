@@ -10,10 +10,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import torch_reference as ref  # noqa: E402
+import torch_reference as ref
 
-import stapo_jax.logprobs as logprobs_module  # noqa: E402
-from stapo_jax.logprobs import (  # noqa: E402
+import stapo_jax.logprobs as logprobs_module
+from stapo_jax.logprobs import (
     chunked_log_probs_and_entropy,
     logits_to_log_probs,
     logits_to_log_probs_and_entropy,
@@ -49,7 +49,7 @@ def test_chunked_equals_naive_values_and_gradients(seq_chunk, vocab_chunk):
     h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, v, size=(b, t)))
-    ch = lambda h, w: chunked_log_probs_and_entropy(h, w, ids, temperature=0.8, seq_chunk=seq_chunk,  # noqa: E731
+    ch = lambda h, w: chunked_log_probs_and_entropy(h, w, ids, temperature=0.8, seq_chunk=seq_chunk,
                                                     vocab_chunk=vocab_chunk)
     a, n = ch(h, w), naive(h, w, ids, 0.8)
     np.testing.assert_allclose(np.asarray(a[0]), np.asarray(n[0]), atol=2e-5)
@@ -157,9 +157,9 @@ def test_bf16_weight_gradients_match_float64_reference(monkeypatch, vocab_chunk)
     def loss(fn):
         return lambda h, w: sum(jnp.sum(o * jnp.asarray(g, jnp.float32)) for o, g in zip(fn(h, w), cts))
 
-    chunked = lambda h, w: chunked_log_probs_and_entropy(h, w, jnp.asarray(ids), temperature=temp,  # noqa: E731
+    chunked = lambda h, w: chunked_log_probs_and_entropy(h, w, jnp.asarray(ids), temperature=temp,
                                                          seq_chunk=4, vocab_chunk=vocab_chunk)
-    naive_fn = lambda h, w: logits_to_log_probs_and_entropy(  # noqa: E731
+    naive_fn = lambda h, w: logits_to_log_probs_and_entropy(
         jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), jnp.asarray(ids), temp)
     gh, gw = jax.jit(jax.grad(loss(chunked), argnums=(0, 1)))(h, w)
     nh, nw = jax.jit(jax.grad(loss(naive_fn), argnums=(0, 1)))(h, w)
