@@ -1,20 +1,72 @@
 """Jitted prefill / one-token decode over the Qwen3 KV cache, and a greedy generator built on them.
 
 These are the hot steps the rollout engine and the demo share. They take the model split as
-``(graphdef, state)`` (``nnx.split``) so that parameters are ordinary pytree arguments: new weights of the same
-shapes and shardings reuse the compiled functions.
+``(graphdef, params)`` so that parameters are ordinary pytree arguments: new weights of the same shapes and
+shardings reuse the compiled functions. ``params`` is either the stacked ``nnx.split(model)[1]`` (the trainer's
+layout; correct, but XLA:CPU copies every layer's weights out of the stack on each call) or
+:class:`DecodeParams` from :func:`split_layers` (one state per layer: no copies; what the rollout engine uses).
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models.qwen3 import KVCache, Qwen3, init_cache
+
+LAYERS_KEY = "layers"  # the stacked decoder layers in nnx.state(Qwen3)
+
+
+@flax.struct.dataclass
+class DecodeParams:
+    """Qwen3 parameters laid out for cached decoding (see :meth:`models.qwen3.Qwen3.__call__`'s ``layers``).
+
+    Fields:
+      rest: ``nnx.State`` of everything but the decoder layers (embedding, final norm, LM head).
+      layers: tuple of L ``nnx.State``, one per decoder layer, each leaf the stacked leaf's ``[i]`` slice
+        (same dtype; shape without the leading layer axis).
+    """
+
+    rest: Any
+    layers: tuple
+
+
+def unstack_layers(stacked) -> tuple:
+    """The stacked layer state ``nnx.state(model.layers)`` (leaves [L, ...]) -> tuple of L per-layer states
+    (copies; jittable)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+
+
+def split_layers(state, unstack=unstack_layers) -> DecodeParams:
+    """Stacked ``nnx.split(model)[1]`` -> :class:`DecodeParams`.
+
+    ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack`` (default
+    :func:`unstack_layers`; the engine passes a jitted one with its shardings).
+    Raises:
+      KeyError: ``state`` has no ``"layers"`` entry (not a Qwen3 state).
+    """
+    rest = nnx.State({k: v for k, v in state.items() if k != LAYERS_KEY})
+    return DecodeParams(rest=rest, layers=tuple(unstack(state[LAYERS_KEY])))
+
+
+def merge_model(graphdef, params) -> tuple[Qwen3, Optional[tuple]]:
+    """``(model, layers)`` for ``model(..., cache=..., layers=layers)`` from either parameter layout.
+
+    With :class:`DecodeParams` the model's stacked layer variables hold shape-only placeholders
+    (``jax.ShapeDtypeStruct``): only the cached path, which reads ``layers``, may run on it.
+    """
+    if not isinstance(params, DecodeParams):
+        return nnx.merge(graphdef, params), None
+    n = len(params.layers)
+    placeholder = jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((n,) + tuple(xs[0].shape), xs[0].dtype),
+                               *params.layers)
+    return nnx.merge(graphdef, nnx.State({**dict(params.rest.items()), LAYERS_KEY: placeholder})), params.layers
 
 
 def last_valid_index(attention_mask: jax.Array) -> jax.Array:
@@ -29,15 +81,15 @@ def prefill(graphdef, state, input_ids: jax.Array, attention_mask: jax.Array, ca
     """Write a prompt batch into ``cache`` and return the logits that predict each row's next token.
 
     Args:
-      graphdef, state: ``nnx.split(model)``.
+      graphdef, state: ``nnx.split(model)``; ``state`` may also be :class:`DecodeParams`.
       input_ids: [B, T] int32 prompts, left- or right-padded.
       attention_mask: [B, T], 1 on real prompt tokens.
       cache: a :class:`KVCache` with B rows (normally fresh from ``init_cache``).
     Returns:
       logits [B, V] float32 at each row's last real token; the updated cache.
     """
-    model = nnx.merge(graphdef, state)
-    hidden, cache = model(input_ids, attention_mask, cache=cache)
+    model, layers = merge_model(graphdef, state)
+    hidden, cache = model(input_ids, attention_mask, cache=cache, layers=layers)
     idx = last_valid_index(attention_mask)
     last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
     return model.logits(last), cache
@@ -48,15 +100,16 @@ def decode_step(graphdef, state, tokens: jax.Array, cache: KVCache, active: jax.
     """Feed one token per row and return the next-token logits.
 
     Args:
+      graphdef, state: ``nnx.split(model)``; ``state`` may also be :class:`DecodeParams`.
       tokens: [B] int32, the token each row appends.
       cache: :class:`KVCache` with B rows.
       active: optional [B] bool; inactive rows write a masked (invisible) key and keep their position.
     Returns:
       logits [B, V] float32; the updated cache.
     """
-    model = nnx.merge(graphdef, state)
+    model, layers = merge_model(graphdef, state)
     mask = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
-    hidden, cache = model(tokens[:, None], mask[:, None], cache=cache)
+    hidden, cache = model(tokens[:, None], mask[:, None], cache=cache, layers=layers)
     return model.logits(hidden[:, 0]), cache
 
 
@@ -82,6 +135,7 @@ def greedy_generate(model: Qwen3, input_ids, attention_mask, max_new_tokens: int
     if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
         raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be equal [B, T]")
     graphdef, state = nnx.split(model)
+    state = split_layers(state, jax.jit(unstack_layers))
     b, t = input_ids.shape
     cache = init_cache(model.config, b, t + max_new_tokens)
     logits, cache = prefill(graphdef, state, input_ids, attention_mask, cache)

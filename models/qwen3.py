@@ -6,6 +6,12 @@ per-head ``q_norm``/``k_norm`` applied before RoPE (rotate-half, theta from the 
 tied or untied LM head. Layers are stacked on a leading axis and applied with ``jax.lax.scan`` so compile
 time does not grow with depth; optional rematerialisation per layer.
 
+Decoding with a :class:`KVCache` applies the layers in a Python loop instead (one compiled copy per layer):
+each layer's keys/values are their own buffer, laid out ``[B, num_key_value_heads, S, head_dim]``, so the new
+token is written in place and both attention matmuls read the cache directly. A scan over a stacked
+``[L, ...]`` cache made XLA copy each layer's slice out, transpose it for the matmul and write it back on every
+step (about 3 cache copies per token; see ``bench/bench_rollout.py``).
+
 Padding is masked inside attention (key-valid and causal), and positions come from the mask
 (``max(cumsum(mask) - 1, 0)``, Tunix ``build_positions_from_mask`` / verl ``compute_position_id_with_mask``),
 so left-padded prompts and right-padded responses give the same per-token outputs as unpadded ones.
@@ -168,26 +174,32 @@ class KVCache:
     """Per-layer keys/values for prefill + one-token decode, usable with independent slots (rows).
 
     Fields:
-      k, v: [L, B, S, num_key_value_heads, head_dim], compute dtype. S = max cache length (tokens).
+      k, v: tuples of L arrays (one per layer, separate buffers so a decode step updates each in place),
+        each [B, num_key_value_heads, S, head_dim] in the cache dtype. S = max cache length (tokens).
       key_mask: [B, S] bool, True where the cache holds a real (non-padding) key.
       length: [B] int32, next cache index each row writes to.
       next_position: [B] int32, RoPE position of each row's next real token.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple
+    v: tuple
     key_mask: jax.Array
     length: jax.Array
     next_position: jax.Array
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
 
 
 def init_cache(config: Qwen3Config, batch_size: int, max_length: int, dtype=None) -> KVCache:
     """An empty cache of ``batch_size`` rows and ``max_length`` token slots (zeros; nothing valid).
 
+    Layout: see :class:`KVCache` (L arrays [B, num_key_value_heads, S, head_dim] for keys and for values).
     Memory: 2 · L · B · S · num_key_value_heads · head_dim · itemsize bytes.
     Raises:
       ValueError: non-positive ``batch_size`` or ``max_length``.
@@ -195,9 +207,10 @@ def init_cache(config: Qwen3Config, batch_size: int, max_length: int, dtype=None
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"init_cache: batch_size={batch_size} and max_length={max_length} must be positive")
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.num_hidden_layers, batch_size, max_length, config.num_key_value_heads, config.head_dim)
+    shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+    n = config.num_hidden_layers
     return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(n)), v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
         key_mask=jnp.zeros((batch_size, max_length), bool),
         length=jnp.zeros((batch_size,), jnp.int32), next_position=jnp.zeros((batch_size,), jnp.int32))
 
@@ -269,16 +282,45 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q = constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
         k = apply_rope(k, cos, sin)
-        if kv is not None:
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=0))
-            k = write(kv[0], k.astype(kv[0].dtype), write_index)
-            v = write(kv[1], v.astype(kv[1].dtype), write_index)
-            new_kv = (k, v)
-        else:
-            new_kv = None
-        out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
-                                           scale=cfg.head_dim ** -0.5, implementation="xla")
-        return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), new_kv
+        if kv is None:
+            out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
+                                               scale=cfg.head_dim ** -0.5, implementation="xla")
+            return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), None
+        # cache layout [B, Nkv, S, H]: write the T new keys/values of each row at its write index (in place)
+        write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=1))
+        ck = write(kv[0], jnp.swapaxes(k, 1, 2).astype(kv[0].dtype), write_index)
+        cv = write(kv[1], jnp.swapaxes(v, 1, 2).astype(kv[1].dtype), write_index)
+        out = cached_attention(q, ck, cv, mask, cfg.head_dim ** -0.5)
+        return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (ck, cv)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention of T queries over a head-major KV cache.
+
+    The same arithmetic as ``jax.nn.dot_product_attention(implementation="xla")`` (logits in float32 scaled
+    after the dot, masked with ``-0.7 * finfo.max``, float32 softmax cast to the value dtype), but with the
+    cache's ``[B, Nkv, S, H]`` layout, whose batch dims (B, Nkv) lead: XLA runs both matmuls on the buffers as
+    they are, without transposing the cache.
+
+    Args:
+      q: [B, T, N, H] queries (N = Nkv · G).
+      k, v: [B, Nkv, S, H] cache of this layer (cast to q's dtype; a no-op when they agree).
+      mask: [B, 1, T, S] bool, True where query t may attend key s.
+      scale: logit scale (``head_dim ** -0.5``).
+    Returns:
+      [B, T, N, H] in q's dtype (query head n uses KV head ``n // G``, as HF ``repeat_kv``).
+    """
+    b, t, n, h = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    g = n // nkv
+    qg = q.reshape(b, t, nkv, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, h)
+    logits = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    m = jnp.broadcast_to(mask[:, :, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
+    logits = jnp.where(m, logits, jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v.astype(q.dtype))
+    return out.reshape(b, nkv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
 class MLP(nnx.Module):
@@ -328,19 +370,28 @@ class Qwen3(nnx.Module):
             config, config.hidden_size, config.vocab_size, rngs)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
-                 cache: Optional[KVCache] = None) -> tuple[jax.Array, Optional[KVCache]]:
+                 cache: Optional[KVCache] = None, layers: Optional[tuple] = None
+                 ) -> tuple[jax.Array, Optional[KVCache]]:
         """Run the decoder.
+
+        Without a cache the stacked layers run under ``jax.lax.scan`` (with the configured remat); with a
+        cache they run in a Python loop over the per-layer cache buffers (see the module docstring).
 
         Args:
           input_ids: [B, T] int32 token ids (pad ids anywhere; they are masked by ``attention_mask``).
           attention_mask: [B, T] bool/int, 1 on real tokens.
           positions: [B, T] int32 RoPE positions; default from the mask (plus ``cache.next_position``).
           cache: optional :class:`KVCache`; the T tokens are written at ``cache.length`` per row.
+          layers: with a cache only: the L per-layer parameter states (``models.decode.DecodeParams.layers``)
+            to use instead of slicing the stacked ``self.layers``. XLA:CPU materialises every static slice of
+            the stacked weights up front (a temporary as large as all layer weights, 2-3x slower steps), so
+            the rollout engine keeps its parameters per layer and passes them here.
         Returns:
           hidden: [B, T, hidden_size] in the compute dtype, after the final norm;
           the updated cache (``None`` when no cache was given).
         Raises:
-          ValueError: mismatched shapes between ``input_ids``, ``attention_mask`` and the cache.
+          ValueError: mismatched shapes between ``input_ids``, ``attention_mask`` and the cache, or a cache
+            with another number of layers than the model; ``layers`` without a cache or of the wrong length.
         """
         cfg = self.config
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
@@ -356,8 +407,11 @@ class Qwen3(nnx.Module):
             k_index = jnp.arange(t)
             write_index = None
         else:
-            if cache.k.shape[1] != b:
-                raise ValueError(f"cache has {cache.k.shape[1]} rows but input_ids has batch {b}")
+            if len(cache.k) != cfg.num_hidden_layers or len(cache.v) != cfg.num_hidden_layers:
+                raise ValueError(f"cache has {len(cache.k)} key / {len(cache.v)} value layers, the model "
+                                 f"{cfg.num_hidden_layers}")
+            if cache.batch_size != b:
+                raise ValueError(f"cache has {cache.batch_size} rows but input_ids has batch {b}")
             if positions is None:
                 positions = cache.next_position[:, None] + rel
             q_index = cache.length[:, None] + jnp.arange(t)[None]
@@ -370,30 +424,31 @@ class Qwen3(nnx.Module):
         x = constrain(self.embed_tokens(input_ids), ("batch", None, None))
 
         graphdef, layer_state = nnx.split(self.layers)
-
-        def body(carry, xs):
-            h, ck, cv = carry
-            i, st = xs
-            layer = nnx.merge(graphdef, st)
-            kv = None if ck is None else (ck[i], cv[i])
-            h, new_kv = layer(h, cos, sin, mask, kv, write_index)
-            if new_kv is not None:
-                ck = jax.lax.dynamic_update_index_in_dim(ck, new_kv[0], i, 0)
-                cv = jax.lax.dynamic_update_index_in_dim(cv, new_kv[1], i, 0)
-            return (h, ck, cv), None
-
-        policy = _REMAT_POLICIES[cfg.remat]
-        if policy == "full":
-            body = jax.checkpoint(body)
-        elif policy is not None:
-            body = jax.checkpoint(body, policy=policy)
-        ck = None if cache is None else cache.k
-        cv = None if cache is None else cache.v
-        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (jnp.arange(cfg.num_hidden_layers), layer_state))
-        hidden = self.norm(x)
+        if cache is None and layers is not None:
+            raise ValueError("layers (per-layer parameters) is only used together with a cache")
         if cache is None:
-            return hidden, None
-        new_cache = KVCache(k=ck, v=cv, key_mask=key_mask, length=cache.length + t,
+            def body(h, st):
+                return nnx.merge(graphdef, st)(h, cos, sin, mask)[0], None
+
+            policy = _REMAT_POLICIES[cfg.remat]
+            if policy == "full":
+                body = jax.checkpoint(body)
+            elif policy is not None:
+                body = jax.checkpoint(body, policy=policy)
+            x, _ = jax.lax.scan(body, x, layer_state)
+            return self.norm(x), None
+
+        if layers is not None and len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"layers has {len(layers)} entries, the model {cfg.num_hidden_layers}")
+        ks, vs = [], []
+        for i in range(cfg.num_hidden_layers):  # per-layer cache buffers: see the module docstring
+            st = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], layer_state)
+            layer = nnx.merge(graphdef, st)
+            x, (k_i, v_i) = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), write_index)
+            ks.append(k_i)
+            vs.append(v_i)
+        hidden = self.norm(x)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), key_mask=key_mask, length=cache.length + t,
                             next_position=cache.next_position + valid.sum(-1).astype(jnp.int32))
         return hidden, new_cache
 

@@ -28,9 +28,9 @@ SCRIPT = textwrap.dedent("""
             if mesh is not None:
                 state = eng.init_decode_state()
                 params = eng.load_params()
-                runs["k_spec"] = str(state.cache.k.sharding.spec)
-                runs["q_spec"] = str(params["layers"]["self_attn"]["q_proj"]["kernel"][...].sharding.spec)
-                runs["n_devices"] = len(state.cache.k.sharding.device_set)
+                runs["k_spec"] = str(state.cache.k[0].sharding.spec)
+                runs["q_spec"] = str(params.layers[0]["self_attn"]["q_proj"]["kernel"][...].sharding.spec)
+                runs["n_devices"] = len(state.cache.k[0].sharding.device_set)
         out[name] = runs
     print("RESULT" + json.dumps(out))
 """)

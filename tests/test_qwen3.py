@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.decode import decode_step, prefill
+from models.decode import decode_step, prefill, split_layers
 from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count
 
 TINY = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -64,6 +64,32 @@ def test_prefill_then_decode_equals_full_forward_with_ragged_left_padding(model)
         np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-5)
     assert np.asarray(cache.length).tolist() == [12, 12]
     assert np.asarray(cache.next_position).tolist() == [8, 12]
+    # the per-layer parameter layout the rollout engine uses (DecodeParams) gives the same logits and cache
+    split = split_layers(state)
+    cache2 = init_cache(TINY, 2, 16)
+    logits2, cache2 = prefill(graphdef, split, jnp.asarray(ids[:, :8]), jnp.asarray(mask[:, :8]), cache2)
+    np.testing.assert_allclose(np.asarray(logits2), full[:, 7], atol=1e-5)
+    for t in range(8, 12):
+        logits2, cache2 = decode_step(graphdef, split, jnp.asarray(ids[:, t]), cache2)
+    np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits), atol=1e-6)
+    assert len(cache2.k) == TINY.num_hidden_layers and cache2.k[0].shape == (2, TINY.num_key_value_heads, 16,
+                                                                             TINY.head_dim)
+    for a, b in zip(cache.k + cache.v, cache2.k + cache2.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_cached_call_rejects_mismatched_cache_and_layers(model):
+    ids, mask = jnp.ones((2, 3), jnp.int32), jnp.ones((2, 3), bool)
+    short = init_cache(dataclasses.replace(TINY, num_hidden_layers=TINY.num_hidden_layers - 1), 2, 8)
+    with pytest.raises(ValueError, match="layers"):
+        model(ids, mask, cache=short)
+    with pytest.raises(ValueError, match="rows"):
+        model(ids, mask, cache=init_cache(TINY, 3, 8))
+    layers = split_layers(nnx.split(model)[1]).layers
+    with pytest.raises(ValueError, match="only used together with a cache"):
+        model(ids, mask, layers=layers)
+    with pytest.raises(ValueError, match="layers has 1 entries"):
+        model(ids, mask, cache=init_cache(TINY, 2, 8), layers=layers[:1])
 
 
 def test_remat_and_bf16_policies():

@@ -132,8 +132,9 @@ def assemble_batch(prompts: list[np.ndarray], num_samples: int, max_new_tokens: 
     """Pack per-row token lists (and log-probs) into a :class:`RolloutBatch` (shared with the gRPC client).
 
     Args:
-      rows: N lists of generated ids, row ``i * G + g``; each at most ``max_new_tokens`` long.
-      row_log_probs: N lists of the same lengths, or None.
+      rows: N sequences (lists or 1-D arrays) of generated ids, row ``i * G + g``; each at most
+        ``max_new_tokens`` long.
+      row_log_probs: N sequences of the same lengths, or None.
     Returns:
       The batch; a row's finish reason is ``"eos"`` iff its last token is in ``eos_token_ids``.
     """
@@ -236,8 +237,9 @@ class RolloutDriver:
                                    self.prompt_truncation)
         g_size, n_slots = int(num_samples), eng.max_concurrent_decodes
         n_rows = len(prompts) * g_size
-        rows: list[list[int]] = [[] for _ in range(n_rows)]
-        row_lps: list[list[float]] = [[] for _ in range(n_rows)]
+        tokens = np.zeros((n_rows, max_new_tokens), np.int32)  # filled per step, vectorised over slots
+        lps = np.zeros((n_rows, max_new_tokens), np.float32)
+        lengths = np.zeros((n_rows,), np.int64)
         pending = deque(range(n_rows))
         prefixes: dict[int, object] = {}
         slot_row = np.full((n_slots,), -1, np.int64)
@@ -266,15 +268,23 @@ class RolloutDriver:
             if k == 1:
                 data, log_probs, done = data[None], log_probs[None], done[None]
             for j in range(k):
-                for slot in np.nonzero(slot_row >= 0)[0]:
-                    row = int(slot_row[slot])
-                    if not data[j, slot, 1]:
-                        raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
-                    rows[row].append(int(data[j, slot, 0]))
-                    row_lps[row].append(float(log_probs[j, slot]))
-                    if done[j, slot]:
-                        slot_row[slot] = -1
-                        free.append(int(slot))
-                        n_active -= 1
+                slots = np.nonzero(slot_row >= 0)[0]
+                if not slots.size:
+                    break
+                row_ids = slot_row[slots]
+                valid = data[j, slots, 1].astype(bool)
+                if not valid.all():
+                    row = int(row_ids[~valid][0])
+                    raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
+                pos = lengths[row_ids]
+                tokens[row_ids, pos] = data[j, slots, 0]
+                lps[row_ids, pos] = log_probs[j, slots]
+                lengths[row_ids] = pos + 1
+                finished = slots[done[j, slots].astype(bool)]
+                slot_row[finished] = -1
+                free.extend(finished.tolist())
+                n_active -= finished.size
+        rows = [tokens[r, :n] for r, n in enumerate(lengths)]
+        row_lps = [lps[r, :n] for r, n in enumerate(lengths)]
         return assemble_batch(prompts, g_size, max_new_tokens, rows, row_lps, eng.eos_token_ids,
                               self.pad_token_id)
