@@ -287,11 +287,31 @@ class Attention(nnx.Module):
                                                scale=cfg.head_dim ** -0.5, implementation="xla")
             return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), None
         # cache layout [B, Nkv, S, H]: write the T new keys/values of each row at its write index (in place)
-        write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=1))
-        ck = write(kv[0], jnp.swapaxes(k, 1, 2).astype(kv[0].dtype), write_index)
-        cv = write(kv[1], jnp.swapaxes(v, 1, 2).astype(kv[1].dtype), write_index)
+        ck = write_rows(kv[0], jnp.swapaxes(k, 1, 2), write_index)
+        cv = write_rows(kv[1], jnp.swapaxes(v, 1, 2), write_index)
         out = cached_attention(q, ck, cv, mask, cfg.head_dim ** -0.5)
         return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (ck, cv)
+
+
+def write_rows(cache: jax.Array, update: jax.Array, index: jax.Array) -> jax.Array:
+    """``cache[b, :, index[b]:index[b] + T] = update[b]`` for every row, in place when ``cache`` is donated.
+
+    Args: cache ``[B, Nkv, S, H]`` (any float dtype); update ``[B, Nkv, T, H]`` (cast to the cache dtype);
+    index ``[B]`` int32 write positions (clamped by ``dynamic_update_slice`` so the T tokens fit).
+    Returns the updated cache (same shape and dtype).
+
+    One batched (vmapped) dynamic-update-slice, except for a 16-bit cache on XLA:CPU: that backend has no
+    in-place 16-bit-float update and converts the whole cache to float32 and back (2x the cache in
+    temporaries, every step), so there the rows are written one by one in a ``fori_loop``, which it does
+    update in place. TPU/GPU take the batched form for every dtype.
+    """
+    update = update.astype(cache.dtype)
+    if jnp.dtype(cache.dtype).itemsize == 2 and jax.default_backend() == "cpu":
+        def row(r, c):
+            return jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(update, r, 1, 0), (r, 0, index[r], 0))
+
+        return jax.lax.fori_loop(0, cache.shape[0], row, cache)
+    return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice_in_dim(c, u, i, axis=1))(cache, update, index)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:

@@ -138,3 +138,24 @@ def test_param_count_tiny_matches_formula():
     expect = c.vocab_size * c.hidden_size + c.num_hidden_layers * per_layer + c.hidden_size
     assert param_count(c) == expect
     assert param_count(dataclasses.replace(c, tie_word_embeddings=False)) == expect + c.vocab_size * c.hidden_size
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_write_rows_updates_a_donated_cache_in_place(dtype):
+    """Per-row KV-cache writes land at each row's index and, for a 16-bit cache too, need no temporary copy of
+    the cache (XLA:CPU converts a bfloat16 dynamic-update-slice operand to float32: 2x the cache)."""
+    from models.qwen3 import write_rows
+
+    cache = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2, 2048, 64)), dtype)
+    upd = jnp.asarray(np.random.default_rng(1).normal(size=(4, 2, 1, 64)), jnp.float32)
+    idx = jnp.asarray([0, 5, 2047, 17], jnp.int32)
+    expected = np.asarray(cache.astype(jnp.float32)).copy()
+    for b, i in enumerate(np.asarray(idx)):
+        expected[b, :, i] = np.asarray(upd[b, :, 0].astype(dtype).astype(jnp.float32))
+    f = jax.jit(write_rows, donate_argnums=0)
+    mem = f.lower(cache, upd, idx).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < cache.nbytes / 8, (mem.temp_size_in_bytes, cache.nbytes)
+    assert mem.alias_size_in_bytes >= cache.nbytes
+    out = f(cache, upd, idx)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
