@@ -496,14 +496,17 @@ def format_report(result: dict) -> str:
         dd, mem = result["decode"], result["decode"]["memory"]
         lines += [
             f"rollout decode step ({s['decode_slots']} slots x {s['prompt_length'] + s['response_length']} tokens)",
-            f"  parameters (the trainer's, aliased) {_gb(dd['params_bytes']):>8}",
+            f"  parameters (the engine's per-layer copy) {_gb(dd['params_bytes']):>4}",
             f"  KV cache                          {_gb(dd['kv_cache_bytes']):>10}   {_gb(a['kv_cache_bytes_ideal']):>10}",
             f"  temporaries (XLA)                 {_gb(mem['temp']):>10}",
             f"  peak of the decode step           {_gb(mem['peak']):>10}",
             f"  FLOPs per decode step: XLA {dd['flops_per_device'] or 0:.3e} per device;  analytic "
             f"{a['decode_flops_per_step']:.3e} total"]
-        rollout_peak = mem["peak"] + (result["train"]["opt_state_bytes"] if "train" in result else 0)
-        lines.append(f"rollout phase (decode peak + resident optimizer state) {_gb(rollout_peak):>8}")
+        # the trainer's parameters and AdamW moments stay resident beside the engine's own parameter copy
+        resident = (result["train"]["opt_state_bytes"] + result["train"]["params_bytes"]) if "train" in result else 0
+        rollout_peak = mem["peak"] + resident
+        lines.append(f"rollout phase (decode peak + resident trainer parameters and optimizer state) "
+                     f"{_gb(rollout_peak):>8}")
         verdicts.append(("rollout phase", rollout_peak))
     if hbm:
         lines.append("")
