@@ -2,18 +2,25 @@
 
 Data flow (stapo_spec.md §3-4, conventions.md §2):
 
-1. **Pre-pass** (only when the recipe's mask needs the mini-batch population: S2T or 20-Entropy with
-   ``scope=minibatch``): a forward-only pass over all micro-batches gives ``log_probs`` and ``entropy`` of every
-   response token under the current parameters; the token mask (``tau_h`` quantile / top-k) is computed once on
-   the whole mini-batch. Under ``jit`` with batch-sharded inputs, the sort behind the quantile runs on the global
-   array, so the population spans all data-parallel shards.
+1. **Mini-batch population** (when the recipe's mask needs it: S2T or 20-Entropy with ``scope=minibatch``).
+   S2T with ``minibatch_method=correction`` (default) and ``batch.old_entropy`` given: a *provisional* ``tau_h``
+   = the quantile of ``old_entropy`` (exact on the first mini-batch of a step, θ = θ_old). Otherwise a
+   **pre-pass**: a forward-only pass over all micro-batches gives ``log_probs`` and ``entropy`` of every response
+   token under the current parameters and the mask is computed once on the whole mini-batch. Under ``jit`` with
+   batch-sharded inputs the sort behind a quantile runs on the global array, so the population spans all
+   data-parallel shards.
 2. **Gradient pass**: ``lax.scan`` over micro-batches; each computes hidden states (``models.qwen3``) ->
-   chunked log-probs + entropy (``stapo_jax.policy`` / ``stapo_jax.logprobs``) -> the stored mask (or, for
-   ``microbatch`` scope, the mask of this micro-batch) -> ``compute_policy_loss`` ``(sum, denominator)``, and
-   accumulates ``grad(sum)`` and the denominators.
-3. One division by the **global** denominator (sum of micro-batch denominators; a constant for
-   ``seq-mean-token-sum-norm``), so the update equals the full-batch gradient exactly; then the optax update.
-   A non-finite gradient norm skips the update (``nonfinite_grad = 1``).
+   chunked log-probs + entropy (``stapo_jax.policy`` / ``stapo_jax.logprobs``) -> the stored mask (or the mask
+   of this micro-batch: ``microbatch`` scope, or S2T with the provisional ``tau_h``) ->
+   ``compute_policy_loss`` and accumulates ``grad(loss_sum)``; it returns every token's stop-gradient
+   log-prob and entropy.
+3. **Correction** (S2T ``correction`` only): the exact ``tau_h`` from those entropies; for each micro-batch in
+   which it changes a token's mask, ``grad(sum_exact - sum_provisional)`` is added (``lax.cond``; counted in
+   ``s2t/correction_passes``). The result equals the pre-pass update.
+4. Loss value, denominator and metrics once on the whole mini-batch with the final mask; one division of the
+   gradient sum by that **global** denominator (a constant for ``seq-mean-token-sum-norm``), so the update
+   equals the full-batch gradient exactly; then the optax update. A non-finite gradient norm skips the update
+   (``nonfinite_grad = 1``).
 
 Batch layout follows ``stapo_jax.batching`` (verl): ``input_ids`` ``[B, P + R]``, response arrays ``[B, R]``.
 Micro-batch ``k`` holds rows ``k, k + K, k + 2K, ...`` so that a batch sharded over rows stays local.
@@ -217,7 +224,8 @@ def make_train_step(
     Returns:
       ``step``; metrics (float32 scalars): ``loss``, ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
       ``ppo_kl``, ``ratio_mean``, ``entropy``, ``grad_norm``, ``nonfinite_grad``, ``loss_denominator``,
-      ``s2t/*`` and ``phase/*`` diagnostics (``s2t/tau_h`` = the recipe's entropy quantile of the population),
+      ``s2t/*`` and ``phase/*`` diagnostics (``s2t/tau_h`` = the recipe's entropy quantile of the population;
+      ``s2t/correction_passes`` / ``s2t/corrected_tokens`` with the S2T correction method),
       plus ``kl_loss`` / ``entropy_loss`` / ``rollout_is_weight`` when active.
 
     Raises:
