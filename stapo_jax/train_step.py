@@ -244,6 +244,13 @@ def make_train_step(
     q = recipe.s2t.entropy_quantile
     sg = jax.lax.stop_gradient
 
+    def _threshold(stats, entropy, valid):
+        """The S2T entropy threshold the mask used (its own population, e.g. ``positive_adv``); for other masks
+        the ``entropy_quantile`` of the valid tokens, for the phase diagnostics."""
+        if "s2t/tau_h" in stats:
+            return stats["s2t/tau_h"]
+        return masked_quantile(entropy, valid, q, recipe.s2t.quantile_method)
+
     def step(state: TrainState, batch: Batch):
         _validate(batch, k)
         if use_old_stats and batch.old_entropy is None:
@@ -254,16 +261,16 @@ def make_train_step(
         key = jax.random.fold_in(jax.random.PRNGKey(0), state.step)
         correct = correction and batch.old_entropy is not None  # without old statistics: the pre-pass
 
-        keep_all, tau_all, tau_guess = None, None, None
+        keep_all, tau_all, tau_guess, mask_stats = None, None, None, None
         if use_old_stats or (population and not correct):
             if use_old_stats:
-                lp_all, ent_all = batch.old_log_probs, batch.old_entropy
+                mask_stats = (batch.old_log_probs, batch.old_entropy)
             else:
-                lp_all, ent_all = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r)
-            keep_all, _ = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
-                                             advantages=batch.advantages, response_mask=resp,
-                                             old_log_probs=batch.old_log_probs, key=key)
-            tau_all = masked_quantile(ent_all, resp, q, recipe.s2t.quantile_method)
+                mask_stats = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r)
+            keep_all, st = compute_token_mask(recipe, log_probs=mask_stats[0], entropy=mask_stats[1],
+                                              advantages=batch.advantages, response_mask=resp,
+                                              old_log_probs=batch.old_log_probs, key=key)
+            tau_all = _threshold(st, mask_stats[1], resp)
         elif correct:  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
             tau_guess = compute_token_mask(recipe, log_probs=batch.old_log_probs, entropy=batch.old_entropy,
                                            advantages=batch.advantages, response_mask=resp)[1]["s2t/tau_h"]
@@ -289,13 +296,13 @@ def make_train_step(
                 lp, ent = forward(p, mb)
                 sg_lp, sg_ent = sg(lp), sg(ent)
                 mresp = mb.response_mask.astype(jnp.float32)
-                keep, tau = keep_mb, tau_all
+                keep, tau, st = keep_mb, tau_all, {}
                 if keep is None and mask != "none":
-                    keep, _ = compute_token_mask(recipe, log_probs=sg_lp, entropy=sg_ent, advantages=mb.advantages,
-                                                 response_mask=mresp, old_log_probs=mb.old_log_probs,
-                                                 key=jax.random.fold_in(key, j), tau_h=tau_guess)
+                    keep, st = compute_token_mask(recipe, log_probs=sg_lp, entropy=sg_ent, advantages=mb.advantages,
+                                                  response_mask=mresp, old_log_probs=mb.old_log_probs,
+                                                  key=jax.random.fold_in(key, j), tau_h=tau_guess)
                 if tau is None:
-                    tau = masked_quantile(sg_ent, mresp, q, recipe.s2t.quantile_method)
+                    tau = _threshold(st, sg_ent, mresp)
                 return surrogate(lp, ent, mb, keep)[0], (sg_lp, sg_ent, keep, tau)
 
             g, out = jax.grad(loss_fn, has_aux=True)(params)
@@ -313,10 +320,12 @@ def make_train_step(
             grad_sum, extra = _correct(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
         b = batch.response_mask.shape[0]
         tau_rows = tau_all if tau_all is not None else _unsplit(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
-        # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs)
+        # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
+        # the token diagnostics from the statistics that defined the mask (pre-pass / old pass, else this pass)
         loss_sum, den, m = surrogate(lp_all, ent_all, batch, keep_full)
         m = dict(m)
-        m.update(token_diagnostics(lp_all, ent_all, batch.advantages, batch.old_log_probs, resp,
+        diag_lp, diag_ent = mask_stats if mask_stats is not None else (lp_all, ent_all)
+        m.update(token_diagnostics(diag_lp, diag_ent, batch.advantages, batch.old_log_probs, resp,
                                    None if mask == "kl_cov" else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
                                    clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
                                    clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,

@@ -191,3 +191,26 @@ def test_decode_step_updates_the_cache_in_place(twin):
     assert mem.alias_size_in_bytes >= cache_bytes
     assert mem.temp_size_in_bytes < layer_bytes, (mem.temp_size_in_bytes, layer_bytes)
 
+
+
+@pytest.mark.parametrize("padded, true_length", [(20, 19), (17, 17)])
+def test_prefill_padded_beyond_max_prefill_length_is_rejected(padded, true_length):
+    """A JetStream-API prefill padded beyond max_prefill_length is an invalid request (never an exception):
+    it used to be accepted, decoding then ran past the cache end (the write index clamps) with wrong tokens,
+    or insert failed with a broadcasting error."""
+    eng = make_engine(tiny_model(0), slots=2, max_prefill_length=16, max_decode_length=8)
+    toks = np.zeros(padded, np.int32)
+    toks[:true_length] = np.arange(1, true_length + 1)
+    params = eng.load_params()
+    pre = eng.prefill(params=params, padded_tokens=toks, true_length=true_length)
+    assert not bool(pre.valid)
+    state = eng.insert(pre, eng.init_decode_state(), 0)
+    state, result = eng.generate(params, state)
+    assert int(np.asarray(result.data)[0, 1]) == 0  # the slot produces no valid token
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "int32", "bogus"])
+def test_engine_config_rejects_a_non_float_cache_dtype(dtype):
+    with pytest.raises(engine_mod.EngineConfigError, match="cache_dtype"):
+        engine_mod.EngineConfig(max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=4,
+                                cache_dtype=dtype)

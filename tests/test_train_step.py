@@ -212,3 +212,19 @@ def test_cov_recipes_end_to_end(model, token_mask):
         np.testing.assert_allclose(a, -np.asarray(b), atol=1e-5, rtol=1e-4)
     d_plain, _ = run(model, get_recipe("justrl"), batch, 1)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(d_step), jax.tree.leaves(d_plain))) > 1e-4
+
+
+@pytest.mark.parametrize("s2t", [{"minibatch_method": "prepass"}, {}, {"quantile_scope": "microbatch"}])
+def test_s2t_tau_h_metric_is_the_threshold_the_mask_used(model, s2t):
+    """With quantile_tokens='positive_adv' the reported tau_h (and the phase cells) use the mask's own
+    population, not all valid tokens (the pre-pass path used to report the all-token quantile)."""
+    batch = with_old_entropy(model, make_batch(model, seed=8), noise=0.0)
+    recipe = get_recipe("stapo", s2t={"tau_p": 0.05, "quantile_tokens": "positive_adv", **s2t})
+    _, m = run(model, recipe, batch, 1)
+    graphdef, params = nnx.split(model)
+    _, ent = make_log_prob_fn()(params, graphdef, batch.input_ids, batch.attention_mask, 6)
+    pos = np.asarray(batch.response_mask, bool) & (np.asarray(batch.advantages)[:, None] > 0)
+    expected = np.quantile(np.asarray(ent)[pos], 0.8)
+    everyone = np.quantile(np.asarray(ent)[np.asarray(batch.response_mask, bool)], 0.8)
+    assert abs(expected - everyone) > 1e-3  # the two populations give different thresholds here
+    assert m["s2t/tau_h"] == pytest.approx(expected, abs=1e-5)

@@ -69,6 +69,9 @@ class ParamsMismatchError(ValueError):
     """New parameters whose tree structure, shapes or dtypes differ from the engine's (weight sync)."""
 
 
+CACHE_DTYPES = (None, "float32", "bfloat16", "float16")  # None: the model's compute dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static settings of a :class:`Qwen3Engine`.
@@ -101,6 +104,9 @@ class EngineConfig:
                 raise EngineConfigError(f"EngineConfig.{f} must be a positive int, got {v!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise EngineConfigError(f"EngineConfig.sampling must be a SamplingParams, got {type(self.sampling)}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise EngineConfigError(f"EngineConfig.cache_dtype must be one of {CACHE_DTYPES}, got "
+                                    f"{self.cache_dtype!r}")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
 
@@ -554,8 +560,8 @@ class Qwen3Engine(engine_api.Engine):
           true_length: number of real entries (marker included), an int.
         Returns:
           :class:`Prefix`; ``valid`` is False (never an exception, see the module docstring) when the
-          prompt was truncated by JetStream (``true_length > P``), is empty, or holds ids outside the
-          vocabulary.
+          prompt was truncated by JetStream (``true_length > P``), is padded beyond ``max_prefill_length``,
+          is empty, or holds ids outside the vocabulary.
         Raises:
           NotImplementedError: ``existing_prefix`` is given (no prefix caching).
         """
@@ -563,7 +569,8 @@ class Qwen3Engine(engine_api.Engine):
             raise NotImplementedError("Qwen3Engine.prefill: existing_prefix (prefix caching) is not supported")
         tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(-1)
         n = int(true_length)
-        ok = 1 <= n <= tokens.shape[0]
+        ok = 1 <= n <= tokens.shape[0] <= self.config.max_prefill_length
+        tokens = tokens[: self.config.max_prefill_length]  # a rejected over-long request must still fit a slot
         if not ok:
             log.error("rejecting a request of %d tokens (padded length %d, max_prefill_length %d)",
                       n, tokens.shape[0], self.config.max_prefill_length)
