@@ -76,10 +76,11 @@ class DataReport:
     def summary(self) -> str:
         """One line: rows read, bad rows by reason, too-long prompts dropped, kept."""
         bad = ", ".join(f"{k}: {v}" for k, v in sorted(self.bad_reasons.items())) or "none"
-        extra = f", {self.n_overlap_dropped} dropped as overlapping the train split" if self.n_overlap_dropped else ""
-        return (f"data[{self.split}] {self.source} {self.files}: {self.n_rows} rows, {self.n_bad} bad ({bad}), "
-                f"{self.n_too_long} longer than max_prompt_length dropped{extra}, {self.n_kept} kept "
-                f"(longest prompt {self.max_prompt_tokens} tokens)")
+        overlap = (f", {self.n_overlap_dropped} dropped as overlapping the train split"
+                   if self.n_overlap_dropped else "")
+        return (f"data[{self.split}] {self.source} {self.files}: {self.n_rows + self.n_overlap_dropped} rows"
+                f"{overlap}, {self.n_bad} bad ({bad}), {self.n_too_long} longer than max_prompt_length dropped, "
+                f"{self.n_kept} kept (longest prompt {self.max_prompt_tokens} tokens)")
 
 
 @dataclasses.dataclass
