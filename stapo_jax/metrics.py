@@ -72,6 +72,18 @@ class MetricsLogger:
             bar.update(int(step) - bar.n)
         return row
 
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step`` without logging a row (steps between ``log_every`` rows)."""
+        bar = self._ensure_bar(initial=int(step) - 1)
+        if bar is not None:
+            bar.update(int(step) - bar.n)
+
+    def close_progress(self) -> None:
+        """Finish the progress bar (later :meth:`write` lines print plainly instead of redrawing it)."""
+        if self._bar is not None:
+            self._bar.close()
+        self._bar, self._bar_args = None, None
+
     def skip_to(self, step: int) -> None:
         """Start the progress bar at ``step`` (a resumed run)."""
         self._ensure_bar(initial=step)
@@ -84,8 +96,7 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        self.close_progress()
         if self._tb is not None:
             self._tb.close()
         self._file.close()

@@ -199,6 +199,8 @@ def train(cfg: Config) -> dict[str, Any]:
                                                 max_new_tokens=cfg.rollout.max_new_tokens)
             if step % t.log_every == 0 or step + 1 == t.total_steps:
                 logger.log(step + 1, m)
+            else:
+                logger.advance(step + 1)
             ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
                       meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
                       force=preempt.requested or step + 1 == t.total_steps)
@@ -206,6 +208,7 @@ def train(cfg: Config) -> dict[str, Any]:
             if preempt.requested:
                 break
         ckpt.wait()
+        logger.close_progress()
         summary["optimizer_steps"] = int(state.step)
         if preempt.requested:
             logger.write(f"SIGTERM: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")

@@ -35,3 +35,20 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="scalar"):
         log.log(0, {"v": np.zeros(3)})
     log.close()
+
+
+def test_progress_bar_advances_between_logged_rows_and_closes_before_summary_lines(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), total_steps=4, tensorboard=False, progress=True)
+    logger.log(1, {"loss": 1.0})
+    logger.advance(2)
+    logger.advance(3)
+    assert logger._bar.n == 3  # steps without a metrics row still move the bar
+    logger.log(4, {"loss": 0.5})
+    logger.close_progress()
+    logger.write("held-out accuracy after RL: 0.5")
+    out = capsys.readouterr()
+    assert out.out.strip() == "held-out accuracy after RL: 0.5"  # printed plainly, not through a redrawn bar
+    assert out.err.count("4/4") >= 1
+    logger.close()
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
+    assert len(rows) == 2
