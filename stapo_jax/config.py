@@ -139,6 +139,7 @@ class RolloutConfig:
     top_k: Optional[int] = None
     max_new_tokens: int = 15360
     max_concurrent_decodes: int = 64
+    steps_per_sync: int = 8
     mode: Literal["inprocess", "grpc"] = "inprocess"
     server_address: str = "127.0.0.1:9000"
     request_timeout_s: float = 600.0
@@ -513,6 +514,7 @@ def validate(cfg: Config) -> None:
     need(r.top_k is None or r.top_k >= 1, f"rollout.top_k={r.top_k} must be null (off) or >= 1")
     need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     need(r.max_concurrent_decodes >= 1, f"rollout.max_concurrent_decodes={r.max_concurrent_decodes} must be >= 1")
+    need(r.steps_per_sync >= 1, f"rollout.steps_per_sync={r.steps_per_sync} must be >= 1")
     need(r.request_timeout_s > 0, f"rollout.request_timeout_s={r.request_timeout_s} must be > 0")
     need(r.max_retries >= 0, f"rollout.max_retries={r.max_retries} must be >= 0")
     if m.max_position_embeddings is not None:

@@ -70,7 +70,7 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
 
         engine = Qwen3Engine(model, engine_config(cfg, tokenizer), mesh=mesh, tokenizer=tokenizer)
         pad = None if tokenizer is None else tokenizer.pad_token_id
-        return RolloutDriver(engine, pad_token_id=pad)
+        return RolloutDriver(engine, pad_token_id=pad, steps_per_sync=r.steps_per_sync)
     if r.mode == "grpc":
         from stapo_jax.rollout.client import GrpcRolloutClient
 
