@@ -62,7 +62,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
     there, stapo_spec §3), saving the pre-pass; with ``correction`` both are the same step (``old_entropy``
-    gives it the provisional tau_h, exact on the first mini-batch). Returns (state, metrics averaged over mini-batches)."""
+    gives it the provisional tau_h, exact on the first mini-batch).
+    Returns (state, metrics averaged over mini-batches; ``COUNT_METRICS`` summed)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
     # each process holds its own rows (multi-controller): local numpy <-> global row-sharded arrays
