@@ -189,6 +189,10 @@ def test_sync_weights_swaps_params_without_recompiling(twin):
     wrong = nnx.split(tiny_model(seed=1, intermediate_size=48))[1]
     with pytest.raises(ParamsMismatchError, match=r"layers\.mlp\.down_proj\.kernel"):
         drv.sync_weights(wrong)
+    untied = nnx.split(tiny_model(seed=1))[1]
+    tied = nnx.State({k: v for k, v in untied.items() if k != "lm_head"})  # a tree without the LM head
+    with pytest.raises(ParamsMismatchError, match=r"missing \['lm_head"):
+        drv.sync_weights(tied)
 
 
 def test_decode_step_updates_the_cache_in_place(twin):

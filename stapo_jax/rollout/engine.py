@@ -530,7 +530,17 @@ class Qwen3Engine(engine_api.Engine):
         ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(self._param_ref)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         if treedef != ref_def:
-            raise ParamsMismatchError(f"parameter tree differs from the engine's: {treedef} vs {ref_def}")
+            try:
+                paths = {param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+            except Exception:  # noqa: BLE001 - not even a pytree of arrays: fall back to the tree structure
+                paths = None
+            ref_paths = {param_path(p) for p, _ in ref_leaves}
+            if paths is None or paths == ref_paths:
+                raise ParamsMismatchError(f"parameter tree differs from the engine's: {treedef} vs {ref_def}")
+            missing, extra = sorted(ref_paths - paths), sorted(paths - ref_paths)
+            raise ParamsMismatchError(f"parameter tree differs from the engine's: missing {missing[:10]}"
+                                      f"{' ...' if len(missing) > 10 else ''}, unexpected {extra[:10]}"
+                                      f"{' ...' if len(extra) > 10 else ''}")
         for (path, ref), new in zip(ref_leaves, leaves):
             if tuple(ref.shape) != tuple(np.shape(new)) or ref.dtype != new.dtype:
                 raise ParamsMismatchError(
