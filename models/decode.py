@@ -43,11 +43,14 @@ def unstack_layers(stacked) -> tuple:
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
-def split_layers(state, unstack=unstack_layers) -> DecodeParams:
+_unstack_jit = jax.jit(unstack_layers)
+
+
+def split_layers(state, unstack=_unstack_jit) -> DecodeParams:
     """Stacked ``nnx.split(model)[1]`` -> :class:`DecodeParams`.
 
-    ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack`` (default
-    :func:`unstack_layers`; the engine passes a jitted one with its shardings).
+    ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack`` (default: a jitted
+    :func:`unstack_layers`; the engine passes one jitted with its shardings).
     Raises:
       KeyError: ``state`` has no ``"layers"`` entry (not a Qwen3 state).
     """
@@ -135,7 +138,7 @@ def greedy_generate(model: Qwen3, input_ids, attention_mask, max_new_tokens: int
     if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
         raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be equal [B, T]")
     graphdef, state = nnx.split(model)
-    state = split_layers(state, jax.jit(unstack_layers))
+    state = split_layers(state)
     b, t = input_ids.shape
     cache = init_cache(model.config, b, t + max_new_tokens)
     logits, cache = prefill(graphdef, state, input_ids, attention_mask, cache)

@@ -41,14 +41,9 @@ def _check_temperature(temperature) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def _acc_dtype(x: jax.Array):
-    """float32 accumulation unless the caller works in float64 (parity tests)."""
-    return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-
-
-def _acc_of(h: jax.Array, w: jax.Array):
-    """Accumulation dtype of the hidden-state path: float64 if either operand is float64, else float32."""
-    return jnp.float64 if jnp.float64 in (h.dtype, w.dtype) else jnp.float32
+def _acc_of(*xs: jax.Array):
+    """float32 accumulation unless an operand is float64 (the callers' parity tests)."""
+    return jnp.float64 if any(x.dtype == jnp.float64 for x in xs) else jnp.float32
 
 
 def _check_token_ids(logits_shape, token_ids: jax.Array, name: str = "logits") -> None:
@@ -81,7 +76,7 @@ def logits_to_log_probs_and_entropy(
     """
     _check_temperature(temperature)
     _check_token_ids(logits.shape, token_ids)
-    z = logits.astype(_acc_dtype(logits)) / temperature
+    z = logits.astype(_acc_of(logits)) / temperature
     log_z = jax.nn.logsumexp(z, axis=-1)
     z_y = jnp.take_along_axis(z, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
     probs = jax.nn.softmax(z, axis=-1)
@@ -107,7 +102,7 @@ def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: fl
     """
     _check_temperature(temperature)
     _check_token_ids(logits.shape, token_ids)
-    z = logits.astype(_acc_dtype(logits)) / temperature
+    z = logits.astype(_acc_of(logits)) / temperature
     z_y = jnp.take_along_axis(z, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return z_y - jax.nn.logsumexp(z, axis=-1)
 

@@ -69,7 +69,7 @@ class MetricsLogger:
         if bar is not None:
             bar.set_postfix({k: f"{row[k]:.4g}" for k in _BAR_KEYS if isinstance(row.get(k), (int, float))},
                             refresh=False)
-            bar.update(int(step) - bar.n)
+        self.advance(step)
         return row
 
     def advance(self, step: int) -> None:

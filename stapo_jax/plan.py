@@ -270,20 +270,12 @@ def _plan_train(spec, qcfg, mesh) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from stapo_jax.masks import QUANTILE_SCOPES
     from stapo_jax.optim import make_optimizer
-    from stapo_jax.recipes import get_recipe
-    from stapo_jax.train_step import Batch, batch_sharding, make_train_step
+    from stapo_jax.train_step import Batch, batch_sharding, make_train_step, minibatch_stats_mode
 
     o = spec["optim"]
     opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
-    changes = {}
-    if spec["s2t_scope"] in QUANTILE_SCOPES:
-        changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
-                          "minibatch_method": spec.get("s2t_minibatch_method", "correction")}
-    if spec["top_entropy_scope"] in QUANTILE_SCOPES:
-        changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
-    recipe = get_recipe(spec["recipe"], **changes)
+    recipe = _spec_recipe(spec)
     with jax.set_mesh(mesh):
         state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
         b, p, r = spec["mini_batch_sequences"], spec["prompt_length"], spec["response_length"]
@@ -304,17 +296,22 @@ def _plan_train(spec, qcfg, mesh) -> dict:
         "params_bytes": _shard_bytes(state.params), "opt_state_bytes": _shard_bytes(state.opt_state),
         "batch_bytes": _shard_bytes(batch), "params_total_bytes": _total_bytes(state.params),
         "memory": _memory(compiled), "flops_per_device": _flops(compiled),
-        "prepass": _has_prepass(recipe, batch),
+        "prepass": minibatch_stats_mode(recipe, spec["old_stats"]) == "prepass",
     }
 
 
-def _has_prepass(recipe, batch) -> bool:
-    """Whether ``make_train_step`` runs the forward-only mini-batch pre-pass for this recipe and batch."""
-    if recipe.token_mask == "top_entropy":
-        return recipe.top_entropy.scope == "minibatch"
-    if recipe.token_mask != "s2t" or recipe.s2t.quantile_scope != "minibatch" or recipe.s2t.stats_policy == "old":
-        return False
-    return recipe.s2t.minibatch_method == "prepass" or batch.old_entropy is None
+def _spec_recipe(spec: dict):
+    """The :class:`~stapo_jax.recipes.Recipe` a plan spec describes (name plus the scopes / S2T method)."""
+    from stapo_jax.masks import QUANTILE_SCOPES
+    from stapo_jax.recipes import get_recipe
+
+    changes = {}
+    if spec["s2t_scope"] in QUANTILE_SCOPES:
+        changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
+                          "minibatch_method": spec.get("s2t_minibatch_method", "correction")}
+    if spec["top_entropy_scope"] in QUANTILE_SCOPES:
+        changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
+    return get_recipe(spec["recipe"], **changes)
 
 
 def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
@@ -404,12 +401,13 @@ def analytic(spec: dict, qcfg) -> dict:
     p, r = spec["prompt_length"], spec["response_length"]
     t = p + r
     fwd = 2 * layers * layer * t + 4 * layers * t * t * nh * h + 2 * d * v * r
-    prepass = spec["recipe"] == "entropy20" or (spec["recipe"] == "stapo" and (
-        not spec["old_stats"] or spec.get("s2t_minibatch_method") == "prepass"))
+    from stapo_jax.train_step import minibatch_stats_mode
+
+    mode = minibatch_stats_mode(_spec_recipe(spec), spec["old_stats"])
     grad_passes = 1 + (1 if qcfg.remat != "none" else 0) + 2  # forward (+ recompute) + backward
-    passes = (1 if prepass else 0) + grad_passes
+    passes = (1 if mode == "prepass" else 0) + grad_passes
     # S2T correction: XLA counts the compiled conditional, in which every micro-batch is redone (the worst case)
-    correction = spec["recipe"] == "stapo" and spec["old_stats"] and spec.get("s2t_minibatch_method") == "correction"
+    correction = mode == "correction"
     b = spec["mini_batch_sequences"]
     cache_item = 2 if qcfg.dtype in ("bfloat16", "float16") else 4
     slot_shards = min(spec["decode_slots"], mesh["data"] * mesh["fsdp"])

@@ -44,7 +44,8 @@ from stapo_jax.objectives import compute_policy_loss, finalize_metrics, safe_div
 from stapo_jax.policy import response_log_probs_and_entropy
 from stapo_jax.recipes import Recipe, compute_token_mask
 
-__all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS"]
+__all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
+           "minibatch_stats_mode"]
 
 DATA_AXES = ("data", "fsdp")
 # reported as totals over the mini-batches of a step, not means
@@ -167,6 +168,25 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes))
 
 
+def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
+    """Where the update takes the mini-batch statistics of the recipe's token mask from (the one place this is
+    decided; ``make_train_step``, the trainer and ``stapo-jax plan`` all ask it).
+
+    Returns ``"none"`` (no population mask, or ``microbatch`` scope: each micro-batch is its own population),
+    ``"old"`` (S2T ``stats_policy=old``: the batch's ``old_log_probs`` / ``old_entropy``), ``"correction"`` (S2T
+    ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
+    """
+    mask = recipe.token_mask
+    scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
+    if mask == "s2t" and recipe.s2t.stats_policy == "old":
+        return "old"
+    if mask not in ("s2t", "top_entropy") or scope != "minibatch":
+        return "none"
+    if mask == "s2t" and recipe.s2t.minibatch_method == "correction" and has_old_entropy:
+        return "correction"
+    return "prepass"
+
+
 def _correct(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact):
     """S2T ``minibatch_method='correction'``: add ``grad(sum_exact - sum_provisional)`` for every micro-batch in
     which the exact mini-batch ``tau_h`` changed the mask of at least one token (``lax.cond``: the others cost
@@ -234,10 +254,6 @@ def make_train_step(
     """
     loss_cfg = recipe.loss
     mask = recipe.token_mask
-    scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
-    population = mask in ("s2t", "top_entropy") and scope == "minibatch"
-    use_old_stats = mask == "s2t" and recipe.s2t.stats_policy == "old"
-    correction = population and mask == "s2t" and not use_old_stats and recipe.s2t.minibatch_method == "correction"
     k = num_micro_batches
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
@@ -253,17 +269,16 @@ def make_train_step(
 
     def step(state: TrainState, batch: Batch):
         _validate(batch, k)
-        if use_old_stats and batch.old_entropy is None:
+        mode = minibatch_stats_mode(recipe, batch.old_entropy is not None)
+        if mode == "old" and batch.old_entropy is None:
             raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
         r = batch.response_mask.shape[1]
         graphdef, params = state.graphdef, state.params
         resp = batch.response_mask.astype(jnp.float32)
         key = jax.random.fold_in(jax.random.PRNGKey(0), state.step)
-        correct = correction and batch.old_entropy is not None  # without old statistics: the pre-pass
-
         keep_all, tau_all, tau_guess, mask_stats = None, None, None, None
-        if use_old_stats or (population and not correct):
-            if use_old_stats:
+        if mode in ("old", "prepass"):
+            if mode == "old":
                 mask_stats = (batch.old_log_probs, batch.old_entropy)
             else:
                 mask_stats = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r)
@@ -271,7 +286,7 @@ def make_train_step(
                                               advantages=batch.advantages, response_mask=resp,
                                               old_log_probs=batch.old_log_probs, key=key)
             tau_all = _threshold(st, mask_stats[1], resp)
-        elif correct:  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
+        elif mode == "correction":  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
             tau_guess = compute_token_mask(recipe, log_probs=batch.old_log_probs, entropy=batch.old_entropy,
                                            advantages=batch.advantages, response_mask=resp)[1]["s2t/tau_h"]
 
@@ -313,7 +328,7 @@ def make_train_step(
         lp_all, ent_all = _unsplit(lps), _unsplit(ents)
         keep_full = keep_all if keep_all is not None else (None if keeps is None else _unsplit(keeps))
         extra = {}
-        if correct:
+        if mode == "correction":
             keep_full, stats = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
                                                   advantages=batch.advantages, response_mask=resp)
             tau_all = stats["s2t/tau_h"]

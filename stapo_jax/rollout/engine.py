@@ -306,7 +306,7 @@ def _as_decode_params(params):
         return params
     leaves = jax.tree.leaves(params)
     if not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        return split_layers(params, jax.jit(unstack_layers))
+        return split_layers(params)
     shapes = jax.eval_shape(split_layers, params)
     sh = decode_param_shardings(jax.tree.map(lambda x: x.sharding, params), len(shapes.layers))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
@@ -530,12 +530,9 @@ class Qwen3Engine(engine_api.Engine):
         ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(self._param_ref)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         if treedef != ref_def:
-            try:
-                paths = {param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-            except Exception:  # noqa: BLE001 - not even a pytree of arrays: fall back to the tree structure
-                paths = None
+            paths = {param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
             ref_paths = {param_path(p) for p, _ in ref_leaves}
-            if paths is None or paths == ref_paths:
+            if paths == ref_paths:  # same names, other containers
                 raise ParamsMismatchError(f"parameter tree differs from the engine's: {treedef} vs {ref_def}")
             missing, extra = sorted(ref_paths - paths), sorted(paths - ref_paths)
             raise ParamsMismatchError(f"parameter tree differs from the engine's: missing {missing[:10]}"
