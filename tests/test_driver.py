@@ -119,3 +119,14 @@ def test_bad_driver_settings():
         driver(2, prompt_truncation="middle")
     with pytest.raises(RolloutInputError, match="steps_per_sync"):
         driver(2, steps_per_sync=0)
+
+
+def test_build_rollout_takes_steps_per_sync_from_the_config():
+    from stapo_jax.config import Config
+    from stapo_jax.rollout import build_rollout
+
+    cfg = Config()
+    cfg.rollout.max_new_tokens, cfg.data.max_prompt_length, cfg.rollout.max_concurrent_decodes = 8, 16, 2
+    assert build_rollout(cfg, tiny_model(0)).steps_per_sync == 8  # the default
+    cfg.rollout.steps_per_sync = 3
+    assert build_rollout(cfg, tiny_model(0)).steps_per_sync == 3
