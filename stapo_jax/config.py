@@ -228,7 +228,8 @@ class RewardConfig:
     match (JustRL's strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the
     answer is taken from a response for reasoning-gym scoring."""
 
-    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "gym"] = "boxed_exact_pm1"
+    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
+                  "gym"] = "boxed_exact_pm1"
     timeout_s: float = 10.0
     num_workers: int = 4
     overlong_buffer_len: int = 0
