@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any, Optional
 
 from stapo_jax.rewards.answer import final_answer, normalize
@@ -63,6 +64,29 @@ def _first_expr(parsed: list) -> Any:
     return parsed[0] if parsed else None
 
 
+_INT_RE = re.compile(r"^[-+]?\d+$")
+_DEC_RE = re.compile(r"^[-+]?(?:\d+\.\d*|\.\d+)$")
+_FRAC_RE = re.compile(r"^([-+]?)(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))$")
+
+
+def _plain_number(text: str) -> Any:
+    """An integer, decimal or simple fraction (``-\\frac{3}{4}``, ``3/4``) as a sympy number, without the
+    LaTeX parser (the common case in RL training data; ~50 ms saved per answer); None for anything else.
+    Decimals become Floats (compared with ``rel_tol``), the rest exact rationals."""
+    from sympy import Float, Integer, Rational
+
+    if _INT_RE.match(text):
+        return Integer(text)
+    if _DEC_RE.match(text):
+        return Float(text, max(15, len(text)))
+    m = _FRAC_RE.match(text)
+    if m:
+        num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
+        if int(den) != 0:
+            return Rational(int(num), int(den)) * (-1 if m.group(1) == "-" else 1)
+    return None
+
+
 def parse_answer(text: str) -> tuple[Any, bool, str]:
     """Normalise and parse one answer string (no surrounding prose): ``(expr, percent, normalised_text)``.
 
@@ -74,6 +98,9 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
     norm = normalize(text)
     if not norm.text:
         return None, norm.percent, ""
+    plain = _plain_number(norm.text)
+    if plain is not None:
+        return plain, norm.percent, norm.text
     boxed, _, _ = _configs()
     expr = _first_expr(parse("\\boxed{" + norm.text + "}", extraction_config=boxed, parsing_timeout=None))
     return (norm.text if expr is None else expr), norm.percent, norm.text
@@ -272,12 +299,16 @@ def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
         raise TypeError(f"response and gold must be str, got {type(response).__name__}, {type(gold).__name__}")
     if not rel_tol > 0:
         raise ValueError(f"rel_tol={rel_tol} must be > 0")
+    fa = final_answer(response, require_think_close)
+    if fa.text is None:
+        return False
+    norm = normalize(fa.text)
+    if norm.text and (norm.text, norm.percent) == normalize(gold):
+        return True  # the same normalised string: no parsing needed
     g, g_pct, g_text = parse_gold(gold)
     p, p_pct, p_text, _ = parse_prediction(response, require_think_close)
     if g is None or p is None:
         return False
-    if g_text == p_text and g_pct == p_pct:
-        return True
     if exprs_equal(g, p, rel_tol):
         return True
     if p_pct != g_pct and _is_number(g) and _is_number(p):  # "50%" for 0.5 (or 50), and the other way round
