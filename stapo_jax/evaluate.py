@@ -613,7 +613,8 @@ def make_graders(names: Sequence[str], *, timeout_s: float = 10.0, num_workers: 
     """Graders by name, each over a :class:`stapo_jax.rewards.RewardScorer` scoring 0/1 and returning
     ``(scores, stats)`` (call ``.close()`` when done: pooled graders own worker processes).
 
-    ``math_verify``: math-verify with the gold answer first, in a process pool with a per-item timeout (a
+    ``math_verify``: math-verify with the gold answer first behind the final-answer policy and magnitude-safe
+    comparison of ``reward.kind: math_verify_strict`` (issue 13), in a process pool with a per-item timeout (a
     timeout or crash scores 0 and is counted in the stats). ``boxed_exact``: JustRL's strict-box exact string
     match (the last ``\\boxed{}`` in the final 100 of the last 300 characters; stapo_spec §2).
 
@@ -630,7 +631,7 @@ def make_graders(names: Sequence[str], *, timeout_s: float = 10.0, num_workers: 
     return out
 
 
-GRADER_KINDS = {"math_verify": "math_verify_01", "boxed_exact": "boxed_exact_01"}
+GRADER_KINDS = {"math_verify": "math_verify_strict", "boxed_exact": "boxed_exact_01"}
 
 
 class _ScorerGrader:

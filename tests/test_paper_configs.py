@@ -53,7 +53,9 @@ def test_paper_config_matches_the_paper(path):
     assert cfg.s2t.enabled == (recipe == "stapo") and cfg.top_entropy.enabled == (recipe == "entropy20")
     assert (cfg.s2t.tau_p, cfg.s2t.entropy_quantile, cfg.s2t.quantile_scope) == (0.002, 0.8, "minibatch")
     assert cfg.top_entropy.ratio == 0.2
-    assert cfg.reward.kind == "boxed_exact_pm1" and cfg.algorithm.adv_estimator == "grpo"
+    # issue 13: the hardened math reward, except the JustRL baseline, which keeps JustRL's strict-box matcher
+    assert cfg.reward.kind == ("boxed_exact_pm1" if recipe == "justrl" else "math_verify_strict")
+    assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.data.prompt_suffix.endswith("put your final answer within \\boxed{}.")
     # §8: evaluation protocol
     assert cfg.eval.n_samples == {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,

@@ -64,6 +64,7 @@ def _first_expr(parsed: list) -> Any:
     return parsed[0] if parsed else None
 
 
+_SUBSCRIPTED_RE = re.compile(r"(?<![\\a-zA-Z])[A-Za-z]_")
 _INT_RE = re.compile(r"^[-+]?\d+$")
 _DEC_RE = re.compile(r"^[-+]?(?:\d+\.\d*|\.\d+)$")
 _FRAC_RE = re.compile(r"^([-+]?)(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))$")
@@ -103,6 +104,9 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
         return plain, norm.percent, norm.text
     boxed, _, _ = _configs()
     expr = _first_expr(parse("\\boxed{" + norm.text + "}", extraction_config=boxed, parsing_timeout=None))
+    if expr is not None and not isinstance(expr, str) and _SUBSCRIPTED_RE.search(norm.text) \
+            and not getattr(expr, "free_symbols", True):
+        expr = None  # the parser dropped a subscripted symbol (``\\frac{1}{3} E_{1}`` -> 1/3): keep the text
     return (norm.text if expr is None else expr), norm.percent, norm.text
 
 
