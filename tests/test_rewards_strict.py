@@ -168,6 +168,15 @@ def test_gold_first_interval_point_ambiguity():
     assert verify_strict("\\boxed{(1, 2)}", "(1, 2)") and not verify_strict("\\boxed{(2, 1)}", "(1, 2)")
 
 
+def test_math_verify_misparses_are_refused():
+    # math-verify's parser drops "E_{1}" and reads this gold as 2/3; the text is kept and compared instead
+    gold = "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}"
+    assert verify_strict(f"so \\boxed{{{gold}}}", gold)
+    assert not verify_strict("so \\boxed{\\frac{2}{3} E_{1}+\\frac{2}{3} E_{2}}", gold)
+    # equations with the same left side compare their right sides ("N=n" against "N=n+1")
+    assert verify_strict("\\boxed{N=n}", "N=n") and not verify_strict("\\boxed{N=n+1}", "N=n")
+
+
 # --------------------------------------------------------------------------------- scorer and pool
 
 
