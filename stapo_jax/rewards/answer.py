@@ -135,9 +135,12 @@ def final_answer(response: str, require_think_close: bool = False) -> FinalAnswe
 
 # ------------------------------------------------------------------------------------------ normalisation
 
-_SEP = r"(?:,|\{,\}|\\,|\\;|\\!|\\thinspace|\\ |\u2009|\u202f|\u00a0)"
+# thin spaces and braced commas always separate thousands; a plain comma only in an answer that is nothing but
+# the number ("1,000"), since "[1,100]" and "1,234" elsewhere are lists
+_SEP = r"(?:\{,\}|\\,|\\;|\\!|\\thinspace|\\ |\u2009|\u202f|\u00a0)"
 _THOUSANDS_RE = re.compile(r"(?<![\d.,])(-?\d{1,3})((?:" + _SEP + r"\d{3})+)(?![\d])(?!" + _SEP + r"\d)")
 _SEP_RE = re.compile(_SEP)
+_COMMA_NUMBER_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree\b|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}")
 _PERCENT_RE = re.compile(r"\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|\\text\{\s*percent\s*\}|\bpercent\b)\s*$")
 _WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s*\{\s*([-+]?[\d.,\s/]+)\s*\}")
@@ -174,6 +177,8 @@ def normalize(answer: str) -> Normalized:
     if m and m.start() > 0:
         percent, s = True, s[:m.start()].strip()
     s = _UNIT_RE.sub("", s).strip() or s
+    if _COMMA_NUMBER_RE.match(s):
+        s = s.replace(",", "")
     s = _SCI_RE.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
     m = _MIXED_RE.match(s)
     if m and int(m.group(3)) < int(m.group(4)):
