@@ -1,4 +1,4 @@
-"""Both verifiers on every benchmark file in ../shared/data (issue 5, item 9).
+"""Both verifiers on every shipped benchmark file (stapo_jax/assets; issue 5, item 9) and the GSM8K test slice.
 
 Each gold answer is written as a model would write it: a short solution with distractor numbers that ends
 "... so the answer is \\boxed{GOLD}.". It must be scored correct by math-verify (``math_verify_01``, gold
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from stapo_jax.assets import BENCHMARK_NAMES, asset_path
 from stapo_jax.rewards import RewardScorer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHIPPED = {**{b: asset_path("benchmarks", f"{b}.jsonl") for b in BENCHMARK_NAMES},
+           "gsm8k_test": asset_path("samples", "gsm8k_test.jsonl")}
 FILES = ("math500", "gsm8k_test", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
 TIMEOUT_S = 5.0  # gold items take < 1 s; one perturbed Minerva ODE takes ~11 s and times out (scores 0)
 
@@ -77,7 +78,7 @@ def perturb(gold: str) -> str:
 
 
 def _load(name: str) -> list[str]:
-    return [json.loads(line)["answer"] for line in (SHARED / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line)["answer"] for line in SHIPPED[name].read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,8 @@ def test_gold_correct_and_perturbed_wrong(results, name, verifier):
         assert all(len(g) > window for g in r["misses"]), r["misses"]
 
 
-def test_print_rates_table(results, capsys):
+def test_print_rates_table(results):
+    """The rates table, printed only under ``pytest -s`` (captured otherwise, so the suite's output stays quiet)."""
     lines = ["", f"{'file':<15}{'n':>6}  {'math-verify gold':>17}{'perturbed':>11}  {'string-match gold':>18}"
              f"{'perturbed':>11}  {'mv timeouts':>11}"]
     for name in FILES:
@@ -132,9 +134,8 @@ def test_print_rates_table(results, capsys):
             r = results[name][verifier]
             if r["misses"] or r["false_accepts"]:
                 lines.append(f"  {name}/{verifier}: misses {r['misses']}; false accepts {r['false_accepts']}")
-    with capsys.disabled():
-        print("\n".join(lines))
-    assert set(results) == set(FILES)
+    print("\n".join(lines))
+    assert set(results) == set(FILES) and [x.split()[0] for x in lines[2:2 + len(FILES)]] == list(FILES)
 
 
 @pytest.mark.parametrize("gold,expected", [
