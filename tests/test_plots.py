@@ -77,3 +77,23 @@ def test_compare_errors(tmp_path):
         compare_runs([str(a), str(b)], labels=["one"])
     with pytest.raises(FileNotFoundError, match="no metrics file"):
         compare_runs([str(a), str(tmp_path / "missing")], labels=["a", "m"])
+
+
+def test_compare_config_pair_is_the_main_job_with_two_recipes():
+    """configs/compare/tiny_{stapo,grpo}.yaml: the main job (configs/tiny_cpu.yaml) with only the recipe and
+    the run directory changed, so the comparison isolates the algorithm."""
+    from pathlib import Path
+
+    from stapo_jax.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    main = load_config(repo / "configs" / "tiny_cpu.yaml").to_dict()
+    for recipe in ("stapo", "grpo"):
+        cfg = load_config(repo / "configs" / "compare" / f"tiny_{recipe}.yaml")
+        assert cfg.algorithm.recipe == recipe and cfg.trainer.run_dir == f"runs/compare/tiny_{recipe}"
+        want = load_config(repo / "configs" / "tiny_cpu.yaml",
+                           [f"algorithm.recipe={recipe}", f"trainer.run_dir=runs/compare/tiny_{recipe}"]).to_dict()
+        assert cfg.to_dict() == want
+    assert main["algorithm"]["recipe"] == "stapo"
+    grpo = load_config(repo / "configs" / "compare" / "tiny_grpo.yaml")
+    assert not grpo.s2t.enabled and grpo.actor.clip_ratio_high == grpo.actor.clip_ratio_low
