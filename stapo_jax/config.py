@@ -1,6 +1,6 @@
 """Typed run configuration: dataclass schema, YAML loading, dotted overrides, validation, save/reload.
 
-Every default is the interpretation adopted in ``shared/reference/stapo_spec.md`` §10 (STAPO on the JustRL
+Every default is the interpretation adopted in the STAPO spec (``stapo_spec.md``) §10 (STAPO on the JustRL
 recipe); key spellings follow verl (``actor.clip_ratio_c``, ``actor.loss_agg_mode``, ``actor.kl_loss_coef``,
 ``actor.entropy_coeff``, ``algorithm.norm_adv_by_std_in_grpo``, ``actor.ppo_mini_batch_size`` ...). The spec's
 ``loss.*`` names map to ``actor.*``: ``loss.dual_clip_c`` -> ``actor.clip_ratio_c``, ``loss.kl_coef`` ->
@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """The policy model. Exactly one source: ``path`` (HF directory or hub id with ``config.json`` and
-    safetensors), ``preset`` (an HF ``config.json`` in ``../shared/data/qwen3_configs``, e.g.
+    safetensors), ``preset`` (an HF ``config.json`` shipped in ``stapo_jax/assets/qwen3_configs``, e.g.
     ``"Qwen3-0.6B"``), or, with both unset, the explicit size fields (a from-scratch model). With a
     preset, explicit size fields override the preset's values (e.g. a 2-layer Qwen3-0.6B for CI)."""
 
@@ -260,6 +260,10 @@ class TrainerConfig:
     eval_every: int = 0
     export_hf: bool = True
     resume: bool = True
+    # verl's trainer.logger: any of console (progress bar), tensorboard, wandb; metrics.jsonl is always written
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
+    experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
 
 
 @dataclass
@@ -278,7 +282,7 @@ class EvalConfig:
 
     benchmarks: list[str] = field(default_factory=lambda: [
         "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"])
-    data_dir: str = "../shared/data"
+    data_dir: Optional[str] = None      # None: the six benchmarks shipped in stapo_jax/assets/benchmarks
     n_samples: Union[int, dict[str, int]] = field(default_factory=lambda: {
         "aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4, "olympiadbench": 4})
     temperature: float = 1.0
@@ -588,6 +592,9 @@ def validate(cfg: Config) -> None:
         need(getattr(t, k) >= 1, f"trainer.{k}={getattr(t, k)} must be >= 1")
     for k in ("save_every", "eval_every"):
         need(getattr(t, k) >= 0, f"trainer.{k}={getattr(t, k)} must be >= 0 (0 = off)")
+    bad_loggers = sorted(set(t.logger) - {"console", "tensorboard", "wandb", "jsonl"})
+    need(not bad_loggers, f"trainer.logger: unknown logger(s) {bad_loggers} (expected console, tensorboard, wandb; "
+         f"metrics.jsonl is always written)")
     need(cfg.sft.steps >= 0, f"sft.steps={cfg.sft.steps} must be >= 0")
     need(cfg.sft.lr > 0, f"sft.lr={cfg.sft.lr} must be > 0")
     need(cfg.sft.batch_size >= 1, f"sft.batch_size={cfg.sft.batch_size} must be >= 1")

@@ -132,8 +132,9 @@ def train(cfg: Config) -> dict[str, Any]:
         _check_same_model(cfg, run_dir)
     if main_process:
         cfg.save(run_dir)
-    logger = MetricsLogger(run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"),
-                           t.total_steps, tensorboard=main_process, progress=main_process)
+    logger = MetricsLogger.from_config(  # trainer.logger: console / tensorboard / wandb, on process 0
+        run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
+        main_process=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
     preempt = _Preemption()  # from here on SIGTERM means: finish the current phase, save, exit 0
     try:
@@ -287,7 +288,7 @@ def _sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metri
 def _write_plots(run_dir: str, summary: dict) -> None:
     from stapo_jax.plots import plot_run
     try:
-        summary["plots"] = plot_run(run_dir)
+        summary["plots"] = plot_run(run_dir, summary=summary)   # held-out accuracy from the before-RL point
     except ValueError as e:  # no metrics rows (e.g. preempted before the first step)
         log.warning("no plots: %s", e)
 

@@ -1,11 +1,11 @@
-"""Both verifiers on every benchmark file in ../shared/data (issue 5, item 9).
+"""Both verifiers on every shipped benchmark file (stapo_jax/assets; issue 5, item 9) and the GSM8K test slice.
 
 Each gold answer is written as a model would write it: a short solution with distractor numbers that ends
 "... so the answer is \\boxed{GOLD}.". It must be scored correct by math-verify (``math_verify_01``, gold
 first, process pool with 2 workers), by the hardened math-verify of issue 13 (``math_verify_strict``) and by
 JustRL's strict-box string match (``boxed_exact_pm1``); a perturbed answer (:func:`perturb`) must not be. MATH-500 and GSM8K must score 100 % / 0 %; for the other files the
 thresholds below are set just under the measured rates, which are printed as a table
-(``pytest -s tests/test_verifiers_benchmarks.py``; the table is also shown without ``-s``).
+(``pytest -s tests/test_verifiers_benchmarks.py``).
 
 All rows of all seven files run (about 5,700 math-verify calls, 30-60 s on 2 shared cores).
 
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from stapo_jax.assets import BENCHMARK_NAMES, asset_path
 from stapo_jax.rewards import RewardScorer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHIPPED = {**{b: asset_path("benchmarks", f"{b}.jsonl") for b in BENCHMARK_NAMES},
+           "gsm8k_test": asset_path("samples", "gsm8k_test.jsonl")}
 FILES = ("math500", "gsm8k_test", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
 TIMEOUT_S = 5.0  # gold items take < 1 s; one perturbed Minerva ODE takes ~11 s and times out (scores 0)
 
@@ -83,7 +84,7 @@ def perturb(gold: str) -> str:
 
 
 def _load(name: str) -> list[str]:
-    return [json.loads(line)["answer"] for line in (SHARED / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line)["answer"] for line in SHIPPED[name].read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,8 @@ def test_gold_correct_and_perturbed_wrong(results, name, verifier):
         assert all(len(g) > window for g in r["misses"]), r["misses"]
 
 
-def test_print_rates_table(results, capsys):
+def test_print_rates_table(results):
+    """The rates table, printed only under ``pytest -s`` (captured otherwise, so the suite's output stays quiet)."""
     lines = ["", f"{'file':<15}{'n':>6}  {'math-verify gold':>17}{'perturbed':>11}  {'strict gold':>12}{'perturbed':>11}"
              f"  {'string-match gold':>18}{'perturbed':>11}  {'timeouts mv/strict':>19}"]
     for name in FILES:
@@ -140,9 +142,8 @@ def test_print_rates_table(results, capsys):
             r = results[name][verifier]
             if r["misses"] or r["false_accepts"]:
                 lines.append(f"  {name}/{verifier}: misses {r['misses']}; false accepts {r['false_accepts']}")
-    with capsys.disabled():
-        print("\n".join(lines))
-    assert set(results) == set(FILES)
+    print("\n".join(lines))
+    assert set(results) == set(FILES) and [x.split()[0] for x in lines[2:2 + len(FILES)]] == list(FILES)
 
 
 @pytest.mark.parametrize("gold,expected", [
