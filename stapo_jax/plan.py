@@ -60,7 +60,7 @@ def _model_config(cfg) -> Any:
     from stapo_jax.build import model_config
 
     m = cfg.model
-    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
     if m.path:
         p = Path(m.path).expanduser()
         if p.is_dir() or p.is_file():
