@@ -24,6 +24,7 @@ trainer's case: validation plus one device copy of the layer weights into the en
 
     .venv/bin/python bench/bench_rollout.py                      # tiny and 0.6b (several minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --models tiny        # quick
+    python bench/bench_rollout.py --models 0.6b --torch-device cuda   # on a GPU machine: HF generate on CUDA
 """
 from __future__ import annotations
 
@@ -67,10 +68,10 @@ def model_config(name: str) -> Qwen3Config:
 
 
 def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: int,
-              steps_per_sync: tuple[int, ...]) -> dict:
+              steps_per_sync: tuple[int, ...], torch_device: str = "cpu") -> dict:
     cfg = model_config(name)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
-    hf = hf_copy(model, cfg)
+    hf = hf_copy(model, cfg).to(torch_device)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, size=(batch, prompt_len)).astype(np.int32)
 
@@ -84,7 +85,7 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: 
         d.generate(list(prompts), max_new_tokens=2 * d.steps_per_sync)
     compile_s = time.perf_counter() - t0
 
-    ids = torch.from_numpy(prompts.astype(np.int64))
+    ids = torch.from_numpy(prompts.astype(np.int64)).to(torch_device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True, eos_token_id=None,
               pad_token_id=0, top_k=None, top_p=None, temperature=None)
     with torch.inference_mode():
@@ -105,7 +106,7 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: 
                 ours_times[k].append(time.perf_counter() - t0)
                 assert ours.response_lengths.min() == new_tokens
             t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw).cpu()  # synchronises
             hf_times.append(time.perf_counter() - t0)
         hf_s = statistics.median(hf_times)
         ours_s = {k: statistics.median(v) for k, v in ours_times.items()}
@@ -133,6 +134,7 @@ def main(argv=None) -> int:
                    help="timed runs per side, alternating, median reported (default: 5 for tiny, 1 for 0.6b)")
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
+    p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
     args = p.parse_args(argv)
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), load avg {os.getloadavg()[0]:.2f}", flush=True)
@@ -141,9 +143,9 @@ def main(argv=None) -> int:
         name = name.strip()
         repeats = args.repeats or (5 if name == "tiny" else 1)
         k = tuple(int(x) for x in (args.steps_per_sync or ("1,8" if name == "tiny" else "1")).split(","))
-        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k)
+        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device)
         print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s (median of {r['repeats']}: {r['hf_s']:.2f} s, "
-              f"{r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
+              f"{args.torch_device}, {r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
         for k, sec in r["ours_s"].items():
             print(f"[{r['model']}] ours steps_per_sync={k}: {r['n'] / sec:.1f} tok/s ({sec:.2f} s) | ratio ours/HF = "
                   f"{r['hf_s'] / sec:.2f}x | identical greedy rows {r['same_rows']:.2f}", flush=True)

@@ -87,12 +87,13 @@ def prefill(graphdef, state, input_ids: jax.Array, attention_mask: jax.Array, ca
       graphdef, state: ``nnx.split(model)``; ``state`` may also be :class:`DecodeParams`.
       input_ids: [B, T] int32 prompts, left- or right-padded.
       attention_mask: [B, T], 1 on real prompt tokens.
-      cache: a :class:`KVCache` with B rows (normally fresh from ``init_cache``).
+      cache: an empty :class:`KVCache` with B rows (fresh from ``init_cache``: the prompt tokens attend to
+        each other with the model's configured attention kernel, ``config.attention``).
     Returns:
       logits [B, V] float32 at each row's last real token; the updated cache.
     """
     model, layers = merge_model(graphdef, state)
-    hidden, cache = model(input_ids, attention_mask, cache=cache, layers=layers)
+    hidden, cache = model(input_ids, attention_mask, cache=cache, layers=layers, prefill=True)
     idx = last_valid_index(attention_mask)
     last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
     return model.logits(last), cache

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import DEFAULT_BLOCK, IMPLEMENTATIONS, dot_product_attention, segment_ids_from_mask
 from models.sharding import constrain
 
 _REMAT_POLICIES = {
@@ -47,7 +48,10 @@ class Qwen3Config:
 
     ``dtype`` is the compute dtype (activations, matmul inputs), ``param_dtype`` the storage dtype of
     parameters; norms, softmax and logits are always computed in float32. ``remat`` is one of
-    ``none | full | dots | dots_no_batch`` (``jax.checkpoint`` policy per layer).
+    ``none | full | dots | dots_no_batch`` (``jax.checkpoint`` policy per layer). ``attention`` is the
+    self-attention kernel of the uncached forward and of prefill (``xla | blockwise | cudnn | splash | auto``,
+    see :mod:`models.attention`); cached decoding always attends over the KV cache. ``attention_block_size``
+    is the blockwise/splash tile in tokens.
     """
 
     vocab_size: int = 151936
@@ -68,6 +72,8 @@ class Qwen3Config:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "xla"
+    attention_block_size: int = DEFAULT_BLOCK
 
     def __post_init__(self):
         if isinstance(self.eos_token_id, list):
@@ -75,6 +81,10 @@ class Qwen3Config:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"Qwen3Config.{f}={getattr(self, f)!r}: expected float32, bfloat16 or float16")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"Qwen3Config.attention={self.attention!r}: expected one of {list(IMPLEMENTATIONS)}")
+        if self.attention_block_size <= 0:
+            raise ConfigError(f"Qwen3Config.attention_block_size={self.attention_block_size} must be positive")
         if self.remat not in _REMAT_POLICIES:
             raise ConfigError(f"Qwen3Config.remat={self.remat!r}: expected one of {sorted(_REMAT_POLICIES)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -273,8 +283,13 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg.weight_dtype)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg.weight_dtype)
 
-    def __call__(self, x, cos, sin, mask, kv=None, write_index=None):
-        """x [B,T,D]; mask [B,1,T,S] bool; kv: (k, v) [B,S,Nkv,H] of this layer or None; write_index [B]."""
+    def __call__(self, x, cos, sin, mask, kv=None, write_index=None, segment_ids=None):
+        """x [B,T,D]; kv: (k, v) cache buffers [B,Nkv,S,H] of this layer or None; write_index [B].
+
+        With ``segment_ids`` ([B,T] int32, 0 = padding) the T tokens attend to each other with the configured
+        kernel (:func:`models.attention.dot_product_attention`; the uncached forward and prefill into an
+        empty cache); otherwise they attend over the cache with ``mask`` [B,1,T,S] bool (decode).
+        """
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
@@ -282,14 +297,16 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q = constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
         k = apply_rope(k, cos, sin)
-        if kv is None:
-            out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
-                                               scale=cfg.head_dim ** -0.5, implementation="xla")
-            return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), None
+        if segment_ids is not None:
+            out = dot_product_attention(q, k, v, segment_ids, implementation=cfg.attention,
+                                        scale=cfg.head_dim ** -0.5, block_size=cfg.attention_block_size)
+            if kv is None:
+                return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), None
         # cache layout [B, Nkv, S, H]: write the T new keys/values of each row at its write index (in place)
         ck = write_rows(kv[0], jnp.swapaxes(k, 1, 2), write_index)
         cv = write_rows(kv[1], jnp.swapaxes(v, 1, 2), write_index)
-        out = cached_attention(q, ck, cv, mask, cfg.head_dim ** -0.5)
+        if segment_ids is None:
+            out = cached_attention(q, ck, cv, mask, cfg.head_dim ** -0.5)
         return self.o_proj(out.reshape(b, t, cfg.num_attention_heads * cfg.head_dim)), (ck, cv)
 
 
@@ -363,8 +380,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv=None, write_index=None):
-        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, write_index)
+    def __call__(self, x, cos, sin, mask, kv=None, write_index=None, segment_ids=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, write_index, segment_ids)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", None, None)), new_kv
@@ -390,7 +407,8 @@ class Qwen3(nnx.Module):
             config, config.hidden_size, config.vocab_size, rngs)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
-                 cache: Optional[KVCache] = None, layers: Optional[tuple] = None
+                 cache: Optional[KVCache] = None, layers: Optional[tuple] = None,
+                 segment_ids: Optional[jax.Array] = None, prefill: bool = False
                  ) -> tuple[jax.Array, Optional[KVCache]]:
         """Run the decoder.
 
@@ -401,17 +419,25 @@ class Qwen3(nnx.Module):
           input_ids: [B, T] int32 token ids (pad ids anywhere; they are masked by ``attention_mask``).
           attention_mask: [B, T] bool/int, 1 on real tokens.
           positions: [B, T] int32 RoPE positions; default from the mask (plus ``cache.next_position``).
+            Packed rows pass per-sequence positions (restarting at 0 for each segment).
           cache: optional :class:`KVCache`; the T tokens are written at ``cache.length`` per row.
           layers: with a cache only: the L per-layer parameter states (``models.decode.DecodeParams.layers``)
             to use instead of slicing the stacked ``self.layers``. XLA:CPU materialises every static slice of
             the stacked weights up front (a temporary as large as all layer weights, 2-3x slower steps), so
             the rollout engine keeps its parameters per layer and passes them here.
+          segment_ids: without a cache only: [B, T] int ids of packed sequences (tokens attend only within
+            their segment; 0 or ``attention_mask == 0`` is padding). Default: the attention mask.
+          prefill: with a cache only: the cache is empty (``length == 0`` on every row, as
+            ``init_cache`` makes it), so the T tokens attend to each other with the configured attention
+            kernel (``config.attention``) and are then written to the cache; decode steps (``prefill=False``)
+            attend over the cache.
         Returns:
           hidden: [B, T, hidden_size] in the compute dtype, after the final norm;
           the updated cache (``None`` when no cache was given).
         Raises:
-          ValueError: mismatched shapes between ``input_ids``, ``attention_mask`` and the cache, or a cache
-            with another number of layers than the model; ``layers`` without a cache or of the wrong length.
+          ValueError: mismatched shapes between ``input_ids``, ``attention_mask``, ``segment_ids`` and the
+            cache, or a cache with another number of layers than the model; ``layers`` without a cache or of
+            the wrong length; ``segment_ids`` with a cache or ``prefill`` without one.
         """
         cfg = self.config
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
@@ -419,12 +445,15 @@ class Qwen3(nnx.Module):
         b, t = input_ids.shape
         valid = attention_mask.astype(bool)
         rel = positions_from_mask(valid)
+        if segment_ids is not None and (cache is not None or segment_ids.shape != input_ids.shape):
+            raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {input_ids.shape} and is only "
+                             f"used without a cache")
+        if prefill and cache is None:
+            raise ValueError("prefill=True needs a cache (an empty one from init_cache)")
+        seg = segment_ids_from_mask(valid) if segment_ids is None else jnp.where(valid, segment_ids, 0)
         if cache is None:
             if positions is None:
                 positions = rel
-            key_mask = valid
-            q_index = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-            k_index = jnp.arange(t)
             write_index = None
         else:
             if len(cache.k) != cfg.num_hidden_layers or len(cache.v) != cfg.num_hidden_layers:
@@ -439,7 +468,9 @@ class Qwen3(nnx.Module):
             key_mask = write(cache.key_mask, valid, cache.length)
             k_index = jnp.arange(cache.max_length)
             write_index = cache.length
-        mask = (key_mask[:, None, :] & (k_index[None, None, :] <= q_index[:, :, None]))[:, None]  # [B,1,T,S]
+        mask = None
+        if cache is not None and not prefill:
+            mask = (key_mask[:, None, :] & (k_index[None, None, :] <= q_index[:, :, None]))[:, None]  # [B,1,T,S]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         x = constrain(self.embed_tokens(input_ids), ("batch", None, None))
 
@@ -448,7 +479,7 @@ class Qwen3(nnx.Module):
             raise ValueError("layers (per-layer parameters) is only used together with a cache")
         if cache is None:
             def body(h, st):
-                return nnx.merge(graphdef, st)(h, cos, sin, mask)[0], None
+                return nnx.merge(graphdef, st)(h, cos, sin, None, segment_ids=seg.astype(jnp.int32))[0], None
 
             policy = _REMAT_POLICIES[cfg.remat]
             if policy == "full":
@@ -464,7 +495,8 @@ class Qwen3(nnx.Module):
         for i in range(cfg.num_hidden_layers):  # per-layer cache buffers: see the module docstring
             st = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], layer_state)
             layer = nnx.merge(graphdef, st)
-            x, (k_i, v_i) = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), write_index)
+            x, (k_i, v_i) = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), write_index,
+                                  seg.astype(jnp.int32) if prefill else None)
             ks.append(k_i)
             vs.append(v_i)
         hidden = self.norm(x)

@@ -43,7 +43,7 @@ def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:
         base = Qwen3Config(**explicit)
     else:
         base = dataclasses.replace(base, **explicit)
-    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
     if tokenizer is not None:
         extra["eos_token_id"] = tuple(stop_token_ids(tokenizer))
         extra["pad_token_id"] = tokenizer.pad_token_id
@@ -70,7 +70,8 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
     """
     m = cfg.model
     if m.path:
-        _, model = load_hf_checkpoint(m.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+        _, model = load_hf_checkpoint(m.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                                      attention=m.attention)
         return model
     model = Qwen3(model_config(cfg, tokenizer), rngs=nnx.Rngs(seed))
     return shard_model(model, mesh)

@@ -66,6 +66,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # self-attention kernel of the forward/update and of prefill (models.attention): xla materialises
+    # [heads, T, T] scores; blockwise is flash-style pure JAX (any backend); cudnn (GPU, bf16/fp16); splash
+    # (TPU); auto picks splash on TPU, cudnn on GPU for 16-bit dtypes, else blockwise.
+    attention: Literal["xla", "blockwise", "cudnn", "splash", "auto"] = "xla"
 
 
 MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

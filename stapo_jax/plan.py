@@ -60,7 +60,10 @@ def _model_config(cfg) -> Any:
     from stapo_jax.build import model_config
 
     m = cfg.model
-    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    # the plan compiles on CPU: auto resolves to blockwise there; the TPU/GPU kernels (splash, cudnn) are
+    # planned with blockwise, which has the same O(T x block) attention memory
+    attention = "blockwise" if m.attention in ("splash", "cudnn") else m.attention
+    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention)
     if m.path:
         p = Path(m.path).expanduser()
         if p.is_dir() or p.is_file():
@@ -464,7 +467,7 @@ def format_report(result: dict) -> str:
         f"model: L={m['num_hidden_layers']} D={m['hidden_size']} F={m['intermediate_size']} "
         f"heads={m['num_attention_heads']}/{m['num_key_value_heads']} V={m['vocab_size']} "
         f"tied={m['tie_word_embeddings']}  params={a['params'] / 1e9:.4g}B  dtype={m['dtype']} "
-        f"param_dtype={m['param_dtype']} remat={m['remat']}",
+        f"param_dtype={m['param_dtype']} remat={m['remat']} attention={m.get('attention', 'xla')}",
         f"mesh: {s['mesh']} = {s['devices']} devices"
         + (f" ({s['device_kind'] or 'device'}: {hbm:g} GB each)" if hbm else " (device memory unknown: pass --hbm-gb)"),
         f"recipe: {s['recipe']}  mini-batch {s['mini_batch_sequences']} sequences x {s['prompt_length']}+"
@@ -482,7 +485,8 @@ def format_report(result: dict) -> str:
             f"  batch                             {_gb(t['batch_bytes']):>10}",
             f"  arguments (XLA)                   {_gb(mem['argument']):>10}",
             f"  activations / temporaries (XLA)   {_gb(mem['temp']):>10}",
-            f"    (one layer's f32 attention scores of one sequence: {_gb(a['attention_scores_bytes'])} GB)",
+            f"    (one layer's f32 attention scores of one sequence: {_gb(a['attention_scores_bytes'])} GB"
+            + (", not materialised by this attention)" if m.get("attention", "xla") != "xla" else ")"),
             f"  peak = args + outputs - aliased + temp {_gb(mem['peak']):>7}",
             f"  FLOPs per update: XLA {t['flops_per_device'] or 0:.3e} per device x {s['devices']} = "
             f"{(t['flops_per_device'] or 0) * s['devices']:.3e};  analytic {a['train_flops_per_update']:.3e}"

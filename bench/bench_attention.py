@@ -1,0 +1,124 @@
+"""Attention forward + backward: blockwise (flash-style, models.attention) vs XLA (materialised [N, T, T]
+scores), both sides in one run.
+
+Memory: for each T the jitted ``value_and_grad`` of ``sum(attention(q, k, v) * w)`` over q, k, v is compiled
+(``jax.jit(...).lower(...).compile()``) and ``compiled.memory_analysis().temp_size_in_bytes`` (XLA's buffer
+assignment: every temporary, arguments and outputs excluded) is printed for both implementations, with
+ratios: blockwise T / blockwise 2K (linear growth would be T / 2K) and blockwise / xla at each T. Nothing is
+run for the memory rows, so T = 16K compiles on any machine.
+
+Time: at ``--time-t`` (default 2048) both functions run interleaved (a, b, a, b, ...) ``--repeats`` times after
+one warm-up call each; median and min..max seconds and the ratio blockwise / xla of medians. The machine
+(backend, device, CPU count) and the 1-minute load average before and after are printed.
+
+Shapes: batch 1, causal, one packed row of 2 sequences plus left padding (segment ids), GQA with few heads so
+compile stays fast. fp32 by default.
+
+    .venv/bin/python bench/bench_attention.py                       # T = 2K, 4K, 8K, 16K; time at 2K
+    .venv/bin/python bench/bench_attention.py --lengths 2048 --repeats 3   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from models.attention import dot_product_attention  # noqa: E402
+
+
+def make_inputs(t: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: int = 0):
+    """q [1, T, N, H], k/v [1, T, Nkv, H], w [1, T, N, H] (zero at padding) and segment ids [1, T]: 64 padding
+    tokens on the left, then two packed sequences splitting the rest."""
+    g = np.random.default_rng(seed)
+    q = jnp.asarray(g.normal(size=(1, t, heads, head_dim)), dtype)
+    k = jnp.asarray(g.normal(size=(1, t, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(g.normal(size=(1, t, kv_heads, head_dim)), dtype)
+    w = jnp.asarray(g.normal(size=(1, t, heads, head_dim)), dtype)
+    seg = np.ones((1, t), np.int32)
+    seg[0, :64] = 0
+    seg[0, 64 + (t - 64) // 2:] = 2
+    w = w * jnp.asarray(seg > 0, dtype)[:, :, None, None]  # padding queries' outputs are unspecified
+    return q, k, v, w, jnp.asarray(seg)
+
+
+def fwd_bwd(impl: str, block: int):
+    """jit of (q, k, v, w, seg) -> (loss, (dq, dk, dv)) for one implementation."""
+    def loss(q, k, v, w, seg):
+        return jnp.sum(dot_product_attention(q, k, v, seg, implementation=impl, block_size=block) * w)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+
+def temp_bytes(impl: str, block: int, args) -> int:
+    """XLA temporaries of the compiled forward + backward (bytes)."""
+    return int(fwd_bwd(impl, block).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def timed_pair(fa, fb, repeats: int):
+    """Lists of seconds of ``fa`` and ``fb`` over ``repeats`` interleaved calls after one warm-up each."""
+    jax.block_until_ready(fa())
+    jax.block_until_ready(fb())
+    ta, tb = [], []
+    for _ in range(repeats):
+        for f, acc in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            acc.append(time.perf_counter() - t0)
+    return ta, tb
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=512)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--time-t", type=int, default=2048, help="T of the timing run; 0 = no timing")
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args(argv)
+    dtype = jnp.dtype(a.dtype)
+    dev = jax.devices()[0]
+    print(f"machine: {platform.machine()} {platform.node()}, backend {jax.default_backend()}, device "
+          f"{dev.device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; load(1m) {os.getloadavg()[0]:.2f}")
+    print(f"shapes: B=1 N={a.heads} Nkv={a.kv_heads} H={a.head_dim} {dtype.name}, block {a.block}, causal, "
+          f"64 left-padding tokens + 2 packed sequences")
+    rows = {}
+    print(f"{'T':>6} {'xla temp MB':>12} {'blockwise MB':>13} {'bw/xla':>8} {'bw T/bw first':>14}")
+    for t in a.lengths:
+        args = make_inputs(t, a.heads, a.kv_heads, a.head_dim, dtype)
+        x = temp_bytes("xla", a.block, args)
+        b = temp_bytes("blockwise", a.block, args)
+        rows[t] = (x, b)
+        first = rows[a.lengths[0]][1]
+        print(f"{t:>6} {x / 2**20:>12.1f} {b / 2**20:>13.2f} {b / x:>8.4f} {b / first:>14.2f}")
+    out = {"temp_bytes": rows}
+    if a.time_t:
+        args = make_inputs(a.time_t, a.heads, a.kv_heads, a.head_dim, dtype)
+        fx, fb = fwd_bwd("xla", a.block), fwd_bwd("blockwise", a.block)
+        ref, got = fx(*args), fb(*args)
+        err = max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(got[1], ref[1]))
+        tb, tx = timed_pair(lambda: fb(*args), lambda: fx(*args), a.repeats)
+        mb, mx = statistics.median(tb), statistics.median(tx)
+        print(f"time fwd+bwd at T={a.time_t} ({a.repeats} interleaved repeats): blockwise median {mb * 1e3:.1f} ms "
+              f"[{min(tb) * 1e3:.1f}..{max(tb) * 1e3:.1f}], xla median {mx * 1e3:.1f} ms "
+              f"[{min(tx) * 1e3:.1f}..{max(tx) * 1e3:.1f}]; blockwise/xla = {mb / mx:.2f}; "
+              f"max rel grad diff {err:.1e}")
+        out["time"] = (mb, mx)
+    print(f"load(1m) after: {os.getloadavg()[0]:.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

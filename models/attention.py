@@ -1,0 +1,290 @@
+"""Causal self-attention kernels behind one switch (``Qwen3Config.attention`` / ``model.attention``).
+
+Every implementation computes, for queries q ``[B, T, N, H]`` and keys/values k, v ``[B, T, Nkv, H]``
+(grouped-query attention, ``N = Nkv · G``; query head ``n`` uses KV head ``n // G`` like HF ``repeat_kv``,
+and no implementation materialises the repeated K/V)::
+
+    out[b, t, n] = softmax_s(scale · q[b, t, n] · k[b, s, n // G] over visible s) · v[b, s, n // G]
+
+where key ``s`` is visible to query ``t`` iff ``segment_ids[b, s] == segment_ids[b, t] != 0`` and
+``s <= t`` (causal). ``segment_ids`` is ``[B, T]`` int32: 0 marks padding (any position, left or right), and
+equal positive ids mark one sequence; several sequences packed into one row get different ids (verl's
+packed variable-length attention, MaxText/Tunix segment ids). For an unpacked batch it is just the attention
+mask as int32 (:func:`segment_ids_from_mask`). Outputs at padding queries (segment 0) are finite but
+unspecified; callers mask them out.
+
+Implementations (``IMPLEMENTATIONS``):
+
+* ``xla``: ``jax.nn.dot_product_attention(implementation="xla")`` with a ``[B, 1, T, T]`` boolean mask;
+  materialises ``[B, N, T, T]`` float32 logits. The reference.
+* ``blockwise``: flash-style attention in pure JAX (Dao et al. 2022, FlashAttention, Alg. 1/2): an outer
+  loop over query blocks, an online softmax over key blocks up to the diagonal, and a ``jax.custom_vjp``
+  whose backward recomputes each block's probabilities from the saved log-sum-exp, so forward + backward
+  temporaries are O(B · N · T · block) instead of O(B · N · T²). Runs on CPU, GPU and TPU.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`` with the segment mask
+  (GPU, bfloat16/float16 only). cuDNN skips the non-causal half; the boolean segment mask is turned into a
+  ``[B, 1, T, T]`` bias in the compute dtype by JAX (one per row, not per head).
+* ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU), causal mask plus ``SegmentIds``,
+  one multi-query kernel per KV head (``make_splash_mqa`` over the G query heads that share it), vmapped
+  over batch and KV heads and run under ``jax.shard_map`` on the active mesh (batch over data/fsdp, heads
+  over tensor). ``interpret=True`` runs the same kernel in Pallas interpret mode (any backend; tests).
+* ``auto``: :func:`resolve_implementation` picks splash on TPU, cuDNN on GPU for 16-bit dtypes, else
+  blockwise; the choice is logged once per (backend, dtype).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "splash", "auto")
+DEFAULT_BLOCK = 512  # query/key block of the blockwise kernel (tokens)
+_NEG = -1e30  # masked logit for the blockwise kernel (finite: no inf - inf)
+_LOGGED: set = set()
+
+
+class AttentionError(ValueError):
+    """An unknown implementation, one that cannot run on this backend/dtype, or bad attention inputs."""
+
+
+def segment_ids_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """[B, T] bool/int attention mask (1 = real token) -> [B, T] int32 segment ids (1 real, 0 padding)."""
+    return attention_mask.astype(bool).astype(jnp.int32)
+
+
+def resolve_implementation(name: str, dtype, backend: Optional[str] = None) -> str:
+    """The concrete implementation for ``name`` on ``backend`` (default ``jax.default_backend()``).
+
+    Args:
+      name: one of :data:`IMPLEMENTATIONS`.
+      dtype: the compute dtype of q/k/v (a numpy/jax dtype or its name).
+      backend: ``"cpu" | "gpu" | "cuda" | "rocm" | "tpu"``; default the current default backend.
+    Returns:
+      ``"xla" | "blockwise" | "cudnn" | "splash"``. ``auto`` -> splash on TPU; cudnn on an NVIDIA GPU for
+      bfloat16/float16; blockwise otherwise (CPU, fp32 on GPU, ROCm). The auto choice is logged once.
+    Raises:
+      AttentionError: unknown name; ``cudnn`` off an NVIDIA GPU or with a dtype other than bf16/fp16.
+      (``splash`` is accepted anywhere: off TPU it needs ``interpret=True``, checked by the kernel call.)
+    """
+    if name not in IMPLEMENTATIONS:
+        raise AttentionError(f"model.attention={name!r}: expected one of {list(IMPLEMENTATIONS)}")
+    backend = backend or jax.default_backend()
+    dt = jnp.dtype(dtype)
+    half = dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if name == "auto":
+        if backend == "tpu":
+            choice = "splash"
+        elif backend in ("gpu", "cuda") and half:
+            choice = "cudnn"
+        else:
+            choice = "blockwise"
+        if (backend, dt.name) not in _LOGGED:
+            _LOGGED.add((backend, dt.name))
+            log.info("model.attention=auto -> %s (backend %s, dtype %s)", choice, backend, dt.name)
+        return choice
+    if name == "cudnn" and (backend not in ("gpu", "cuda") or not half):
+        raise AttentionError(f"model.attention='cudnn' needs an NVIDIA GPU and bfloat16/float16 inputs; "
+                             f"got backend {backend!r}, dtype {dt.name}")
+    return name
+
+
+def _check(q, k, v, segment_ids):
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise AttentionError(f"attention: q {q.shape} must be [B, T, N, H] and k {k.shape}, v {v.shape} "
+                             f"equal [B, T, Nkv, H]")
+    b, t, n, h = q.shape
+    if k.shape[0] != b or k.shape[1] != t or k.shape[3] != h or n % k.shape[2]:
+        raise AttentionError(f"attention: q {q.shape} and k {k.shape} disagree (self-attention needs equal "
+                             f"B, T, H and N a multiple of Nkv)")
+    if segment_ids.shape != (b, t):
+        raise AttentionError(f"attention: segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
+
+
+def segment_mask(segment_ids: jax.Array, causal: bool = True) -> jax.Array:
+    """[B, 1, T, T] bool: key s visible to query t (same nonzero segment, and s <= t when causal)."""
+    seg = segment_ids
+    m = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    if causal:
+        t = seg.shape[1]
+        m = m & jnp.tril(jnp.ones((t, t), bool))[None]
+    return m[:, None]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                          implementation: str = "xla", scale: Optional[float] = None, causal: bool = True,
+                          block_size: int = DEFAULT_BLOCK, interpret: bool = False) -> jax.Array:
+    """Masked (grouped-query) self-attention with the chosen implementation; see the module docstring.
+
+    Args:
+      q: [B, T, N, H] queries; k, v: [B, T, Nkv, H] (any float dtype; cast to q's dtype).
+      segment_ids: [B, T] int, 0 = padding, equal positive ids = one (packed) sequence.
+      implementation: one of :data:`IMPLEMENTATIONS` (``auto`` is resolved with q's dtype).
+      scale: logit scale, default ``H ** -0.5``.
+      causal: causal mask on top of the segment mask.
+      block_size: blockwise / splash tile (tokens); T is padded up to a multiple of it when T > block_size.
+      interpret: splash only: run the Pallas kernel in interpret mode (CPU tests).
+    Returns:
+      [B, T, N, H] in q's dtype (float32 softmax statistics inside every implementation).
+    Raises:
+      AttentionError: bad shapes, unknown implementation, or one unavailable here.
+    """
+    _check(q, k, v, segment_ids)
+    impl = resolve_implementation(implementation, q.dtype)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    segment_ids = segment_ids.astype(jnp.int32)
+    if impl == "xla":
+        return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids, causal), scale=scale,
+                                            implementation="xla")
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids, False), scale=scale,
+                                            is_causal=causal, implementation="cudnn")
+    if impl == "splash":
+        from models.splash import splash_attention  # TPU Pallas kernels: imported only when chosen
+
+        return splash_attention(q, k, v, segment_ids, scale=scale, causal=causal, block_size=block_size,
+                                interpret=interpret)
+    return blockwise_attention(q, k, v, segment_ids, scale=scale, causal=causal, block_size=block_size)
+
+
+def pad_to_block(t: int, block_size: int) -> tuple[int, int]:
+    """(block, padded length) for a length-``t`` axis: one block of T when T <= block_size, else T rounded
+    up to a multiple of ``block_size`` (the padded tail gets segment id 0)."""
+    if block_size <= 0:
+        raise AttentionError(f"attention block_size={block_size} must be positive")
+    if t <= block_size:
+        return t, t
+    return block_size, -(-t // block_size) * block_size
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                        scale: float, causal: bool = True, block_size: int = DEFAULT_BLOCK) -> jax.Array:
+    """Flash-style attention in pure JAX (FlashAttention Alg. 1 forward, recomputing backward).
+
+    Args: q [B, T, N, H]; k, v [B, T, Nkv, H] in q's dtype; segment_ids [B, T] int32 (0 = padding);
+    scale (float); causal; block_size (tokens per query/key block).
+    Returns [B, T, N, H] in q's dtype. Fully masked (padding) queries get 0.
+    Memory: forward keeps q, k, v, the output and a float32 log-sum-exp [B, T, N]; temporaries are
+    O(B · N · block²) per step, so forward + backward is linear in T.
+    """
+    b, t, n, h = q.shape
+    block, tp = pad_to_block(t, block_size)
+    if tp != t:
+        pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, tp - t)])
+    out = _flash(q, k, v, segment_ids, float(scale), int(block), bool(causal))
+    return out[:, :t]
+
+
+def _block_mask(seg_q, seg_k, q0, k0, causal):
+    """[B, 1, 1, bq, bk] visibility of one (query block, key block) pair."""
+    m = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)
+    if causal:
+        qi = q0 + jnp.arange(seg_q.shape[1])
+        ki = k0 + jnp.arange(seg_k.shape[1])
+        m = m & (qi[:, None] >= ki[None, :])
+    return m[:, None, None]
+
+
+def _slice(x, i, block):
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
+
+
+def _scores(qi, kj, scale):
+    """qi [B, bq, K, G, H], kj [B, bk, K, H] -> float32 [B, K, G, bq, bk]."""
+    return jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32) * jnp.float32(scale)
+
+
+def _forward(q, k, v, seg, scale, block, causal):
+    b, t, n, h = q.shape
+    nkv = k.shape[2]
+    g = n // nkv
+    nb = t // block
+    qg = q.reshape(b, t, nkv, g, h)
+
+    def q_block(i):
+        qi, sq = _slice(qg, i, block), _slice(seg, i, block)
+
+        def kv_step(j, carry):
+            m, l, acc = carry
+            kj, vj, sk = _slice(k, j, block), _slice(v, j, block), _slice(seg, j, block)
+            mask = _block_mask(sq, sk, i * block, j * block, causal)
+            s = jnp.where(mask, _scores(qi, kj, scale), _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            l = l * corr + p.sum(-1)
+            pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            return m_new, l, acc * corr[..., None] + pv
+
+        init = (jnp.full((b, nkv, g, block), _NEG, jnp.float32), jnp.zeros((b, nkv, g, block), jnp.float32),
+                jnp.zeros((b, nkv, g, block, h), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(0, i + 1 if causal else nb, kv_step, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
+        return o.astype(q.dtype).transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)  # [B,bq,K,G,H], [B,bq,K,G]
+
+    o, lse = jax.lax.map(q_block, jnp.arange(nb))  # [nb, B, bq, ...]
+    o = jnp.moveaxis(o, 0, 1).reshape(b, t, n, h)
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, t, nkv, g)
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, seg, scale, block, causal):
+    return _forward(q, k, v, seg, scale, block, causal)[0]
+
+
+def _flash_fwd(q, k, v, seg, scale, block, causal):
+    o, lse = _forward(q, k, v, seg, scale, block, causal)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(scale, block, causal, res, do):
+    q, k, v, seg, o, lse = res
+    b, t, n, h = q.shape
+    nkv = k.shape[2]
+    g = n // nkv
+    nb = t // block
+    qg = q.reshape(b, t, nkv, g, h)
+    dog = do.reshape(b, t, nkv, g, h)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, nkv, g)
+
+    def kv_block(j, carry):
+        dq, dk, dv = carry
+        kj, vj, sk = _slice(k, j, block), _slice(v, j, block), _slice(seg, j, block)
+
+        def q_step(i, c):
+            dq, dkj, dvj = c
+            qi, doi, sq = _slice(qg, i, block), _slice(dog, i, block), _slice(seg, i, block)
+            lse_i = _slice(lse, i, block).transpose(0, 2, 3, 1)[..., None]  # [B,K,G,bq,1]
+            delta_i = _slice(delta, i, block).transpose(0, 2, 3, 1)[..., None]
+            mask = _block_mask(sq, sk, i * block, j * block, causal)
+            p = jnp.where(mask, jnp.exp(_scores(qi, kj, scale) - lse_i), 0.0)
+            dvj = dvj + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), doi, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqkgh,bskh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i) * jnp.float32(scale)
+            dqi = jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32)
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block) + dqi, i * block, axis=1)
+            dkj = dkj + jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32)
+            return dq, dkj, dvj
+
+        zero = jnp.zeros((b, block, nkv, h), jnp.float32)
+        dq, dkj, dvj = jax.lax.fori_loop(j if causal else 0, nb, q_step, (dq, zero, zero))
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * block, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * block, axis=1)
+        return dq, dk, dv
+
+    init = (jnp.zeros((b, t, nkv, g, h), jnp.float32), jnp.zeros((b, t, nkv, h), jnp.float32),
+            jnp.zeros((b, t, nkv, h), jnp.float32))
+    dq, dk, dv = jax.lax.fori_loop(0, nb, kv_block, init)
+    return dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

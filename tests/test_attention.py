@@ -1,0 +1,157 @@
+"""models/attention.py (xla / blockwise / splash-interpret / cudnn selection) and the Qwen3 model with blockwise
+attention against transformers' PyTorch Qwen3 (logits, greedy generate) in float32."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from fixtures_hf import hf_logits, hf_tied, padded_batch  # noqa: F401 (fixtures)
+from models.attention import AttentionError, dot_product_attention, resolve_implementation
+from models.decode import greedy_generate
+from models.hf import load_hf_checkpoint
+from models.qwen3 import ConfigError, Qwen3, Qwen3Config
+
+REL = 1e-5
+
+
+def _segments():
+    """[4, 37] segment ids: left padding, right padding, both, and a row packing 3 sequences (+ padding)."""
+    seg = np.ones((4, 37), np.int32)
+    seg[0, :9] = 0                      # left-padded
+    seg[1, 25:] = 0                     # right-padded (ragged)
+    seg[2, :3] = 0
+    seg[2, 30:] = 0                     # prompt left-padded + response right-padded
+    seg[3, 11:20] = 2                   # packed: 3 sequences, then padding
+    seg[3, 20:33] = 3
+    seg[3, 33:] = 0
+    return jnp.asarray(seg)
+
+
+def _inputs(n, nkv, seed=0, t=37, h=8):
+    g = np.random.default_rng(seed)
+    q = jnp.asarray(g.normal(size=(4, t, n, h)), jnp.float32)
+    k = jnp.asarray(g.normal(size=(4, t, nkv, h)), jnp.float32)
+    v = jnp.asarray(g.normal(size=(4, t, nkv, h)), jnp.float32)
+    w = jnp.asarray(g.normal(size=(4, t, n, h)), jnp.float32)
+    return q, k, v, w
+
+
+def _value_and_grads(impl, q, k, v, w, seg, **kw):
+    def loss(q, k, v):  # padding queries' outputs are unspecified: weight only the real ones
+        out = dot_product_attention(q, k, v, seg, implementation=impl, **kw)
+        return jnp.sum(out * w * (seg > 0)[:, :, None, None]), out
+
+    (val, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return val, out, grads
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("impl,kw,heads", [
+    ("blockwise", dict(block_size=8), (4, 2)),      # GQA, 5 blocks with a padded tail block
+    ("blockwise", dict(block_size=16), (4, 1)),     # MQA
+    ("blockwise", dict(block_size=64), (2, 2)),     # MHA, one block
+    ("splash", dict(block_size=128, interpret=True), (4, 2)),  # Pallas interpret mode on CPU
+])
+def test_attention_matches_xla_reference_values_and_gradients(impl, kw, heads):
+    seg = _segments()
+    q, k, v, w = _inputs(*heads)
+    ref_val, ref_out, ref_grads = _value_and_grads("xla", q, k, v, w, seg)
+    val, out, grads = _value_and_grads(impl, q, k, v, w, seg, **kw)
+    real = np.asarray(seg) > 0
+    assert abs(float(val - ref_val)) <= REL * abs(float(ref_val))
+    assert _rel(out[real], ref_out[real]) <= REL
+    for g, r in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(r))) > 0.1
+        assert _rel(g, r) <= REL
+    # packing = running each sequence alone: row 3's second sequence attends to nothing outside itself
+    alone = dot_product_attention(q[3:4, 11:20], k[3:4, 11:20], v[3:4, 11:20], jnp.ones((1, 9), jnp.int32),
+                                  implementation="xla")
+    assert _rel(out[3, 11:20], alone[0]) <= REL
+
+
+def test_blockwise_gives_finite_zero_outputs_and_gradients_for_an_all_padding_row():
+    q, k, v, w = _inputs(4, 2, t=20)
+    seg = jnp.zeros((4, 20), jnp.int32).at[1:].set(1)
+    out, grads = jax.value_and_grad(
+        lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, seg, implementation="blockwise", block_size=8)),
+        (0, 1, 2))(q, k, v)
+    o = dot_product_attention(q, k, v, seg, implementation="blockwise", block_size=8)
+    assert np.isfinite(float(out)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    assert float(jnp.max(jnp.abs(o[0]))) == 0.0 and float(jnp.max(jnp.abs(grads[0][0]))) == 0.0
+
+
+def test_auto_selection_per_backend_and_dtype_and_cudnn_only_on_gpu():
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    assert resolve_implementation("auto", bf16, "tpu") == "splash"
+    assert resolve_implementation("auto", f32, "tpu") == "splash"
+    assert resolve_implementation("auto", bf16, "gpu") == "cudnn"
+    assert resolve_implementation("auto", f16, "cuda") == "cudnn"
+    assert resolve_implementation("auto", f32, "gpu") == "blockwise"
+    assert resolve_implementation("auto", bf16, "cpu") == "blockwise"
+    assert resolve_implementation("auto", bf16, "rocm") == "blockwise"
+    assert resolve_implementation("cudnn", bf16, "gpu") == "cudnn"
+    assert resolve_implementation("xla", f32, "cpu") == "xla"
+    with pytest.raises(AttentionError, match="cudnn"):
+        resolve_implementation("cudnn", bf16, "cpu")
+    with pytest.raises(AttentionError, match="bfloat16/float16"):
+        resolve_implementation("cudnn", f32, "gpu")
+    with pytest.raises(AttentionError, match="model.attention='flash'"):
+        resolve_implementation("flash", f32, "cpu")
+    with pytest.raises(ConfigError, match="Qwen3Config.attention='flash'"):
+        Qwen3Config(attention="flash")
+    if jax.default_backend() == "cpu":
+        q, k, v, _ = _inputs(4, 2, t=8)
+        with pytest.raises(AttentionError, match="NVIDIA GPU"):
+            dot_product_attention(q.astype(bf16), k, v, jnp.ones((4, 8), jnp.int32), implementation="cudnn")
+        with pytest.raises(AttentionError, match="runs on TPU"):
+            dot_product_attention(q, k, v, jnp.ones((4, 8), jnp.int32), implementation="splash")
+
+
+def _with_attention(path, attention, block):
+    cfg, loaded = load_hf_checkpoint(path)
+    model = Qwen3(dataclasses.replace(cfg, attention=attention, attention_block_size=block), rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(loaded))
+    return model
+
+
+def test_blockwise_model_matches_hf_logits_and_packed_rows_match_unpacked(hf_tied):
+    hf_model, path = hf_tied
+    model = _with_attention(path, "blockwise", 4)       # T = 12: three key blocks
+    ids, mask = padded_batch()
+    ref = hf_logits(hf_model, ids, mask)
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(mask, bool))
+    ours = np.asarray(model.logits(hidden))
+    valid = mask.astype(bool)
+    assert np.abs(ref[valid]).max() > 1.0
+    assert np.abs(ours[valid] - ref[valid]).max() <= 1e-4
+    # rows 1 and 2 packed into one row, positions restarting per sequence: the same logits
+    r1, r2 = ids[1, mask[1] == 1], ids[2, mask[2] == 1]
+    packed = np.concatenate([r1, r2, np.zeros(3, np.int64)])[None]
+    seg = np.concatenate([np.ones(len(r1)), 2 * np.ones(len(r2)), np.zeros(3)]).astype(np.int32)[None]
+    pos = np.concatenate([np.arange(len(r1)), np.arange(len(r2)), np.zeros(3)]).astype(np.int32)[None]
+    h, _ = model(jnp.asarray(packed, jnp.int32), jnp.asarray(seg > 0), positions=jnp.asarray(pos),
+                 segment_ids=jnp.asarray(seg))
+    got = np.asarray(model.logits(h))[0]
+    assert np.abs(got[:len(r1)] - ref[1][mask[1] == 1]).max() <= 1e-4
+    assert np.abs(got[len(r1):len(r1) + len(r2)] - ref[2][mask[2] == 1]).max() <= 1e-4
+
+
+def test_blockwise_prefill_greedy_decoding_equals_hf_generate(hf_tied):
+    hf_model, path = hf_tied
+    model = _with_attention(path, "blockwise", 4)
+    ids, mask = padded_batch(seed=5, t=8)
+    ids, mask = ids[:3], mask[:3]
+    with torch.no_grad():
+        ref = hf_model.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                                max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+                                eos_token_id=None, bos_token_id=None, use_cache=True)[:, 8:].numpy()
+    tokens, lengths = greedy_generate(model, ids, mask, 10)
+    assert lengths.tolist() == [10, 10, 10]
+    assert tokens.tolist() == ref.tolist()
