@@ -167,7 +167,7 @@ def evaluate(benchmarks: Mapping[str, tuple[Sequence[Problem], Sequence[str]]], 
         for setting in settings:
             for name, (problems, prompts) in benchmarks.items():
                 n = _n_for(name, n_samples)
-                log.info("eval %s setting %s (%s): %d problems x %d samples", name, setting.name, setting.label,
+                log.debug("eval %s setting %s (%s): %d problems x %d samples", name, setting.name, setting.label,
                          len(problems), n)
                 if progress is not None:
                     progress.set_description(f"eval {name} ({setting.name})")
@@ -175,7 +175,9 @@ def evaluate(benchmarks: Mapping[str, tuple[Sequence[Problem], Sequence[str]]], 
                                          n_samples=n, max_new_tokens=max_new_tokens,
                                          seed=_seed(seed, name, setting.name), samples_out=sample_file)
                 report.results.append(res)
-                log.info("eval %s setting %s: avg@%d = %.2f (%s)", name, setting.name, n, res.avg_at_n, res.grader)
+                # the progress bar shows it; with progress=None (e.g. from the trainer) the log line does
+                (log.debug if progress is not None else log.info)(
+                    "eval %s setting %s: avg@%d = %.2f (%s)", name, setting.name, n, res.avg_at_n, res.grader)
                 if progress is not None:
                     progress.set_postfix({f"{name}/{setting.name} avg@{n}": f"{res.avg_at_n:.2f}"})
                 if out_dir is not None:

@@ -89,6 +89,39 @@ def _out_dir(out_dir: str) -> str:
     return out_dir
 
 
+def _draw(panels: Sequence[tuple[str, str]], lines: Mapping[str, Sequence[tuple[Optional[str], tuple, tuple]]],
+          out_dir: str, all_name: str, grid: tuple[int, int]) -> list[str]:
+    """One PNG per panel ``(key, title)`` (``<key with / as _>.png``) holding its ``(label, steps, values)``
+    lines (a legend when labelled), and ``all_name`` with every panel on a ``grid`` (rows, columns)."""
+    plt = _pyplot()
+    rows, cols = grid
+    fig_all, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    written = []
+    for ax_all, (key, title) in zip(axes.flat, panels):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, xs, ys in lines[key]:
+            for a in (ax, ax_all):
+                a.plot(xs, ys, marker=".", label=label)
+        for a in (ax, ax_all):
+            a.set_xlabel("step")
+            a.set_title(title)
+            a.grid(alpha=0.3)
+            if any(label for label, _, _ in lines[key]):
+                a.legend(fontsize=8)
+        path = os.path.join(out_dir, key.replace("/", "_") + ".png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    fig_all.tight_layout()
+    path = os.path.join(out_dir, all_name)
+    fig_all.savefig(path, dpi=90)
+    plt.close(fig_all)
+    return written + [path]
+
+
 def plot_run(run_dir: str, out_dir: str | None = None, *, summary: Optional[Mapping] = None) -> list[str]:
     """Write one PNG per curve in :data:`CURVES` plus ``curves.png`` (all panels) into ``out_dir``.
 
@@ -104,36 +137,13 @@ def plot_run(run_dir: str, out_dir: str | None = None, *, summary: Optional[Mapp
         metrics line (file and line named, see :func:`stapo_jax.metrics.read_metrics`), or an ``out_dir``
         that is an existing file.
     """
-    plt = _pyplot()
     series = run_series(run_dir, summary)
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.abspath(run_dir))
     out_dir = _out_dir(out_dir or os.path.join(base, "plots"))
     if not series:
         raise ValueError(f"{run_dir}: metrics hold none of {[k for k, _ in CURVES]}")
-    written = []
-    fig_all, axes = plt.subplots(2, 4, figsize=(18, 7))
-    for ax_all, (key, title) in zip(axes.flat, CURVES):
-        if key not in series:
-            ax_all.set_visible(False)
-            continue
-        xs, ys = zip(*series[key])
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for a in (ax, ax_all):
-            a.plot(xs, ys, marker=".")
-            a.set_xlabel("step")
-            a.set_title(title)
-            a.grid(alpha=0.3)
-        path = os.path.join(out_dir, key.replace("/", "_") + ".png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    fig_all.tight_layout()
-    path = os.path.join(out_dir, "curves.png")
-    fig_all.savefig(path, dpi=90)
-    plt.close(fig_all)
-    written.append(path)
-    return written
+    panels = [(k, t) for k, t in CURVES if k in series]
+    return _draw(panels, {k: [(None, *zip(*series[k]))] for k, _ in panels}, out_dir, "curves.png", (2, 4))
 
 
 def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
@@ -161,50 +171,22 @@ def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
     if len(set(labels)) != len(labels):
         raise ValueError(f"two runs share a label ({labels}); name the run directories apart or pass labels")
     runs = [(label, d, run_series(d)) for label, d in zip(labels, run_dirs)]
-    keys = [(k, t) for k, t in CURVES if any(k in s for _, _, s in runs)]
-    if not keys:
+    panels = [(k, t) for k, t in CURVES if any(k in s for _, _, s in runs)]
+    if not panels:
         raise ValueError(f"none of the runs {list(run_dirs)} hold any of {[k for k, _ in CURVES]}")
     if out_dir is None:
         parents = [os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in run_dirs]
         out_dir = os.path.join(os.path.commonpath(parents), "compare")
     out_dir = _out_dir(out_dir)
-    plt = _pyplot()
-    ncols = min(4, len(keys))
-    nrows = -(-len(keys) // ncols)
-    fig_all, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.5 * nrows), squeeze=False)
-    for ax in axes.flat[len(keys):]:
-        ax.set_visible(False)
-    written, lines = [], {}
-    for ax_all, (key, title) in zip(axes.flat, keys):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        lines[key] = []
-        for label, d, s in runs:
-            if key not in s:
-                continue
-            xs, ys = zip(*s[key])
-            for a in (ax, ax_all):
-                a.plot(xs, ys, marker=".", label=label)
-            lines[key].append({"label": label, "run_dir": os.path.abspath(d), "steps": list(xs), "values": list(ys)})
-        for a in (ax, ax_all):
-            a.set_xlabel("step")
-            a.set_title(title)
-            a.grid(alpha=0.3)
-            a.legend(fontsize=8)
-        path = os.path.join(out_dir, key.replace("/", "_") + ".png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    fig_all.tight_layout()
-    path = os.path.join(out_dir, "comparison.png")
-    fig_all.savefig(path, dpi=90)
-    plt.close(fig_all)
-    written.append(path)
+    lines = {k: [(label, *zip(*s[k])) for label, _, s in runs if k in s] for k, _ in panels}
+    cols = min(4, len(panels))
+    written = _draw(panels, lines, out_dir, "comparison.png", (-(-len(panels) // cols), cols))
+    record = {k: [{"label": label, "run_dir": os.path.abspath(d), "steps": [x for x, _ in s[k]],
+                   "values": [y for _, y in s[k]]} for label, d, s in runs if k in s] for k, _ in panels}
     path = os.path.join(out_dir, "comparison.json")
     with open(path, "w") as f:
-        json.dump(lines, f, indent=1)
-    written.append(path)
-    return written
+        json.dump(record, f, indent=1)
+    return written + [path]
 
 
 def main(argv: list[str]) -> int:
