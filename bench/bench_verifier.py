@@ -41,13 +41,15 @@ def solution(answer: str, i: int) -> str:
             f"Therefore the answer is $\\boxed{{{answer}}}$.")
 
 
-def ordinary(n: int, forms: str = "mixed") -> tuple[list[str], list[str]]:
+def ordinary(n: int, forms: str = "mixed", first_group: int = 0) -> tuple[list[str], list[str]]:
     """``n`` responses in groups of ``GROUP`` sharing a gold; even rollouts right, odd ones wrong. ``forms``:
-    ``mixed`` cycles through every template; ``integer`` uses integer golds only (DAPO-Math-17k, GSM8K)."""
+    ``mixed`` cycles through every template; ``integer`` uses integer golds only (DAPO-Math-17k, GSM8K).
+    Group ``g`` (from ``first_group``) has its own numbers, so batches with different ``first_group`` share no
+    answer (no verifier cache carries over between rounds)."""
     templates = TEMPLATES if forms == "mixed" else TEMPLATES[:1]
     responses, golds = [], []
     for i in range(n):
-        g = i // GROUP
+        g = first_group + i // GROUP
         right, wrong = templates[g % len(templates)]
         vals = dict(a=g + 2, b=g + 3, p=g % 7 + 2, q=g % 7 + 3)
         golds.append(right.format(**vals))
@@ -87,15 +89,18 @@ def main():
     ap.add_argument("--forms", choices=("mixed", "integer"), default="mixed", help="answer forms (see ordinary)")
     ap.add_argument("--corpus", action="store_true", help="also print the corpus table of both kinds")
     a = ap.parse_args()
-    responses, golds = ordinary(a.n, a.forms)
     kinds = ("math_verify_01", "math_verify_strict")
     scorers = {k: RewardScorer(k, timeout_s=a.timeout, num_workers=a.workers) for k in kinds}
     try:
-        for k in kinds:  # warm-up: workers started, caches of the 20 golds filled
-            scorers[k].score(responses[:100], golds[:100])
+        warm_r, warm_g = ordinary(100, a.forms, first_group=10**6)
+        for k in kinds:  # warm-up: workers started and imported
+            scorers[k].score(warm_r, warm_g)
         best = {k: float("inf") for k in kinds}
         acc = {}
-        for _ in range(a.rounds):
+        for rnd in range(a.rounds):
+            # a fresh batch per round (nothing cached from an earlier round), the same one for both kinds (their
+            # pools are separate processes, so neither warms the other's caches)
+            responses, golds = ordinary(a.n, a.forms, first_group=rnd * (a.n // GROUP + 1))
             for k in kinds:
                 t0 = time.perf_counter()
                 scores, stats = scorers[k].score(responses, golds)
