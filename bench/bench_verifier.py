@@ -4,6 +4,7 @@ ratio, and (``--corpus``) the false-accept / false-reject table of each kind on 
 ``tests/data/reward_adversarial.jsonl``.
 
     taskset -c 0,1 .venv/bin/python bench/bench_verifier.py --n 2000 --workers 2 --corpus
+    taskset -c 0,1 .venv/bin/python bench/bench_verifier.py --n 2000 --workers 2 --forms integer
 
 "Ordinary answers": the kind of responses an RL batch holds: groups of 8 rollouts per prompt, each a short
 worked solution with distractor numbers ending in a boxed answer, half right and half wrong, over typical
@@ -40,12 +41,16 @@ def solution(answer: str, i: int) -> str:
             f"Therefore the answer is $\\boxed{{{answer}}}$.")
 
 
-def ordinary(n: int) -> tuple[list[str], list[str]]:
-    """``n`` responses in groups of ``GROUP`` sharing a gold; even rollouts right, odd ones wrong."""
+def ordinary(n: int, forms: str = "mixed", first_group: int = 0) -> tuple[list[str], list[str]]:
+    """``n`` responses in groups of ``GROUP`` sharing a gold; even rollouts right, odd ones wrong. ``forms``:
+    ``mixed`` cycles through every template; ``integer`` uses integer golds only (DAPO-Math-17k, GSM8K).
+    Group ``g`` (from ``first_group``) has its own numbers, so batches with different ``first_group`` share no
+    answer (no verifier cache carries over between rounds)."""
+    templates = TEMPLATES if forms == "mixed" else TEMPLATES[:1]
     responses, golds = [], []
     for i in range(n):
-        g = i // GROUP
-        right, wrong = TEMPLATES[g % len(TEMPLATES)]
+        g = first_group + i // GROUP
+        right, wrong = templates[g % len(templates)]
         vals = dict(a=g + 2, b=g + 3, p=g % 7 + 2, q=g % 7 + 3)
         golds.append(right.format(**vals))
         responses.append(solution((right if i % 2 == 0 else wrong).format(**vals), i))
@@ -81,17 +86,21 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--forms", choices=("mixed", "integer"), default="mixed", help="answer forms (see ordinary)")
     ap.add_argument("--corpus", action="store_true", help="also print the corpus table of both kinds")
     a = ap.parse_args()
-    responses, golds = ordinary(a.n)
     kinds = ("math_verify_01", "math_verify_strict")
     scorers = {k: RewardScorer(k, timeout_s=a.timeout, num_workers=a.workers) for k in kinds}
     try:
-        for k in kinds:  # warm-up: workers started, caches of the 20 golds filled
-            scorers[k].score(responses[:100], golds[:100])
+        warm_r, warm_g = ordinary(100, a.forms, first_group=10**6)
+        for k in kinds:  # warm-up: workers started and imported
+            scorers[k].score(warm_r, warm_g)
         best = {k: float("inf") for k in kinds}
         acc = {}
-        for _ in range(a.rounds):
+        for rnd in range(a.rounds):
+            # a fresh batch per round (nothing cached from an earlier round), the same one for both kinds (their
+            # pools are separate processes, so neither warms the other's caches)
+            responses, golds = ordinary(a.n, a.forms, first_group=rnd * (a.n // GROUP + 1))
             for k in kinds:
                 t0 = time.perf_counter()
                 scores, stats = scorers[k].score(responses, golds)
@@ -100,7 +109,8 @@ def main():
     finally:
         for s in scorers.values():
             s.close()
-    print(f"{a.n} ordinary responses, {a.workers} workers, best of {a.rounds} interleaved rounds")
+    print(f"{a.n} ordinary responses ({a.forms} answer forms), {a.workers} workers, best of {a.rounds} interleaved "
+          f"rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for k in kinds:
         right, wrong, to = acc[k]
         print(f"  {k:<20} {a.n / best[k]:8.1f} verdicts/s   right answers accepted {right:.1%}, "

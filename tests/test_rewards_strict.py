@@ -101,6 +101,8 @@ def test_corpus_no_false_accepts_few_false_rejects():
     ("\\boxed{3} or \\boxed{4}", "3, 4", "boxed_multi"),
     ("x = \\boxed{2}, x = \\boxed{3}", "2, 3", "boxed_multi"),
     ("\\boxed{3}. Alternatively \\boxed{4}", None, "hedge"),
+    ("\\boxed{3}. It could also be \\boxed{4}", None, "hedge"),
+    ("\\boxed{3}. Maybe I made an error; redoing it gives \\boxed{4}", "4", "boxed"),  # self-correction
     ("\\boxed{3}. Alternatively, \\boxed{3}", "3", "boxed"),                       # the same value twice
     ("The final answer is $\\frac{1}{2}$. Done.", "$\\frac{1}{2}$", "anchored"),
     ("Answer: 7 or 8", None, "hedge"),

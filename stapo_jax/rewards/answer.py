@@ -15,8 +15,8 @@ Final-answer policy (:func:`final_answer`):
    Boxes separated only by connectors (``,``, ``and``, ``or``, ``\\quad``, ``x =``) form one multi-part
    answer, joined with commas (so ``\\boxed{2} or \\boxed{3}`` is the set {2, 3}: right for the roots
    {2, 3}, a hedge for a single gold value). An earlier box superseded by later text is a self-correction:
-   the last box counts, unless the text between them hedges (``alternatively``, ``possibly``, ``either``,
-   ``maybe``, ...), which earns nothing.
+   the last box counts ("maybe I made an error ... \\boxed{4}"), unless the text between them offers an
+   alternative (``alternatively``, ``either``, ``or maybe``, ``could also be``, ...), which earns nothing.
 3. **No box.** An anchored final answer counts: ``final answer is X``, ``answer: X``, ``answer is X``,
    ``#### X`` (GSM8K), read to the end of its sentence; after ``</think>`` a short answer region (one line)
    is the answer itself. An unanchored number in running text is not an answer (a truncated derivation
@@ -39,8 +39,8 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # a gap between two boxes that only joins parts of one answer
 _CONNECTOR_RE = re.compile(r"^(?:[\s$.,;:&]|\\[,;!:]|\\q?quad|\\text\s*\{\s*(?:and|or|,)?\s*\}|\band\b|\bor\b|"
                            r"\\(?:\[|\]|\(|\))|[a-zA-Z](?:_\{?\w+\}?)?\s*=)*$")
-_HEDGE_RE = re.compile(r"\b(?:alternatively|alternative|either|possibly|perhaps|maybe|might|could also|"
-                       r"or possibly|otherwise|another possible|not sure|unsure)\b", re.IGNORECASE)
+_HEDGE_RE = re.compile(r"\b(?:alternatively|alternative (?:answer|value|solution)|either|or (?:maybe|possibly|perhaps)|"
+                       r"could also be|might also be|may also be|another possib\w*|not sure|unsure)\b", re.IGNORECASE)
 _ANCHOR_RE = re.compile(r"(?:final answer(?: is)?|answer is|answer\s*:|####)\s*:?\s*", re.IGNORECASE)
 _HEDGE_OR_RE = re.compile(r"(?:\d|\})\s*\$?\s*(?:,\s*)?(?:\bor\b|\\text\s*\{\s*or\s*\})", re.IGNORECASE)
 

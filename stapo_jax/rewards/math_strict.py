@@ -88,11 +88,12 @@ def _plain_number(text: str) -> Any:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_answer(text: str) -> tuple[Any, bool, str]:
     """Normalise and parse one answer string (no surrounding prose): ``(expr, percent, normalised_text)``.
 
     ``expr`` is a sympy object, or the normalised string when math-verify cannot parse it (text answers),
-    or None for an empty answer.
+    or None for an empty answer. Cached: the rollouts of a group often share their answer.
     """
     from math_verify import parse
 
@@ -110,9 +111,8 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
     return (norm.text if expr is None else expr), norm.percent, norm.text
 
 
-@functools.lru_cache(maxsize=256)
 def parse_gold(gold: str) -> tuple[Any, bool, str]:
-    """:func:`parse_answer` for a gold answer (cached: a group of rollouts shares its gold)."""
+    """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold)."""
     return parse_answer(gold)
 
 
