@@ -1,0 +1,137 @@
+"""Packed (padding-free) vs padded updates on a realistic length mix, both sides in one run.
+
+Length mix: ``bench/data/math500_lengths.json`` holds the Qwen3-tokenizer token counts of the 500 MATH-500
+problems and reference solutions. Response lengths are the solution lengths scaled by 15,360 / the longest
+(the paper's 15K response cap, so the longest MATH solution becomes a full-length response; median ~1.8K);
+prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A mini-batch draws
+``--mini-batch`` sequences (seeded).
+
+1. Tokens computed per useful (real) token of one mini-batch, at full scale (numpy only): padded = every
+   sequence padded to the mini-batch's longest prompt + longest response (``stapo_jax.batching`` layout, rounded
+   to 8); packed = ``stapo_jax.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
+   ``--micro-batch`` sequences and over the whole mini-batch.
+2. Update time, scaled down to run on CPU (lengths / ``--scale-down``, a small Qwen3 with blockwise attention):
+   ``value_and_grad`` of ``sum(log_probs * response_mask)`` through ``response_log_probs_and_entropy``, padded
+   ``[B, P + R]`` vs packed rows, interleaved ``--repeats`` times after a warm-up; median, min..max and the
+   packed / padded ratio; the max difference of the real log-probs is printed as a check.
+
+    .venv/bin/python bench/bench_packing.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from stapo_jax.batching import round_up  # noqa: E402
+from stapo_jax.packing import pack_sequences  # noqa: E402
+from stapo_jax.policy import response_log_probs_and_entropy  # noqa: E402
+
+LENGTHS = Path(__file__).resolve().parent / "data" / "math500_lengths.json"
+MAX_PROMPT, MAX_RESPONSE = 1024, 15360
+
+
+def length_mix(n: int, seed: int, scale_down: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, response lengths) [n] int of one mini-batch (see the module docstring)."""
+    d = json.loads(LENGTHS.read_text())
+    sol = np.asarray(d["solution_tokens"], np.float64)
+    prob = np.asarray(d["problem_tokens"], np.int64)
+    g = np.random.default_rng(seed)
+    idx = g.integers(0, len(sol), n)
+    resp = np.clip(np.round(sol[idx] * MAX_RESPONSE / sol.max()), 1, MAX_RESPONSE).astype(np.int64)
+    prompt = np.minimum(prob[idx] + 20, MAX_PROMPT)
+    return np.maximum(prompt // scale_down, 1), np.maximum(resp // scale_down, 1)
+
+
+def padded_arrays(prompt_len, resp_len, vocab: int, seed: int = 0):
+    """input_ids, attention_mask [B, P + R] and response_mask [B, R] of random tokens (batching layout)."""
+    p, r = round_up(int(prompt_len.max()), 8), round_up(int(resp_len.max()), 8)
+    b = len(prompt_len)
+    g = np.random.default_rng(seed)
+    ids = g.integers(1, vocab, size=(b, p + r)).astype(np.int32)
+    cols = np.arange(p + r)[None]
+    mask = (cols >= p - prompt_len[:, None]) & (cols < p + resp_len[:, None])
+    return np.where(mask, ids, 0), mask, mask[:, p:], r
+
+
+def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
+    useful = int((prompt_len + resp_len).sum())
+    p, r = round_up(int(prompt_len.max()), 8), round_up(int(resp_len.max()), 8)
+    out = {"padded": len(prompt_len) * (p + r) / useful}
+    row = MAX_PROMPT + MAX_RESPONSE
+    for name, size in ((f"packed per micro-batch of {micro}", micro), ("packed over the mini-batch", len(prompt_len))):
+        rows = 0
+        for s in range(0, len(prompt_len), size):
+            pl, rl = prompt_len[s:s + size], resp_len[s:s + size]
+            ids, mask, _, rr = padded_arrays(pl, rl, 2)
+            rows += pack_sequences(ids, mask, rr, row).input_ids.shape[0]
+        out[name] = rows * row / useful
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mini-batch", type=int, default=512, help="sequences per mini-batch (paper: 64 prompts x 8)")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch for per-micro packing")
+    p.add_argument("--scale-down", type=int, default=32, help="length divisor of the timed CPU run")
+    p.add_argument("--timed-batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, jax {jax.__version__}; load(1m) "
+          f"{os.getloadavg()[0]:.2f}")
+    pl, rl = length_mix(a.mini_batch, a.seed)
+    print(f"length mix: {a.mini_batch} sequences, response tokens median {np.median(rl):.0f} mean {rl.mean():.0f} "
+          f"max {rl.max()}, prompt median {np.median(pl):.0f} max {pl.max()}")
+    ratios = tokens_per_useful(pl, rl, a.micro_batch)
+    for k, v in ratios.items():
+        print(f"  tokens computed per useful token, {k}: {v:.3f}")
+
+    pl, rl = length_mix(a.timed_batch, a.seed + 1, a.scale_down)
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      attention="blockwise", attention_block_size=128)
+    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
+    ids, mask, resp, r = padded_arrays(pl, rl, cfg.vocab_size, a.seed)
+    row = (MAX_PROMPT + MAX_RESPONSE) // a.scale_down
+    lay = jax.tree.map(jnp.asarray, pack_sequences(ids, mask, r, row))
+    ids, mask, resp = jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(resp, jnp.float32)
+
+    def loss(params, packing):
+        lp, _ = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, mask, r, packing=packing)
+        return jnp.sum(lp * resp), lp
+
+    f = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, lp0), _ = f(params, None)
+    (_, lp1), _ = f(params, lay)
+    err = float(jnp.max(jnp.abs(jnp.where(resp > 0, lp1 - lp0, 0.0))))
+    times = {"padded": [], "packed": []}
+    for _ in range(a.repeats):
+        for k, arg in (("padded", None), ("packed", lay)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(params, arg))
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"timed update (lengths / {a.scale_down}): {a.timed_batch} sequences, padded {tuple(ids.shape)} = "
+          f"{ids.size} tokens, packed {tuple(lay.input_ids.shape)} = {lay.input_ids.size} tokens, real "
+          f"{int(mask.sum())}; max |log-prob diff| on real tokens {err:.1e}")
+    for k, v in times.items():
+        print(f"  {k}: median {med[k] * 1e3:.1f} ms [{min(v) * 1e3:.1f}..{max(v) * 1e3:.1f}]")
+    print(f"  packed / padded time = {med['packed'] / med['padded']:.2f}; load(1m) {os.getloadavg()[0]:.2f}")
+    return {"tokens_per_useful": ratios, "time": med}
+
+
+if __name__ == "__main__":
+    main()

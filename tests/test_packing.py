@@ -1,0 +1,141 @@
+"""stapo_jax/packing.py: packed rows (segment ids, per-sequence positions) give the padded batch's log-probs,
+entropies and gradients (fp32, 1e-5), and a packed update equals the padded one for every aggregation mode with
+S2T (mini-batch threshold) and for every other recipe."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import stapo_jax.train_step as train_step_module
+from models.qwen3 import Qwen3, Qwen3Config
+from stapo_jax.advantages import grpo_advantages
+from stapo_jax.batching import pack_prompt_response
+from stapo_jax.objectives import LOSS_AGG_MODES
+from stapo_jax.packing import PackedLayout, gather_response_hidden, pack_sequences
+from stapo_jax.policy import response_log_probs_and_entropy
+from stapo_jax.recipes import get_recipe
+from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+
+CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.5,
+                  attention="blockwise", attention_block_size=8)
+# the update tests: one layer and XLA attention (compile time); packing only needs segment ids, which every
+# attention implementation takes (tests/test_attention.py)
+CFG_STEP = dataclasses.replace(CFG, num_hidden_layers=1, attention="xla")
+SGD = optax.sgd(1.0)
+R = 9
+
+
+def padded(seed=0, b=8):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, 64, rng.integers(1, 6))) for _ in range(b)]
+    responses = [list(rng.integers(1, 64, n)) for n in rng.integers(0, R + 1, b)]
+    responses[1] = []
+    responses[2] = list(rng.integers(1, 64, R))
+    return pack_prompt_response(prompts, responses, pad_id=0, pad_multiple=1, response_length=R)
+
+
+def on_device(layout: PackedLayout) -> PackedLayout:
+    return jax.tree.map(jnp.asarray, layout)
+
+
+def test_layout_packs_every_real_token_once_with_restarting_positions():
+    p = padded()
+    lay = pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=16, num_shards=2)
+    m = p["attention_mask"]
+    assert lay.input_ids.shape[1] == 16 and lay.input_ids.shape[0] % 2 == 0
+    assert int((lay.segment_ids > 0).sum()) == int(m.sum())
+    # rows per shard: at least the token count needs, and first-fit decreasing wastes less than one row each
+    for s in range(2):
+        rows = lay.segment_ids[s * (lay.input_ids.shape[0] // 2):(s + 1) * (lay.input_ids.shape[0] // 2)]
+        assert (rows > 0).sum() == m[s * 4:(s + 1) * 4].sum()
+    for row_seg, row_pos in zip(lay.segment_ids, lay.positions):
+        for sid in set(row_seg.tolist()) - {0}:
+            assert row_pos[row_seg == sid].tolist() == list(range(int((row_seg == sid).sum())))
+    # each real response token's predicting position holds the token just before it
+    flat = lay.input_ids.reshape(2, -1)
+    p0 = p["input_ids"].shape[1] - R
+    for b in range(8):
+        for r in np.flatnonzero(p["response_mask"][b]):
+            prev = flat[b // 4, lay.response_index[b, r] + 0]
+            assert prev == p["input_ids"][b, p0 + r - 1]
+    with pytest.raises(ValueError, match="sequence .* > packing row_length 4"):
+        pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=4)
+    with pytest.raises(ValueError, match="num_rows=1"):
+        pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=16, num_rows=1)
+
+
+def test_packed_log_probs_entropy_and_gradients_equal_padded():
+    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    p = padded(seed=1)
+    lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=20, num_shards=2))
+    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
+    resp = jnp.asarray(p["response_mask"], jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=resp.shape), jnp.float32) * resp
+
+    def f(params, packing):
+        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=packing,
+                                                 packing_shards=2, seq_chunk=4)
+        return jnp.sum(lp * w) + jnp.sum(ent * w), (lp, ent)
+
+    vg = jax.jit(jax.value_and_grad(f, has_aux=True))
+    (v0, (lp0, e0)), g0 = vg(params, None)
+    (v1, (lp1, e1)), g1 = vg(params, lay)
+    real = np.asarray(resp) > 0
+    assert real.sum() > 20 and lay.input_ids.size < ids.size   # packing removed padding
+    assert abs(float(v1 - v0)) <= 1e-5 * abs(float(v0))
+    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(e1)[real], np.asarray(e0)[real], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
+
+
+def test_gather_response_hidden_rejects_indivisible_shards():
+    with pytest.raises(ValueError, match="num_shards=3"):
+        gather_response_hidden(jnp.zeros((4, 5, 2)), jnp.zeros((8, 3), jnp.int32), 3)
+
+
+# every aggregation mode with S2T; the other recipes differ from these only in loss constants (clip ranges,
+# KL) except entropy20's top-entropy mask, which is the other population quantile
+CASES = [("stapo", m) for m in LOSS_AGG_MODES] + [("grpo", "token-mean"), ("entropy20", "seq-mean-token-sum-norm")]
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_packed_update_equals_padded_update(monkeypatch, name, mode):
+    """The train step with its log-prob function running on packed rows (the pre-pass and the update: the
+    hook a packed trainer uses) gives the padded step's loss, metrics and parameter update."""
+    model = Qwen3(CFG_STEP, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    p = padded(seed=3)
+    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
+    rng = np.random.default_rng(4)
+    rewards = jnp.asarray([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0], jnp.float32)
+    lp, _ = make_log_prob_fn()(params, graphdef, ids, att, R)
+    batch = Batch(input_ids=ids, attention_mask=att, response_mask=jnp.asarray(p["response_mask"]),
+                  advantages=grpo_advantages(rewards, jnp.repeat(jnp.arange(2), 4)),
+                  old_log_probs=lp + jnp.asarray(rng.normal(size=lp.shape) * 0.3, jnp.float32))
+    recipe = get_recipe(name, loss={"loss_agg_mode": mode}, s2t={"tau_p": 0.05})
+
+    def run():
+        state = TrainState.create(model, SGD)
+        new, m = make_train_step(recipe, SGD, seq_chunk=4)(state, batch)
+        return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, state.params), m
+
+    d0, m0 = run()
+    lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=16))
+    monkeypatch.setattr(train_step_module, "response_log_probs_and_entropy",
+                        functools.partial(response_log_probs_and_entropy, packing=lay))
+    d1, m1 = run()
+    assert float(m0["grad_norm"]) > 0
+    for key in m0:
+        assert abs(float(m1[key]) - float(m0[key])) <= 1e-5 * max(1.0, abs(float(m0[key]))), key
+    for a, b in zip(jax.tree.leaves(d1), jax.tree.leaves(d0)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    if name == "stapo":
+        assert float(m0["s2t/masked_frac"]) > 0
