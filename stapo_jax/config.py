@@ -179,14 +179,14 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm", "token-sum-norm"] = "token-mean"
     loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                          "k1+", "k2+", "k3+", "low_var_kl+"] = "low_var_kl"
+                          "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"] = "low_var_kl"
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1
@@ -204,7 +204,7 @@ class S2TConfig:
     enabled: bool = True
     tau_p: float = 0.002
     entropy_quantile: float = 0.8
-    quantile_scope: Literal["minibatch", "microbatch", "rollout_batch"] = "minibatch"
+    quantile_scope: Literal["minibatch", "microbatch"] = "minibatch"
     quantile_tokens: Literal["valid", "positive_adv"] = "valid"
     quantile_method: Literal["linear", "nearest", "topk_ceil"] = "linear"
     stats_policy: Literal["current", "old"] = "current"

@@ -3,7 +3,7 @@
 Pure functions on ``[B, T]`` arrays. Every loss returns ``(loss_sum, loss_denominator, metrics)``: the
 mini-batch loss is ``sum_k loss_sum_k / D`` where ``D`` is the *global* denominator of the whole mini-batch
 (:func:`global_loss_denominator`, or the sum of the returned denominators over micro-batches and shards for
-every mode except ``seq-mean-token-sum-norm``, whose denominator is the constant ``loss_scale_factor``).
+every mode except those in ``CONSTANT_DENOMINATOR_MODES``, whose denominator is a constant).
 Dividing once makes micro-batch accumulation and data parallelism exact (conventions.md §2, Tunix
 ``aggregate_loss``); see :func:`safe_divide`.
 
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 __all__ = [
     "PolicyLossConfig",
     "LOSS_AGG_MODES",
+    "CONSTANT_DENOMINATOR_MODES",
     "KL_TYPES",
     "kl_penalty",
     "aggregate",
@@ -39,7 +40,10 @@ __all__ = [
     "add_metrics",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                  "token-sum-norm")
+# modes whose denominator is a constant (not a sum over micro-batches / shards): accumulate it once, not K times
+CONSTANT_DENOMINATOR_MODES = ("token-sum", "token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
             "low_var_kl+", "k3+")
 _SEQ_EPS = 1e-8  # verl agg_loss: s_b / (n_b + 1e-8)
@@ -51,12 +55,14 @@ class PolicyLossConfig:
 
     clip_ratio_low / clip_ratio_high: epsilon_low / epsilon_high of the ratio clip.
     clip_ratio_c: dual-clip constant (> 1) for ``A < 0``, or None to disable (verl always applies 3.0).
-    loss_agg_mode: one of ``LOSS_AGG_MODES``. loss_scale_factor: constant divisor of
-    ``seq-mean-token-sum-norm`` (None: the mask's last dimension, verl's default).
+    loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl 0.9.1 ``agg_loss`` semantics; ``token-sum-norm`` is the
+    pre-0.9.1 ``seq-mean-token-sum-norm``, kept as an explicit option). loss_scale_factor: the per-sequence
+    horizon of ``seq-mean-token-sum-norm`` / ``token-sum-norm`` (None: the mask's last dimension, verl's default).
     log_ratio_clamp: |log ratio| clamp before exp (verl 20). entropy_coeff: entropy bonus coefficient.
     use_kl_loss / kl_loss_coef / kl_loss_type: KL-to-reference term (``KL_TYPES``).
     rollout_is_threshold: cap of the truncated importance weight ``exp(old - rollout)`` (None: off).
-    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``).
+    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``; verl
+    ``policy_loss.ppo_kl_coef`` default 0.1; this project used 1.0 before verl 0.9.1 parity).
     """
 
     clip_ratio_low: float = 0.2
@@ -70,7 +76,7 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     rollout_is_threshold: float | None = None
-    ppo_kl_coef: float = 1.0
+    ppo_kl_coef: float = 0.1
 
     def __post_init__(self):
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -148,7 +154,11 @@ def aggregate(
     * ``token-mean``: ``(sum_b s_b, sum_b n_b)``
     * ``seq-mean-token-mean``: ``(sum_b s_b / (n_b + 1e-8) [n_b > 0], #{b: n_b > 0})``
     * ``seq-mean-token-sum``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0})``
-    * ``seq-mean-token-sum-norm``: ``(sum_b s_b, loss_scale_factor or T)`` (a constant, not additive)
+    * ``token-sum``: ``(sum_b s_b, 1)`` (a constant, not additive)
+    * ``seq-mean-token-sum-norm``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0} * (loss_scale_factor or T))``
+      (verl >= 0.9.1, PR #4510: the sequence mean of token sums, divided by the horizon; Dr.GRPO)
+    * ``token-sum-norm``: ``(sum_b s_b, loss_scale_factor or T)`` (a constant, not additive; verl < 0.9.1's
+      ``seq-mean-token-sum-norm``)
 
     Args:
       loss_mat: ``[B, T]`` float per-token loss. num_mask / den_mask: ``[B, T]`` float 0/1 masks of the
@@ -171,8 +181,12 @@ def aggregate(
         return jnp.sum(jnp.where(nonempty, s_b / (n_b + _SEQ_EPS), 0.0)), jnp.sum(nonempty.astype(dt))
     if loss_agg_mode == "seq-mean-token-sum":
         return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt))
+    if loss_agg_mode == "token-sum":
+        return jnp.sum(s_b), jnp.ones((), dt)
+    factor = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        factor = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt)) * jnp.asarray(factor, dt)
+    if loss_agg_mode == "token-sum-norm":
         return jnp.sum(s_b), jnp.asarray(factor, dt)
     raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
@@ -182,7 +196,7 @@ def global_loss_denominator(
 ) -> jax.Array:
     """The denominator ``D`` of a whole mini-batch (pass the full ``[B, T]`` masks, or call per shard and
     ``psum``-then-use for the additive modes). Equals the sum of :func:`compute_policy_loss`'s per-micro-batch
-    denominators, except for ``seq-mean-token-sum-norm`` where it is the constant scale factor.
+    denominators, except for ``CONSTANT_DENOMINATOR_MODES`` where it is the constant.
 
     Args: response_mask ``[B, T]``; token_mask ``[B, T]`` bool or None; config; renormalize as the loss.
     Returns: float32 scalar. Raises: ValueError as :func:`aggregate`.
@@ -336,7 +350,7 @@ def finalize_metrics(metrics: dict, loss_denominator: jax.Array | None = None) -
     """``{name: (sum, weight)}`` -> ``{name: sum / weight}`` (0 where the weight is 0).
 
     ``loss_denominator``: the global denominator to use for the loss-type metrics (``LOSS_METRICS``) after
-    accumulating micro-batches; needed for ``seq-mean-token-sum-norm``, whose per-call denominator is a
+    accumulating micro-batches; needed for ``CONSTANT_DENOMINATOR_MODES``, whose per-call denominator is a
     constant and therefore must not be summed.
     """
     out = {}

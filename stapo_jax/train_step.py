@@ -18,7 +18,7 @@ Data flow (stapo_spec.md §3-4, conventions.md §2):
    which it changes a token's mask, ``grad(sum_exact - sum_provisional)`` is added (``lax.cond``; counted in
    ``s2t/correction_passes``). The result equals the pre-pass update.
 4. Loss value, denominator and metrics once on the whole mini-batch with the final mask; one division of the
-   gradient sum by that **global** denominator (a constant for ``seq-mean-token-sum-norm``), so the update
+   gradient sum by that **global** denominator (a constant for ``token-sum`` / ``token-sum-norm``), so the update
    equals the full-batch gradient exactly; then the optax update. A non-finite gradient norm skips the update
    (``nonfinite_grad = 1``).
 

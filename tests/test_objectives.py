@@ -23,6 +23,7 @@ import torch_reference as ref  # noqa: E402
 from stapo_jax.advantages import grpo_advantages  # noqa: E402
 from stapo_jax.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
 from stapo_jax.objectives import (  # noqa: E402
+    CONSTANT_DENOMINATOR_MODES,
     LOSS_AGG_MODES,
     PolicyLossConfig,
     aggregate,
@@ -192,8 +193,11 @@ def test_aggregation_values_by_hand():
     s, d = aggregate(L, M, M, "seq-mean-token-mean")
     np.testing.assert_allclose([float(s), float(d)], [6 / (3 + 1e-8) + 4 / (1 + 1e-8), 2.0])
     assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum"))) == (10.0, 2.0)
-    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm"))) == (10.0, 3.0)
-    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm", 7.0))) == (10.0, 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm"))) == (10.0, 2.0 * 3.0)  # verl 0.9.1
+    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm", 7.0))) == (10.0, 2.0 * 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "token-sum-norm"))) == (10.0, 3.0)  # verl < 0.9.1
+    assert tuple(map(float, aggregate(L, M, M, "token-sum-norm", 7.0))) == (10.0, 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "token-sum"))) == (10.0, 1.0)
 
 
 def test_bad_inputs_name_the_field():
@@ -261,7 +265,7 @@ def test_micro_batch_accumulation_is_exact(name, mode):
 
     def accumulated(z):
         ss, ds = zip(*(parts(z, r) for r in splits))
-        den = ds[0] if mode == "seq-mean-token-sum-norm" else sum(ds)
+        den = ds[0] if mode in CONSTANT_DENOMINATOR_MODES else sum(ds)
         return safe_divide(sum(ss), den)
 
     v1, g1 = jax.value_and_grad(full)(logits)

@@ -79,8 +79,12 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
         return (seq_sum * nonempty).sum() / s if s > 0 else seq_sum.sum() * 0
     if loss_agg_mode == "seq-mean-token-mean":
         return (seq_sum / (n_b + 1e-8) * nonempty).sum() / s if s > 0 else seq_sum.sum() * 0
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        factor = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
+    factor = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if loss_agg_mode == "seq-mean-token-sum-norm":  # verl 0.9.1 (PR #4510)
+        return (seq_sum * nonempty).sum() / s / factor if s > 0 else seq_sum.sum() * 0
+    if loss_agg_mode == "token-sum-norm":  # verl < 0.9.1's seq-mean-token-sum-norm
         return seq_sum.sum() / factor
     raise ValueError(loss_agg_mode)
 
