@@ -205,7 +205,7 @@ class S2TConfig:
     tau_p: float = 0.002
     entropy_quantile: float = 0.8
     quantile_scope: Literal["minibatch", "microbatch"] = "minibatch"
-    quantile_tokens: Literal["valid", "positive_adv"] = "valid"
+    quantile_tokens: Literal["valid", "positive_adv", "candidates"] = "valid"
     quantile_method: Literal["linear", "nearest", "topk_ceil"] = "linear"
     stats_policy: Literal["current", "old"] = "current"
     minibatch_method: Literal["correction", "prepass"] = "correction"

@@ -32,10 +32,12 @@ __all__ = [
     "kl_cov_mask",
     "QUANTILE_METHODS",
     "QUANTILE_SCOPES",
+    "QUANTILE_TOKENS",
 ]
 
 QUANTILE_METHODS = ("linear", "nearest", "topk_ceil")
 QUANTILE_SCOPES = ("microbatch", "minibatch")
+QUANTILE_TOKENS = ("valid", "positive_adv", "candidates")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class S2TConfig:
 
     tau_p: absolute probability threshold (silence if p < tau_p). entropy_quantile: q of tau_h = Q_q(H).
     quantile_scope: 'minibatch' (pre-pass, global over devices and micro-batches) or 'microbatch'.
-    quantile_tokens: 'valid' (all valid response tokens) or 'positive_adv'. quantile_method: 'linear'
+    quantile_tokens: 'valid' (all valid response tokens), 'positive_adv' (valid, A > 0) or 'candidates' (valid,
+    A > 0 and p < tau_p: stapo_spec.md §10 row 3, one reading of the paper's v1). quantile_method: 'linear'
     (torch.quantile default), 'nearest' or 'topk_ceil' (80/20 code). stats_policy: 'current' or 'old'
     (policy giving p and H). minibatch_method: how the train step gets the exact mini-batch ``tau_h`` under the
     current policy: 'correction' (mask with the old-policy quantile during the gradient pass, then redo forward +
@@ -67,7 +70,7 @@ class S2TConfig:
         if not 0.0 <= self.entropy_quantile <= 1.0:
             raise ValueError(f"s2t.entropy_quantile must be in [0, 1], got {self.entropy_quantile}")
         _one_of("s2t.quantile_scope", self.quantile_scope, QUANTILE_SCOPES)
-        _one_of("s2t.quantile_tokens", self.quantile_tokens, ("valid", "positive_adv"))
+        _one_of("s2t.quantile_tokens", self.quantile_tokens, QUANTILE_TOKENS)
         _one_of("s2t.quantile_method", self.quantile_method, QUANTILE_METHODS)
         _one_of("s2t.stats_policy", self.stats_policy, ("current", "old"))
         _one_of("s2t.minibatch_method", self.minibatch_method, ("correction", "prepass"))
@@ -198,8 +201,9 @@ def s2t_mask(
     """STAPO's Silencing-Spurious-Tokens (S2T) mask.
 
     A valid token is silenced iff ``A > 0`` and ``p = exp(log_probs) < tau_p`` and ``entropy < tau_h``, where
-    ``tau_h`` is the ``entropy_quantile`` quantile of the entropies of the population (valid tokens, or valid
-    tokens with ``A > 0`` when ``quantile_tokens='positive_adv'``) of this call, gathered over ``axis_name``.
+    ``tau_h`` is the ``entropy_quantile`` quantile of the entropies of the population (valid tokens; valid
+    tokens with ``A > 0`` when ``quantile_tokens='positive_adv'``; valid tokens with ``A > 0`` and ``p < tau_p``
+    when ``quantile_tokens='candidates'``) of this call, gathered over ``axis_name``.
     Tokens with ``A <= 0`` are never silenced. All inputs are stop-gradient.
 
     Args:
@@ -222,12 +226,13 @@ def s2t_mask(
     Source: STAPO (arXiv 2602.15620) §3-4, Algorithm 1; stapo_spec.md §3.
     """
     _check_same_shape("response_mask", response_mask, log_probs=log_probs, entropy=entropy, advantages=advantages)
-    _one_of("quantile_tokens", quantile_tokens, ("valid", "positive_adv"))
+    _one_of("quantile_tokens", quantile_tokens, QUANTILE_TOKENS)
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
     adv = _tokenwise(sg(advantages), response_mask)
     valid = response_mask.astype(bool)
-    population = valid & (adv > 0) if quantile_tokens == "positive_adv" else valid
+    population = {"valid": valid, "positive_adv": valid & (adv > 0),
+                  "candidates": valid & (adv > 0) & (jnp.exp(log_probs) < tau_p)}[quantile_tokens]
     if tau_h is None:
         tau_h = masked_quantile(entropy, population, entropy_quantile, quantile_method, axis_name=axis_name)
     silenced = valid & (adv > 0) & (jnp.exp(log_probs) < tau_p) & (entropy < tau_h)

@@ -52,7 +52,7 @@ def test_masked_quantile_matches_torch(method, q):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("tokens", ["valid", "positive_adv"])
+@pytest.mark.parametrize("tokens", ["valid", "positive_adv", "candidates"])
 def test_s2t_matches_torch(seed, tokens):
     lp, ent, adv, resp = random_stats(seed)
     adv_t = adv[:, None] * resp
@@ -62,6 +62,19 @@ def test_s2t_matches_torch(seed, tokens):
                                0.8, "linear", tokens)
     np.testing.assert_array_equal(np.asarray(keep), tkeep.numpy())
     np.testing.assert_allclose(float(tau), ttau.item(), rtol=1e-6)
+
+
+def test_s2t_candidates_population_by_hand():
+    """quantile_tokens='candidates': tau_h is the quantile over A > 0 and p < tau_p tokens only (entropies
+    0, 1, 3, 4 -> Q_0.5 = 2.0), so the token of entropy 1 is silenced and the one of entropy 3 kept."""
+    lp = jnp.log(jnp.array([[0.001, 0.001, 0.5, 0.001, 0.001, 0.001]]))
+    ent = jnp.array([[0.0, 1.0, 2.5, 3.0, 4.0, 0.0]])
+    resp = jnp.array([[1, 1, 1, 1, 1, 0]])
+    keep, tau = s2t_mask(lp, ent, jnp.array([1.0]), resp, entropy_quantile=0.5, quantile_tokens="candidates")
+    np.testing.assert_allclose(float(tau), 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(keep), [[False, False, True, True, True, False]])
+    keep, tau = s2t_mask(lp, ent, jnp.array([1.0]), resp, entropy_quantile=0.5, quantile_tokens="valid")
+    np.testing.assert_allclose(float(tau), 2.5, rtol=1e-6)  # the valid population includes the p = 0.5 token
 
 
 def test_s2t_by_hand():

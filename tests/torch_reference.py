@@ -146,7 +146,9 @@ def s2t_mask(log_prob, entropy, advantages, response_mask, tau_p=0.002, entropy_
              quantile_tokens="valid"):
     """Keep mask (valid and not silenced) and tau_h. advantages broadcast to [B, T]."""
     valid = response_mask.bool()
-    pop = valid & (advantages > 0) if quantile_tokens == "positive_adv" else valid
+    pop = valid & (advantages > 0) if quantile_tokens in ("positive_adv", "candidates") else valid
+    if quantile_tokens == "candidates":  # stapo_spec.md §10 row 3: A > 0 and p < tau_p only
+        pop = pop & (torch.exp(log_prob.detach()) < tau_p)
     ent = entropy.detach()
     tau_h = quantile(ent[pop], entropy_quantile, method) if pop.any() else torch.tensor(0.0, dtype=ent.dtype)
     silenced = valid & (advantages > 0) & (torch.exp(log_prob.detach()) < tau_p) & (ent < tau_h)
