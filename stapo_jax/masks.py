@@ -240,18 +240,22 @@ def s2t_mask(
 
 
 def top_entropy_mask(
-    entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, axis_name=None
+    entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
+    axis_name=None,
 ) -> jax.Array:
     """20-Entropy mask: keep the ``k = max(1, ceil(ratio * n))`` highest-entropy valid tokens.
 
     The threshold is the ``k``-th largest valid entropy of the population (gathered over ``axis_name``); a
     valid token is kept iff its entropy is >= the threshold. Without ties this is exactly the official
     ``torch.topk`` selection; with ties at the threshold all tied tokens are kept (so the mask does not
-    depend on token order, where ``torch.topk`` breaks ties arbitrarily).
+    depend on token order, where ``torch.topk`` breaks ties arbitrarily). ``quantile_method='linear'`` takes
+    the threshold as ``torch.quantile(valid entropies, 1 - ratio)`` instead: TRL's ``get_high_entropy_mask``
+    (``top_entropy_quantile = ratio``).
 
     Args:
       entropy: ``[B, T]`` float (nats, stop-gradient). response_mask: ``[B, T]`` 0/1 or bool.
-      ratio: fraction in (0, 1]. axis_name: mesh axis name(s) inside ``shard_map``.
+      ratio: fraction in (0, 1]. quantile_method: ``topk_ceil`` (80/20 code) or ``linear`` (TRL), see
+      :func:`masked_quantile`. axis_name: mesh axis name(s) inside ``shard_map``.
 
     Returns: ``keep`` ``[B, T]`` bool (all False when there is no valid token).
     Raises: ValueError on shape mismatch or ratio outside (0, 1].
@@ -262,7 +266,7 @@ def top_entropy_mask(
     _check_same_shape("response_mask", response_mask, entropy=entropy)
     entropy = jax.lax.stop_gradient(entropy)
     valid = response_mask.astype(bool)
-    threshold = masked_quantile(entropy, valid, 1.0 - ratio, "topk_ceil", axis_name=axis_name)
+    threshold = masked_quantile(entropy, valid, 1.0 - ratio, quantile_method, axis_name=axis_name)
     n = jnp.sum(_gather(valid, axis_name).astype(jnp.int32))
     return valid & (entropy >= threshold) & (n > 0)
 
@@ -284,16 +288,20 @@ def clip_cov_mask(
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
+    priority: jax.Array | None = None,
 ) -> jax.Array:
     """Clip-Cov: detach a random ``max(1, floor(clip_cov_ratio * n))`` of the valid, not-already-clipped tokens
     whose centred covariance ``(A - mean A)(log p - mean log p)`` lies in ``(clip_cov_lb, clip_cov_ub)``.
 
     Returns ``keep`` ``[B, T]`` bool (valid minus the detached tokens). verl keeps detached tokens in the
-    denominator: use the objective with ``renormalize=False``. The random choice uses ``key`` (verl uses
-    ``torch.randperm``), so only the candidate set, not the draw, matches verl. Local population only.
+    denominator: use the objective with ``renormalize=False``. The random choice takes the candidates of highest
+    ``priority`` (default: uniform draws from ``key``); verl draws ``torch.randperm`` over the candidates in
+    row-major order, so a ``priority`` built from the same permutation replays verl's draw exactly
+    (tests/test_peer_parity.py). Local population only.
 
     Args: log_probs/old_log_probs ``[B, T]`` float; advantages ``[B]``/``[B, T]``; response_mask ``[B, T]``;
-      key: a ``jax.random`` key; the clip and cov settings as verl ``policy_loss``.
+      key: a ``jax.random`` key; the clip and cov settings as verl ``policy_loss``; priority: optional
+      ``[B, T]`` float >= 0 ranking the candidates (higher is detached first; replaces the draw from ``key``).
     Raises: ValueError on shape mismatch or ``clip_cov_ratio <= 0``.
     Source: Cui et al. 2505.22617; verl ``compute_policy_loss_clip_cov``.
     """
@@ -310,7 +318,8 @@ def clip_cov_mask(
     cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     n = jnp.sum(valid.astype(jnp.int32))
     num = jnp.maximum(jnp.floor(clip_cov_ratio * n.astype(jnp.float32)).astype(jnp.int32), 1)
-    score = jnp.where(cand, jax.random.uniform(key, cand.shape), -1.0)
+    draw = jax.random.uniform(key, cand.shape) if priority is None else priority
+    score = jnp.where(cand, draw, -1.0)
     thr = jnp.sort(score.reshape(-1))[::-1][jnp.clip(num - 1, 0, score.size - 1)]
     detach = cand & (score >= thr)
     return valid & ~detach
