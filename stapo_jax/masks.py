@@ -1,8 +1,12 @@
 """Token masks: which valid response tokens enter the policy-gradient loss.
 
-Every mask is a function of stop-gradient inputs and returns a boolean ``keep`` array of the shape of
-``response_mask`` that is False wherever ``response_mask`` is 0. The objective (``objectives.py``) multiplies
-``keep`` into its numerator and, when renormalising, its denominator.
+Every mask is a function of stop-gradient inputs, registered by name (:data:`TOKEN_MASKS`, as verl's
+``core_algos`` registers its policy losses) with the statistics it needs and its population, and returns
+``(mask, threshold)``: a boolean array of the shape of ``response_mask`` that is False wherever
+``response_mask`` is 0 (a *keep* mask, or for ``kl_cov`` a *selection*), and the scalar threshold of the
+statistic that decided it (NaN when the population is empty; comparisons with NaN are False, so the mask then
+selects nothing). The objective (``objectives.py``) multiplies ``keep`` into its numerator and, when
+renormalising, its denominator.
 
 Population of the thresholds (``tau_h`` of S2T, the top-k of 20-Entropy) = the tokens of the arrays passed
 in, plus, when ``axis_name`` is given (inside ``jax.shard_map``), the same arrays of every shard along that
@@ -17,11 +21,16 @@ mesh axis (``jax.lax.all_gather``), so the threshold is exact and identical on a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "TokenMask",
+    "TOKEN_MASKS",
+    "register_token_mask",
+    "get_token_mask",
     "S2TConfig",
     "TopEntropyConfig",
     "CovConfig",
@@ -108,6 +117,57 @@ def _one_of(name, value, allowed):
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class TokenMask:
+    """A registered token mask.
+
+    name: the recipe's ``token_mask`` value. fn: ``fn(*needs, response_mask, **settings) -> (mask, threshold)``.
+    needs: the statistics it reads, by their batch names (``log_probs``, ``entropy``, ``advantages``,
+    ``old_log_probs``, ``key``). settings: dotted recipe fields passed as keyword arguments (the keyword is the
+    last part), e.g. ``s2t.tau_p``. population: in words, the tokens its threshold is taken over. scope: the
+    dotted recipe field naming its population scope (``microbatch`` / ``minibatch``), or None (each call is its own
+    population). selects: the mask selects tokens for a penalty (``kl_cov_selection``) instead of keeping them.
+    renormalize: whether dropped tokens leave the denominator: a bool or a dotted recipe field.
+    """
+
+    name: str
+    fn: Callable
+    needs: tuple[str, ...]
+    settings: tuple[str, ...]
+    population: str
+    scope: str | None = None
+    selects: bool = False
+    renormalize: bool | str = True
+
+
+TOKEN_MASKS: dict[str, TokenMask] = {}
+
+
+def register_token_mask(name: str, **spec) -> Callable:
+    """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
+
+    Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
+
+    def deco(fn):
+        if name in TOKEN_MASKS:
+            raise ValueError(f"token mask {name!r} is already registered")
+        TOKEN_MASKS[name] = TokenMask(name=name, fn=fn, **spec)
+        return fn
+
+    return deco
+
+
+def get_token_mask(name: str) -> TokenMask:
+    """The registered mask ``name``. Raises: ValueError naming the known masks."""
+    if name not in TOKEN_MASKS:
+        raise ValueError(f"unknown token mask {name!r}; known: {sorted(TOKEN_MASKS)}")
+    return TOKEN_MASKS[name]
+
+
+def _nan_if_empty(n, value):
+    return jnp.where(n > 0, value, jnp.asarray(jnp.nan, value.dtype))
+
+
 def _check_same_shape(ref_name, ref, **arrays):
     for name, a in arrays.items():
         if a is None:
@@ -153,7 +213,7 @@ def masked_quantile(
       axis_name: mesh axis name(s) to gather over inside ``shard_map``; None for the local population.
 
     Returns:
-      scalar of ``values.dtype``; 0 when no value is valid (never NaN).
+      scalar of ``values.dtype``; NaN when no value is valid (an empty population has no quantile).
 
     Raises:
       ValueError: unknown ``method``, q outside [0, 1], or shape mismatch.
@@ -182,9 +242,13 @@ def masked_quantile(
             hi = jnp.minimum(lo + 1, last)
             frac = pos - lo.astype(v.dtype)
             out = s[lo] + frac * (s[hi] - s[lo])
-    return jnp.where(n > 0, out, jnp.zeros((), v.dtype))
+    return _nan_if_empty(n, out)
 
 
+@register_token_mask("s2t", needs=("log_probs", "entropy", "advantages"),
+                     settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
+                     population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
+                     scope="s2t.quantile_scope", renormalize="s2t.renormalize")
 def s2t_mask(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -217,8 +281,8 @@ def s2t_mask(
         provisional threshold in ``minibatch_method='correction'``); returned as given.
 
     Returns:
-      ``(keep, tau_h)``: ``keep`` ``[B, T]`` bool (valid and not silenced); ``tau_h`` scalar (0 if the
-      population is empty).
+      ``(keep, tau_h)``: ``keep`` ``[B, T]`` bool (valid and not silenced); ``tau_h`` scalar (NaN if the
+      population is empty: then nothing is silenced).
 
     Raises:
       ValueError: shape mismatches (naming the array) or invalid settings.
@@ -239,10 +303,12 @@ def s2t_mask(
     return valid & ~silenced, tau_h
 
 
+@register_token_mask("top_entropy", needs=("entropy",), settings=("top_entropy.ratio",),
+                     population="valid tokens", scope="top_entropy.scope")
 def top_entropy_mask(
     entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
     axis_name=None,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """20-Entropy mask: keep the ``k = max(1, ceil(ratio * n))`` highest-entropy valid tokens.
 
     The threshold is the ``k``-th largest valid entropy of the population (gathered over ``axis_name``); a
@@ -257,7 +323,8 @@ def top_entropy_mask(
       ratio: fraction in (0, 1]. quantile_method: ``topk_ceil`` (80/20 code) or ``linear`` (TRL), see
       :func:`masked_quantile`. axis_name: mesh axis name(s) inside ``shard_map``.
 
-    Returns: ``keep`` ``[B, T]`` bool (all False when there is no valid token).
+    Returns: ``(keep, threshold)``: ``keep`` ``[B, T]`` bool (all False when there is no valid token), the entropy
+    threshold (NaN when there is none).
     Raises: ValueError on shape mismatch or ratio outside (0, 1].
     Source: Wang et al. 2506.01939; ``get_global_entropy_top_mask`` (Shenzhi-Wang/Beyond-the-80-20-Rule-RLVR).
     """
@@ -267,8 +334,7 @@ def top_entropy_mask(
     entropy = jax.lax.stop_gradient(entropy)
     valid = response_mask.astype(bool)
     threshold = masked_quantile(entropy, valid, 1.0 - ratio, quantile_method, axis_name=axis_name)
-    n = jnp.sum(_gather(valid, axis_name).astype(jnp.int32))
-    return valid & (entropy >= threshold) & (n > 0)
+    return valid & (entropy >= threshold), threshold
 
 
 def _masked_mean(x, mask):
@@ -276,6 +342,10 @@ def _masked_mean(x, mask):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1)
 
 
+@register_token_mask("clip_cov", needs=("log_probs", "old_log_probs", "advantages", "key"),
+                     settings=("loss.clip_ratio_low", "loss.clip_ratio_high", "cov.clip_cov_ratio", "cov.clip_cov_lb",
+                               "cov.clip_cov_ub"),
+                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
 def clip_cov_mask(
     log_probs: jax.Array,
     old_log_probs: jax.Array,
@@ -283,17 +353,18 @@ def clip_cov_mask(
     response_mask: jax.Array,
     key: jax.Array,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
     priority: jax.Array | None = None,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """Clip-Cov: detach a random ``max(1, floor(clip_cov_ratio * n))`` of the valid, not-already-clipped tokens
     whose centred covariance ``(A - mean A)(log p - mean log p)`` lies in ``(clip_cov_lb, clip_cov_ub)``.
 
-    Returns ``keep`` ``[B, T]`` bool (valid minus the detached tokens). verl keeps detached tokens in the
+    Returns ``(keep, threshold)``: ``keep`` ``[B, T]`` bool (valid minus the detached tokens); the smallest
+    covariance among the detached tokens (NaN when none is detached). verl keeps detached tokens in the
     denominator: use the objective with ``renormalize=False``. The random choice takes the candidates of highest
     ``priority`` (default: uniform draws from ``key``); verl draws ``torch.randperm`` over the candidates in
     row-major order, so a ``priority`` built from the same permutation replays verl's draw exactly
@@ -322,15 +393,21 @@ def clip_cov_mask(
     score = jnp.where(cand, draw, -1.0)
     thr = jnp.sort(score.reshape(-1))[::-1][jnp.clip(num - 1, 0, score.size - 1)]
     detach = cand & (score >= thr)
-    return valid & ~detach
+    n_det = jnp.sum(detach.astype(jnp.int32))
+    threshold = _nan_if_empty(n_det, jnp.min(jnp.where(detach, cov, jnp.asarray(jnp.inf, cov.dtype))))
+    return valid & ~detach, threshold
 
 
+@register_token_mask("kl_cov", needs=("log_probs", "advantages"), settings=("cov.kl_cov_ratio",),
+                     population="valid tokens", selects=True)
 def kl_cov_mask(
     log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, *, kl_cov_ratio: float = 0.0002
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """KL-Cov selection: the ``max(1, floor(kl_cov_ratio * n))`` valid tokens of largest centred covariance
-    ``(A - mean A)(log p - mean log p)``. Returns a ``[B, T]`` bool *selection* (True = gets the KL penalty
-    ``ppo_kl_coef * |log p - log p_old|`` in :func:`stapo_jax.objectives.compute_policy_loss`), not a keep mask.
+    ``(A - mean A)(log p - mean log p)``. Returns ``(selection, threshold)``: a ``[B, T]`` bool *selection*
+    (True = gets the KL penalty ``ppo_kl_coef * |log p - log p_old|`` in
+    :func:`stapo_jax.objectives.compute_policy_loss`), not a keep mask, and the covariance threshold (the k-th
+    largest; NaN when there is no valid token).
 
     Raises: ValueError on shape mismatch or ``kl_cov_ratio <= 0``.
     Source: Cui et al. 2505.22617; verl ``compute_policy_loss_kl_cov`` (ties: all tied tokens selected).
@@ -346,5 +423,5 @@ def kl_cov_mask(
     k = jnp.maximum(jnp.floor(kl_cov_ratio * n.astype(jnp.float32)).astype(jnp.int32), 1)
     lo = jnp.asarray(jnp.finfo(cov.dtype).min, cov.dtype)
     s = jnp.sort(jnp.where(valid, cov, lo).reshape(-1))[::-1]
-    thr = s[jnp.clip(k - 1, 0, s.size - 1)]
-    return valid & (cov >= thr) & (n > 0)
+    thr = _nan_if_empty(n, s[jnp.clip(k - 1, 0, s.size - 1)])
+    return valid & (cov >= thr), thr

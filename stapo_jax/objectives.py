@@ -32,6 +32,7 @@ __all__ = [
     "CONSTANT_DENOMINATOR_MODES",
     "KL_TYPES",
     "kl_penalty",
+    "kl_loss",
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
@@ -223,6 +224,7 @@ def compute_policy_loss(
     rollout_log_probs: jax.Array | None = None,
     kl_cov_selection: jax.Array | None = None,
     renormalize: bool = True,
+    return_per_token: bool = False,
 ) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
     """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``.
 
@@ -240,6 +242,12 @@ def compute_policy_loss(
       kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.masks.kl_cov_mask`; switches to verl's KL-Cov
         loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
       renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
+      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
+        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
+        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
+        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
+        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the total per-token loss that is
+        aggregated). Padding positions hold 0 / False.
 
     Returns:
       ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
@@ -297,15 +305,18 @@ def compute_policy_loss(
     delta = jnp.clip(log_probs - old, -config.log_ratio_clamp, config.log_ratio_clamp)
     ratio = jnp.exp(delta)
     metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
+    clipped = clipped_lower = jnp.zeros(shape, bool)
     if kl_cov_selection is None:
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
         lc = jnp.maximum(l1, l2)
-        metrics["pg_clipfrac"] = metric_pair((l2 > l1).astype(dt), k)
+        clipped = (l2 > l1) & valid
+        metrics["pg_clipfrac"] = metric_pair(clipped.astype(dt), k)
         if config.clip_ratio_c is not None:
             l3 = -adv * config.clip_ratio_c
             pg = jnp.where(adv < 0, jnp.minimum(l3, lc), lc)
-            metrics["pg_clipfrac_lower"] = metric_pair(((lc > l3) & (adv < 0)).astype(dt), k)
+            clipped_lower = (lc > l3) & (adv < 0) & valid
+            metrics["pg_clipfrac_lower"] = metric_pair(clipped_lower.astype(dt), k)
         else:
             pg = lc
     else:
@@ -323,6 +334,7 @@ def compute_policy_loss(
     total = pg
     pg_sum, den = aggregate(pg, k, d, mode, factor)
     metrics["pg_loss"] = (pg_sum, den)
+    kl = jnp.zeros_like(pg)
     if config.use_kl_loss:
         kl = kl_penalty(log_probs, sg(ref_log_probs).astype(dt), config.kl_loss_type)
         total = total + config.kl_loss_coef * kl
@@ -333,7 +345,45 @@ def compute_policy_loss(
             total = total - config.entropy_coeff * entropy.astype(dt)
             metrics["entropy_loss"] = (aggregate(entropy.astype(dt), k, d, mode, factor)[0], den)
     loss_sum, _ = aggregate(total, k, d, mode, factor)
+    if return_per_token:
+        zero = jnp.zeros((), dt)
+        per_token = {"log_ratio": jnp.where(valid, delta, zero), "ratio": jnp.where(valid, ratio, zero),
+                     "pg_losses": jnp.where(valid, pg, zero), "clipped": clipped, "clipped_lower": clipped_lower,
+                     "kl": jnp.where(valid, kl, zero), "loss": jnp.where(valid, total, zero)}
+        return loss_sum, den, metrics, per_token
     return loss_sum, den, metrics
+
+
+def kl_loss(
+    log_probs: jax.Array,
+    ref_log_probs: jax.Array,
+    response_mask: jax.Array,
+    *,
+    kl_loss_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    token_mask: jax.Array | None = None,
+    renormalize: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The KL-to-reference term on its own: ``aggregate(kl_penalty(log_probs, ref_log_probs), ...)`` as
+    ``(kl_sum, denominator)`` (the value is ``safe_divide(kl_sum, denominator)``; the loss adds
+    ``kl_loss_coef`` times it). Equals the ``kl_loss`` metric of :func:`compute_policy_loss`.
+
+    Args: log_probs / ref_log_probs ``[B, T]`` float (nats; the gradient flows through ``log_probs``);
+      response_mask ``[B, T]`` 0/1 or bool; token_mask ``[B, T]`` bool or None; kl_loss_type in ``KL_TYPES``;
+      loss_agg_mode / loss_scale_factor / renormalize as :func:`compute_policy_loss`.
+    Returns: float scalars. Raises: ValueError for a shape mismatch, unknown type or mode.
+    Source: verl ``kl_penalty`` + ``agg_loss`` (``actor.use_kl_loss``).
+    """
+    if tuple(response_mask.shape) != tuple(log_probs.shape):
+        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} must equal log_probs {log_probs.shape}")
+    valid = response_mask.astype(bool)
+    log_probs = jnp.where(valid, log_probs, jnp.zeros((), log_probs.dtype))
+    ref = jax.lax.stop_gradient(jnp.where(valid, ref_log_probs, jnp.zeros((), ref_log_probs.dtype)))
+    k, d = _masks(response_mask, token_mask, renormalize)
+    dt = log_probs.dtype
+    return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
+                     loss_scale_factor)
 
 
 def add_metrics(a: dict, b: dict) -> dict:

@@ -28,9 +28,9 @@ from stapo_jax import masks
 from stapo_jax.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.objectives import PolicyLossConfig
 
-__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask"]
+__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field"]
 
-TOKEN_MASKS = ("none", "s2t", "top_entropy", "clip_cov", "kl_cov")
+TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
 _ADV = ("grpo", "dr_grpo", "rloo")
 
 
@@ -74,10 +74,19 @@ class Recipe:
 
     @property
     def renormalize(self) -> bool:
-        """Whether masked tokens leave the denominator (False only for S2T with renormalize=false and Clip-Cov)."""
-        if self.token_mask == "s2t":
-            return self.s2t.renormalize
-        return self.token_mask != "clip_cov"
+        """Whether masked tokens leave the denominator (the mask's registered rule: False only for S2T with
+        renormalize=false and Clip-Cov)."""
+        if self.token_mask == "none":
+            return True
+        rule = masks.get_token_mask(self.token_mask).renormalize
+        return recipe_field(self, rule) if isinstance(rule, str) else rule
+
+    @property
+    def mask_scope(self) -> str:
+        """``minibatch`` or ``microbatch``: the population scope of the mask's threshold (``microbatch`` for masks
+        without a scope setting and for ``none``)."""
+        spec = None if self.token_mask == "none" else masks.get_token_mask(self.token_mask)
+        return "microbatch" if spec is None or spec.scope is None else recipe_field(self, spec.scope)
 
     def replace(self, **changes) -> "Recipe":
         """``dataclasses.replace``; nested sections accept dicts, e.g. ``replace(loss={"clip_ratio_c": None})``."""
@@ -112,51 +121,52 @@ def get_recipe(name: str, **changes) -> Recipe:
     return recipe.replace(**changes) if changes else recipe
 
 
+def recipe_field(recipe: Recipe, dotted: str):
+    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way)."""
+    section, name = dotted.split(".")
+    return getattr(getattr(recipe, section), name)
+
+
 def compute_token_mask(
     recipe: Recipe,
     *,
-    log_probs,
-    entropy,
-    advantages,
     response_mask,
+    log_probs=None,
+    entropy=None,
+    advantages=None,
     old_log_probs=None,
     key=None,
     axis_name=None,
     tau_h=None,
 ):
-    """The recipe's token mask on this population (all inputs stop-gradient).
+    """The recipe's token mask on this population (all inputs stop-gradient), by the mask registry.
 
     Args:
-      recipe: a :class:`Recipe`. log_probs / entropy / response_mask: ``[B, T]``; advantages ``[B]`` or
-        ``[B, T]``; old_log_probs ``[B, T]`` (Clip-Cov only); key: PRNG key (Clip-Cov only); axis_name: mesh
-        axes to gather the threshold population over (inside ``shard_map``); tau_h: S2T only, a given entropy
+      recipe: a :class:`Recipe`. response_mask: ``[B, T]``. The statistics the mask declares it needs
+        (``masks.get_token_mask(name).needs``): log_probs / entropy / old_log_probs ``[B, T]`` float, advantages
+        ``[B]`` or ``[B, T]``, key a PRNG key; the others may be omitted. axis_name: mesh axes to gather the
+        threshold population over (inside ``shard_map``; masks with a scope). tau_h: S2T only, a given entropy
         threshold instead of the population quantile (see :func:`stapo_jax.masks.s2t_mask`).
 
     Returns:
-      ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for ``kl_cov`` it is the KL-Cov
-      *selection*, passed to the objective as ``kl_cov_selection``); ``stats`` dict of scalars
-      (``s2t/tau_h`` for S2T).
+      ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for a *selecting* mask such as ``kl_cov`` it
+      is the selection, passed to the objective as ``kl_cov_selection``); ``stats``: the mask's threshold as
+      ``s2t/tau_h`` (S2T) or ``<mask>/threshold`` (scalar; NaN for an empty population).
 
-    Raises: ValueError when Clip-Cov lacks ``old_log_probs``/``key``, or from the mask functions.
+    Raises: ValueError naming a statistic the mask needs but did not get, or from the mask function.
     """
     if recipe.token_mask == "none":
         return None, {}
-    if recipe.token_mask == "s2t":
-        c = recipe.s2t
-        keep, tau_h = masks.s2t_mask(log_probs, entropy, advantages, response_mask, tau_p=c.tau_p,
-                                     entropy_quantile=c.entropy_quantile, quantile_method=c.quantile_method,
-                                     quantile_tokens=c.quantile_tokens, axis_name=axis_name,
-                                     tau_h=tau_h)
-        return keep, {"s2t/tau_h": tau_h}
-    if recipe.token_mask == "top_entropy":
-        return masks.top_entropy_mask(entropy, response_mask, ratio=recipe.top_entropy.ratio,
-                                      axis_name=axis_name), {}
-    if recipe.token_mask == "clip_cov":
-        if old_log_probs is None or key is None:
-            raise ValueError("token_mask='clip_cov' needs old_log_probs and a PRNG key")
-        c = recipe.cov
-        return masks.clip_cov_mask(log_probs, old_log_probs, advantages, response_mask, key,
-                                   clip_ratio_low=recipe.loss.clip_ratio_low,
-                                   clip_ratio_high=recipe.loss.clip_ratio_high, clip_cov_ratio=c.clip_cov_ratio,
-                                   clip_cov_lb=c.clip_cov_lb, clip_cov_ub=c.clip_cov_ub), {}
-    return masks.kl_cov_mask(log_probs, advantages, response_mask, kl_cov_ratio=recipe.cov.kl_cov_ratio), {}
+    spec = masks.get_token_mask(recipe.token_mask)
+    given = dict(log_probs=log_probs, entropy=entropy, advantages=advantages, old_log_probs=old_log_probs, key=key)
+    missing = [n for n in spec.needs if given[n] is None]
+    if missing:
+        raise ValueError(f"token_mask={spec.name!r} needs {missing} (it reads {list(spec.needs)})")
+    kwargs = {n: given[n] for n in spec.needs}
+    kwargs.update({d.split(".")[1]: recipe_field(recipe, d) for d in spec.settings})
+    if spec.scope is not None:
+        kwargs["axis_name"] = axis_name
+    if tau_h is not None:
+        kwargs["tau_h"] = tau_h
+    keep, threshold = spec.fn(response_mask=response_mask, **kwargs)
+    return keep, {("s2t/tau_h" if spec.name == "s2t" else f"{spec.name}/threshold"): threshold}

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from stapo_jax.diagnostics import token_diagnostics
-from stapo_jax.masks import masked_quantile
+from stapo_jax.masks import get_token_mask, masked_quantile
 from stapo_jax.objectives import compute_policy_loss, finalize_metrics, safe_divide
 from stapo_jax.policy import response_log_probs_and_entropy
 from stapo_jax.recipes import Recipe, compute_token_mask
@@ -177,10 +177,9 @@ def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
     ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
     """
     mask = recipe.token_mask
-    scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
     if mask == "s2t" and recipe.s2t.stats_policy == "old":
         return "old"
-    if mask not in ("s2t", "top_entropy") or scope != "minibatch":
+    if recipe.mask_scope != "minibatch":
         return "none"
     if mask == "s2t" and recipe.s2t.minibatch_method == "correction" and has_old_entropy:
         return "correction"
@@ -254,6 +253,7 @@ def make_train_step(
     """
     loss_cfg = recipe.loss
     mask = recipe.token_mask
+    selects = mask != "none" and get_token_mask(mask).selects  # kl_cov: a selection, not a keep mask
     k = num_micro_batches
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
@@ -296,9 +296,9 @@ def make_train_step(
                                                   vocab_chunk=vocab_chunk)
 
         def surrogate(lp, ent, mb, keep):
-            kl_sel = keep if mask == "kl_cov" else None
+            kl_sel = keep if selects else None
             return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                                       None if mask == "kl_cov" else keep, loss_cfg, entropy=ent,
+                                       None if selects else keep, loss_cfg, entropy=ent,
                                        ref_log_probs=mb.ref_log_probs, rollout_log_probs=mb.rollout_log_probs,
                                        kl_cov_selection=kl_sel, renormalize=recipe.renormalize)
 
@@ -341,7 +341,7 @@ def make_train_step(
         m = dict(m)
         diag_lp, diag_ent = mask_stats if mask_stats is not None else (lp_all, ent_all)
         m.update(token_diagnostics(diag_lp, diag_ent, batch.advantages, batch.old_log_probs, resp,
-                                   None if mask == "kl_cov" else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
+                                   None if selects else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
                                    clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
                                    clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,
                                    log_ratio_clamp=loss_cfg.log_ratio_clamp))
@@ -364,7 +364,8 @@ def make_train_step(
             "loss_denominator": den,
             "grad_norm": grad_norm,
             "nonfinite_grad": (~finite).astype(jnp.float32),
-            "s2t/tau_h": tau_all if tau_all is not None else jnp.mean(taus),
+            # an empty population has a NaN threshold; the metric reports 0 there (no NaN in the logs)
+            "s2t/tau_h": jnp.nan_to_num(tau_all, nan=0.0) if tau_all is not None else jnp.mean(jnp.nan_to_num(taus)),
         })
         return new_state, metrics
 

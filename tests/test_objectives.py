@@ -29,6 +29,7 @@ from stapo_jax.objectives import (  # noqa: E402
     aggregate,
     compute_policy_loss,
     finalize_metrics,
+    kl_loss,
     kl_penalty,
     safe_divide,
 )
@@ -272,3 +273,30 @@ def test_micro_batch_accumulation_is_exact(name, mode):
     v2, g2 = jax.value_and_grad(accumulated)(logits)
     assert abs(float(v1) - float(v2)) < 1e-6 and float(v1) != 0.0
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), atol=1e-7)
+
+
+def test_per_token_outputs_and_standalone_kl():
+    """return_per_token gives the terms a loss unit test wants, consistent with the aggregate; kl_loss equals the
+    kl_loss metric."""
+    lp = jnp.array([[-1.0, -0.5, -2.0, 0.0], [-0.3, -1.0, -1.0, -1.0]])
+    old = jnp.array([[-1.5, -0.5, -0.2, 0.0], [-0.3, -25.0, -1.0, -1.0]])
+    ref_lp = jnp.array([[-1.2, -0.7, -2.0, 0.0], [-0.1, -1.1, -1.0, -1.0]])
+    adv = jnp.array([1.0, -2.0])
+    resp = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+                           kl_loss_coef=0.1, kl_loss_type="k3")
+    s, d, m, pt = compute_policy_loss(lp, old, adv, resp, None, cfg, ref_log_probs=ref_lp, return_per_token=True)
+    np.testing.assert_allclose(np.asarray(pt["log_ratio"]), [[0.5, 0.0, -1.8, 0.0], [0.0, 20.0, 0.0, 0.0]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pt["ratio"]), np.where(np.asarray(resp) > 0,
+                                                                 np.exp(np.asarray(pt["log_ratio"])), 0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pt["clipped"]), [[True, False, False, False], [False, False, False, False]])
+    np.testing.assert_array_equal(np.asarray(pt["clipped_lower"]),
+                                  [[False, False, False, False], [False, True, False, False]])
+    assert float(pt["pg_losses"][1, 1]) == pytest.approx(6.0)  # dual clip: -A c = 2 * 3
+    assert float(pt["pg_losses"][0, 0]) == pytest.approx(-1.28, rel=1e-6)
+    np.testing.assert_allclose(float(jnp.sum(pt["loss"])), float(s), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pt["loss"]), np.asarray(pt["pg_losses"] + 0.1 * pt["kl"]), rtol=1e-6)
+    ks, kd = kl_loss(lp, ref_lp, resp, kl_loss_type="k3")
+    np.testing.assert_allclose(float(ks) / float(kd), float(m["kl_loss"][0]) / float(m["kl_loss"][1]), rtol=1e-6)
+    np.testing.assert_allclose(float(ks), float(jnp.sum(pt["kl"])), rtol=1e-6)

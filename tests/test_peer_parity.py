@@ -181,7 +181,7 @@ def test_clip_cov_matches_verl_replaying_its_draw(mode):
     with jax.enable_x64(True):
         keep = clip_cov_mask(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
                              jax.random.PRNGKey(0), clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=ratio_c,
-                             clip_cov_lb=lb, clip_cov_ub=ub, priority=jnp.asarray(priority))
+                             clip_cov_lb=lb, clip_cov_ub=ub, priority=jnp.asarray(priority))[0]
     ours_cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, loss_agg_mode=mode)
     v_o, g_o, _ = _ours_loss_and_grad(lp, old, adv, mask, ours_cfg, token_mask=np.asarray(keep), renormalize=False)
     assert abs(v_o - v_t) <= 1e-10 * max(1.0, abs(v_t))
@@ -201,7 +201,7 @@ def test_kl_cov_matches_verl(mode):
                         policy_loss=VerlPolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.02))
     v_t, g_t, _ = _verl_loss_and_grad(core_algos.compute_policy_loss_kl_cov, lp, old, adv, mask, mode, cfg)
     with jax.enable_x64(True):
-        sel = kl_cov_mask(jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(mask), kl_cov_ratio=0.02)
+        sel = kl_cov_mask(jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(mask), kl_cov_ratio=0.02)[0]
     assert int(np.asarray(sel).sum()) == max(1, int(0.02 * mask.sum()))
     ours_cfg = PolicyLossConfig(loss_agg_mode=mode)  # ppo_kl_coef 0.1 = verl's default
     assert ours_cfg.ppo_kl_coef == cfg.policy_loss.ppo_kl_coef
@@ -281,7 +281,7 @@ def test_trl_high_entropy_mask_and_masked_loss_match(ratio):
     theirs = view.get_high_entropy_mask(torch.tensor(ent), torch.tensor(mask), 1 - ratio).numpy()
     with jax.enable_x64(True):
         ours = np.asarray(top_entropy_mask(jnp.asarray(ent), jnp.asarray(mask), ratio=ratio,
-                                           quantile_method="linear"))
+                                           quantile_method="linear")[0])
     np.testing.assert_array_equal(ours, theirs)
     v_t, g_t = _trl_loss_and_grad(view, lp, old, adv, mask, ent)
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, loss_agg_mode="token-mean")
