@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from stapo_jax.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
 from stapo_jax.config_io import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -196,30 +197,6 @@ class ActorConfig:
     sampler_is: Literal["off", "truncate"] = "off"
     sampler_is_cap: float = 2.0
     optim: OptimConfig = field(default_factory=OptimConfig)
-
-
-@dataclass
-class S2TConfig:
-    """STAPO's spurious-token mask (stapo_spec §3, §10 items 1-6)."""
-
-    enabled: bool = True
-    tau_p: float = 0.002
-    entropy_quantile: float = 0.8
-    quantile_scope: Literal["minibatch", "microbatch"] = "minibatch"
-    quantile_tokens: Literal["valid", "positive_adv", "candidates"] = "valid"
-    quantile_method: Literal["linear", "nearest", "topk_ceil"] = "linear"
-    stats_policy: Literal["current", "old"] = "current"
-    minibatch_method: Literal["correction", "prepass"] = "correction"
-    renormalize: bool = True
-
-
-@dataclass
-class TopEntropyConfig:
-    """20-Entropy baseline mask: keep the top ``ratio`` of valid tokens by entropy (stapo_spec §5, §10.12)."""
-
-    enabled: bool = False
-    ratio: float = 0.2
-    scope: Literal["minibatch", "microbatch"] = "minibatch"
 
 
 @dataclass
@@ -533,10 +510,7 @@ def validate(cfg: Config) -> None:
     need(all(0 <= b < 1 for b in o.betas), f"actor.optim.betas={list(o.betas)} must lie in [0, 1)")
     need(o.eps > 0, f"actor.optim.eps={o.eps} must be > 0")
 
-    s = cfg.s2t
-    need(0 < s.tau_p <= 1, f"s2t.tau_p={s.tau_p} must be in (0, 1]")
-    need(0 <= s.entropy_quantile <= 1, f"s2t.entropy_quantile={s.entropy_quantile} must be in [0, 1]")
-    need(0 < cfg.top_entropy.ratio <= 1, f"top_entropy.ratio={cfg.top_entropy.ratio} must be in (0, 1]")
+    s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
 

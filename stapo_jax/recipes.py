@@ -25,10 +25,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from stapo_jax import masks
+from stapo_jax.config import RECIPES as CONFIG_RECIPES
+from stapo_jax.config import from_dict
 from stapo_jax.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.objectives import PolicyLossConfig
 
-__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field"]
+__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
+           "recipe_from_config"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
 _ADV = ("grpo", "dr_grpo", "rloo")
@@ -96,17 +99,33 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-_CLIP_HIGHER = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, loss_agg_mode="token-mean",
-                    entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0)
+def recipe_from_config(cfg) -> Recipe:
+    """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.Config`) describes: every
+    loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
+    the recipe's own setting types, used as they are.
 
-RECIPES: dict[str, Recipe] = {
-    "grpo": Recipe("grpo", PolicyLossConfig(**{**_CLIP_HIGHER, "clip_ratio_high": 0.2})),
-    "entropy20": Recipe("entropy20", PolicyLossConfig(**_CLIP_HIGHER), token_mask="top_entropy"),
-    "justrl": Recipe("justrl", PolicyLossConfig(**_CLIP_HIGHER)),
-    "dapo": Recipe("dapo", PolicyLossConfig(**_CLIP_HIGHER), dynamic_sampling=True, overlong_buffer_len=4096,
-                   overlong_penalty_factor=1.0),
-    "stapo": Recipe("stapo", PolicyLossConfig(**_CLIP_HIGHER), token_mask="s2t"),
-}
+    Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
+    """
+    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
+    loss = PolicyLossConfig(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
+    mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
+    return Recipe(
+        cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,
+        adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
+        adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
+        dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,
+        overlong_buffer_len=cfg.reward.overlong_buffer_len, overlong_penalty_factor=cfg.reward.overlong_penalty,
+        drop_truncated=cfg.data.drop_truncated)
+
+
+# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.RECIPE_DEFAULTS[name]``
+# (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
+RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
+                              for name in CONFIG_RECIPES}
 
 
 def get_recipe(name: str, **changes) -> Recipe:
