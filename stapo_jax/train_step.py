@@ -43,9 +43,10 @@ from stapo_jax.masks import get_token_mask, masked_quantile
 from stapo_jax.objectives import compute_policy_loss, finalize_metrics, safe_divide
 from stapo_jax.policy import response_log_probs_and_entropy
 from stapo_jax.recipes import Recipe, compute_token_mask
+from stapo_jax.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
-           "minibatch_stats_mode"]
+           "minibatch_stats_mode"]  # minibatch_stats_mode lives in stapo_jax.s2t (re-exported for the trainer)
 
 DATA_AXES = ("data", "fsdp")
 # reported as totals over the mini-batches of a step, not means
@@ -168,51 +169,6 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes))
 
 
-def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
-    """Where the update takes the mini-batch statistics of the recipe's token mask from (the one place this is
-    decided; ``make_train_step``, the trainer and ``stapo-jax plan`` all ask it).
-
-    Returns ``"none"`` (no population mask, or ``microbatch`` scope: each micro-batch is its own population),
-    ``"old"`` (S2T ``stats_policy=old``: the batch's ``old_log_probs`` / ``old_entropy``), ``"correction"`` (S2T
-    ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
-    """
-    mask = recipe.token_mask
-    if mask == "s2t" and recipe.s2t.stats_policy == "old":
-        return "old"
-    if recipe.mask_scope != "minibatch":
-        return "none"
-    if mask == "s2t" and recipe.s2t.minibatch_method == "correction" and has_old_entropy:
-        return "correction"
-    return "prepass"
-
-
-def _correct(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact):
-    """S2T ``minibatch_method='correction'``: add ``grad(sum_exact - sum_provisional)`` for every micro-batch in
-    which the exact mini-batch ``tau_h`` changed the mask of at least one token (``lax.cond``: the others cost
-    nothing). ``keep_*``: ``[K, B/K, R]`` bool. Returns ``(grad_sum, metrics)`` with the counts
-    ``s2t/correction_passes`` (micro-batches redone) and ``s2t/corrected_tokens``."""
-    changed = keep_guess != keep_exact
-    redo = jnp.any(changed.reshape(changed.shape[0], -1), axis=1)
-
-    def one(acc, xs):
-        mb, kg, kc, flag = xs
-
-        def fix(_):
-            def diff(p):
-                lp, ent = forward(p, mb)
-                return surrogate(lp, ent, mb, kc)[0] - surrogate(lp, ent, mb, kg)[0]
-
-            return jax.grad(diff)(params)
-
-        g = jax.lax.cond(flag, fix, lambda _: jax.tree.map(jnp.zeros_like, params), None)
-        return jax.tree.map(jnp.add, acc, g), None
-
-    grad_sum = jax.lax.cond(jnp.any(redo), lambda g: jax.lax.scan(one, g, (mbs, keep_guess, keep_exact, redo))[0],
-                            lambda g: g, grad_sum)
-    return grad_sum, {"s2t/correction_passes": jnp.sum(redo).astype(jnp.float32),
-                      "s2t/corrected_tokens": jnp.sum(changed).astype(jnp.float32)}
-
-
 def make_train_step(
     recipe: Recipe,
     optimizer: optax.GradientTransformation,
@@ -286,9 +242,8 @@ def make_train_step(
                                               advantages=batch.advantages, response_mask=resp,
                                               old_log_probs=batch.old_log_probs, key=key)
             tau_all = _threshold(st, mask_stats[1], resp)
-        elif mode == "correction":  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
-            tau_guess = compute_token_mask(recipe, log_probs=batch.old_log_probs, entropy=batch.old_entropy,
-                                           advantages=batch.advantages, response_mask=resp)[1]["s2t/tau_h"]
+        elif mode == "correction":
+            tau_guess = provisional_tau_h(recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp)
 
         def forward(p, mb):
             return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
@@ -332,7 +287,7 @@ def make_train_step(
             keep_full, stats = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
                                                   advantages=batch.advantages, response_mask=resp)
             tau_all = stats["s2t/tau_h"]
-            grad_sum, extra = _correct(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
+            grad_sum, extra = correction_pass(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
         b = batch.response_mask.shape[0]
         tau_rows = tau_all if tau_all is not None else _unsplit(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
