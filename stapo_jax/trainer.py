@@ -26,8 +26,8 @@ from stapo_jax.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
 from stapo_jax.tokenizer import pad_token_id
-from stapo_jax.train_step import (COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step,
-                                  minibatch_stats_mode)
+from stapo_jax.s2t import make_update_steps
+from stapo_jax.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,7 @@ def train(cfg: Config) -> dict[str, Any]:
         shardings = jax.tree.map(lambda x: x.sharding, state)
         step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
                        state_shardings=shardings, **common)
-        step_fn = make_train_step(recipe, optimizer, **step_kw)
-        first_fn = step_fn
-        if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
-            first_fn = make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw)
+        first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         rng = jax.random.key_data(jax.random.PRNGKey(t.seed))
