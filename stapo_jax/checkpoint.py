@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -74,7 +75,9 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no committed checkpoint in {self.directory}")
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        # jax arrays restore into their shardings; numpy leaves (host state, e.g. the RNG) restore as numpy
+        target = jax.tree.map(lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
+                              abstract_state)
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))

@@ -16,6 +16,7 @@ COMMANDS = {
     "plot": ("stapo_jax.plots", "PNG curves from a run directory's metrics"),
     "plan": ("stapo_jax.plan", "per-device memory and FLOPs of a run, without allocating weights"),
     "demo": ("stapo_jax.demo", "load or build a Qwen3 and greedy-decode a prompt"),
+    "launch": ("stapo_jax.launch", "run a command as N local JAX processes (rehearse a pod/SLURM job)"),
 }
 
 
