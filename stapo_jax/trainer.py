@@ -18,7 +18,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from stapo_jax import build
-from stapo_jax.checkpoint import Checkpointer
+from stapo_jax.checkpoint import Checkpointer, export_hf
 from stapo_jax.config import Config, ConfigError, load_config
 from stapo_jax.data import load_prompt_dataset, make_iterator
 from stapo_jax.experience import collect_experience, heldout_accuracy
@@ -238,7 +238,7 @@ def train(cfg: Config) -> dict[str, Any]:
             summary["heldout_acc_after"] = acc
             logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
         if t.export_hf and not summary.get("preempted"):
-            summary["hf_export"] = _export_hf(model, tok, os.path.join(run_dir, "hf"))
+            summary["hf_export"] = export_hf(model, tok, os.path.join(run_dir, "hf"))
     finally:
         preempt.restore()
         logger.close()
@@ -280,31 +280,6 @@ def _check_same_model(cfg: Config, run_dir: str) -> None:
     if diff:
         raise ConfigError(f"trainer.run_dir={run_dir} holds checkpoints of a different model ({'; '.join(diff)}); "
                           f"use a new trainer.run_dir or trainer.resume=false")
-
-
-def _export_hf(model, tok, out: str) -> str:
-    """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it).
-    Every process takes part in gathering the (sharded, possibly multi-host) parameters tensor by tensor;
-    process 0 alone writes."""
-    import shutil
-
-    from models.hf import iter_hf_tensors, save_hf_checkpoint
-
-    if jax.process_index() != 0:
-        for _ in iter_hf_tensors(model, model.config):  # the same gathers, in the same order, as process 0
-            pass
-        multihost_utils.sync_global_devices("stapo_jax hf export")
-        return out
-
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(model, model.config, tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("stapo_jax hf export")
-    return out
 
 
 def _val_examples(cfg: Config, tok) -> list[dict]:
