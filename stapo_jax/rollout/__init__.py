@@ -2,6 +2,7 @@
 
 * :mod:`~stapo_jax.rollout.engine`: ``Qwen3Engine`` (JetStream ``Engine``), ``EngineConfig``.
 * :mod:`~stapo_jax.rollout.driver`: ``RolloutDriver`` (default for training), ``RolloutBatch``.
+* :mod:`~stapo_jax.rollout.multihost`: ``MultiHostRollout`` (one driver per JAX process, global results).
 * :mod:`~stapo_jax.rollout.server` / :mod:`~stapo_jax.rollout.client`: ``stapo-jax serve`` and
   ``GrpcRolloutClient`` (``rollout.mode: grpc``).
 * :mod:`~stapo_jax.rollout.sampling`: temperature / top-k / top-p with full-vocabulary log-probs.
