@@ -47,7 +47,7 @@ def _pump(i: int, stream, out) -> None:
 
 
 def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, kill_after_s: float = 30.0,
-                 timeout_s: Optional[float] = None, out=None) -> int:
+                 timeout_s: Optional[float] = None, out=None, module: Optional[str] = "stapo_jax") -> int:
     """Run ``python -m stapo_jax *argv`` as ``n`` JAX processes on this machine; returns the job's exit code.
 
     Args:
@@ -56,6 +56,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
       kill_after_s: grace period between SIGTERM and SIGKILL of the remaining processes after a failure.
       timeout_s: stop the whole job (exit code 124) after this many seconds; None waits as long as it runs.
       out: where prefixed lines go (default stdout).
+      module: run ``python -m module *argv`` (default ``stapo_jax``); None runs ``python *argv``.
     Returns:
       0 if every process exited 0, else the first non-zero exit code observed (124 on timeout).
     Raises:
@@ -67,7 +68,8 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     port = free_port()
     procs = []
     for i in range(n):
-        p = subprocess.Popen([sys.executable, "-m", "stapo_jax", *argv], env=process_env(i, n, port, devices),
+        cmd = [sys.executable, *(["-m", module] if module else []), *argv]
+        p = subprocess.Popen(cmd, env=process_env(i, n, port, devices),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(p)
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
@@ -83,7 +85,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
         if threading.current_thread() is threading.main_thread() else {}
     rc, deadline = 0, None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             timed_out = deadline is not None and time.monotonic() > deadline
             if failed or timed_out:
