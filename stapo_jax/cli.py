@@ -19,6 +19,7 @@ COMMANDS = {
     "compare": ("stapo_jax.plots", "the same as plot with two or more runs (e.g. STAPO next to GRPO)"),
     "plan": ("stapo_jax.plan", "per-device memory and FLOPs of a run, without allocating weights"),
     "demo": ("stapo_jax.demo", "load or build a Qwen3 and greedy-decode a prompt"),
+    "launch": ("stapo_jax.launch", "run a command as N local JAX processes (rehearse a pod/SLURM job)"),
 }
 
 

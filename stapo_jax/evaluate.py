@@ -367,9 +367,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import jax
 
     from stapo_jax.build import build_mesh, build_model, build_tokenizer
+    from stapo_jax.distributed import check_same_config, initialize
+    from stapo_jax.rollout import multihost_rollout
     from stapo_jax.rollout.driver import RolloutDriver
     from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
     from stapo_jax.tokenizer import stop_token_ids
+
+    initialize()  # N processes (pod / SLURM): one sampler replica each, results identical everywhere
+    check_same_config(cfg)
 
     tokenizer = build_tokenizer(cfg)
     benches = {b: (ps, format_prompts(ps, tokenizer, cfg.data)) for b, ps in problems.items()}
@@ -384,11 +389,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"model's max_position_embeddings ({model.config.max_position_embeddings}); lower "
               f"--max-new-tokens", file=sys.stderr)
         return 2
-    engine = Qwen3Engine(model, EngineConfig(max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-                                             max_prefill_length=longest, max_decode_length=max_new,
-                                             eos_token_ids=tuple(stop_token_ids(tokenizer)), seed=args.seed),
-                         mesh=mesh, tokenizer=tokenizer)
-    driver = RolloutDriver(engine, pad_token_id=tokenizer.pad_token_id)
+    engine_cfg = EngineConfig(max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
+                              max_prefill_length=longest, max_decode_length=max_new,
+                              eos_token_ids=tuple(stop_token_ids(tokenizer)), seed=args.seed)
+    if jax.process_count() > 1:
+        driver = multihost_rollout(model, engine_cfg, cfg.mesh, tokenizer, pad_token_id=tokenizer.pad_token_id,
+                                   steps_per_sync=cfg.rollout.steps_per_sync)
+    else:
+        driver = RolloutDriver(Qwen3Engine(model, engine_cfg, mesh=mesh, tokenizer=tokenizer),
+                               pad_token_id=tokenizer.pad_token_id, steps_per_sync=cfg.rollout.steps_per_sync)
     from stapo_jax.metrics import progress_bar
 
     bar = progress_bar(len(settings) * sum(len(ps) for ps, _ in benches.values()), "eval", unit="problem")
@@ -405,14 +414,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "versions": {p: version(p) for p in ("jax", "flax", "math-verify")},
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_dir = args.out or os.path.join(cfg.trainer.run_dir, "eval")
+    writer = jax.process_index() == 0  # every process evaluates (same results); process 0 writes them
     report = evaluate(benches, generate, graders, settings=settings, n_samples=n_samples,
-                      max_new_tokens=max_new, seed=args.seed, label=str(label), meta=meta, out_dir=out_dir,
+                      max_new_tokens=max_new, seed=args.seed, label=str(label), meta=meta,
+                      out_dir=out_dir if writer else None,
                       paper_rows=paper_rows, save_samples=args.save_samples, progress=bar)
     bar.close()
     for g in graders.values():
         close = getattr(g, "close", None)
         if close:
             close()
-    print(report.markdown())
-    print(f"wrote {Path(out_dir) / 'results.json'} and {Path(out_dir) / 'results.md'}")
+    if writer:
+        print(report.markdown())
+        print(f"wrote {Path(out_dir) / 'results.json'} and {Path(out_dir) / 'results.md'}")
     return 0

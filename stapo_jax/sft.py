@@ -137,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run)."""
     import logging
 
-    from models.hf import save_hf_checkpoint
     from stapo_jax import build
+    from stapo_jax.checkpoint import export_hf
+    from stapo_jax.distributed import check_same_config, initialize
     from stapo_jax.config import load_config
     from stapo_jax.data import load_prompt_dataset
 
@@ -147,14 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, force=True)
+    initialize()  # N processes (pod / SLURM): the same SFT on the global mesh; process 0 writes the export
     cfg = load_config(a.config, a.overrides)
+    check_same_config(cfg)
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
     examples = load_prompt_dataset(cfg, tok, "train").examples
     hist = sft_from_config(cfg, model, examples, tok)
     out = os.path.join(cfg.trainer.run_dir, "sft_hf")
-    save_hf_checkpoint(model, model.config, out)
-    tok.save_pretrained(out)
+    export_hf(model, tok, out)
     print(f"SFT: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.4f} -> {hist[-1]['sft/loss']:.4f}; saved {out}")
     return 0
