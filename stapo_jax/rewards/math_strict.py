@@ -45,13 +45,13 @@ def init_worker() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _configs():
+    """math-verify extraction configs: a boxed answer (box first), an anchored unboxed one."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     boxed = (LatexExtractionConfig(boxed_match_priority=0),)
     anchored = (LatexExtractionConfig(try_extract_without_anchor=False, boxed_match_priority=0),
                 ExprExtractionConfig(try_extract_without_anchor=False))
-    loose = (LatexExtractionConfig(), ExprExtractionConfig())
-    return boxed, anchored, loose
+    return boxed, anchored
 
 
 def _first_expr(parsed: list) -> Any:
@@ -103,7 +103,7 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
     plain = _plain_number(norm.text)
     if plain is not None:
         return plain, norm.percent, norm.text
-    boxed, _, _ = _configs()
+    boxed, _ = _configs()
     expr = _first_expr(parse("\\boxed{" + norm.text + "}", extraction_config=boxed, parsing_timeout=None))
     if expr is not None and not isinstance(expr, str) and _SUBSCRIPTED_RE.search(norm.text) \
             and not getattr(expr, "free_symbols", True):
@@ -126,7 +126,7 @@ def parse_prediction(response: str, require_think_close: bool = False) -> tuple[
     if expr is None or (isinstance(expr, str) and fa.reason == "anchored"):
         from math_verify import parse
 
-        _, anchored, _ = _configs()
+        _, anchored = _configs()
         got = _first_expr(parse("answer: " + fa.text, extraction_config=anchored, parsing_timeout=None))
         if got is not None and not isinstance(got, str):
             expr = got
