@@ -50,7 +50,7 @@ def multihost_rollout(model: Any, config: Any, cfg_mesh: Any = None, tokenizer: 
                       pad_token_id: Optional[int] = None, steps_per_sync: int = 1):
     """This process's sampler replica in a multi-process job: a ``Qwen3Engine`` with ``config``
     (``EngineConfig``) over the local devices (``multihost.local_mesh(cfg_mesh)``), holding a full copy of
-    ``model``'s (global, sharded) parameters gathered tensor by tensor, wrapped in ``MultiHostRollout`` (global
+    ``model``'s (global, sharded) parameters gathered chunk by chunk, wrapped in ``MultiHostRollout`` (global
     results on every process). Every process must call it."""
     from flax import nnx
 

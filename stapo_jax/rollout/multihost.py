@@ -8,12 +8,14 @@ with the global row offset (row ``r`` of the global batch always draws from the 
 see ``RolloutDriver.generate(row_offset=)``), then all-gathers the token ids, lengths and log-probs, so every
 process returns the same :class:`~stapo_jax.rollout.driver.RolloutBatch` a single process would sample.
 Reward scoring is split the same way (:func:`score_rows`). Weight sync gathers the trainer's global
-parameters one tensor at a time into a full copy on this process's devices (:func:`localize_tree`).
+parameters (in chunks of at most ``SYNC_CHUNK_BYTES``) into a full copy on this process's devices
+(:func:`localize_tree`).
 
 With one process every function here is the identity / a direct call: single-process behaviour is unchanged.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -84,36 +86,57 @@ def allgather_max(value: float) -> float:
     return out
 
 
-def _replicate_fn(mesh):
-    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+@functools.lru_cache(maxsize=64)
+def _replicate_fn(mesh, n: int):
+    """A jitted identity of ``n`` arrays whose outputs are replicated over ``mesh`` (cached: compiled once per
+    mesh, count and input shapes, not once per weight sync)."""
+    return jax.jit(lambda *a: a, out_shardings=tuple(NamedSharding(mesh, PartitionSpec()) for _ in range(n)))
 
 
-def localize(x: Any, local_mesh) -> Any:
-    """A full copy of the global array ``x`` as an array over ``local_mesh`` (this process's devices), replicated.
+SYNC_CHUNK_BYTES = 256 * 2**20  # weight sync gathers at most this many bytes per collective (or one larger tensor)
 
-    Every process must call it (it all-gathers ``x`` over the global mesh with a jitted identity whose output is
-    replicated, then keeps this process's shards). Arrays already addressable here, and non-arrays, are
-    returned as they are. Never fetches a non-addressable array to the host.
+
+def localize(xs: Sequence[Any], local_mesh) -> list:
+    """Full copies of the global arrays ``xs`` as arrays over ``local_mesh`` (this process's devices), replicated.
+
+    Every process must call it with the same arrays (one jitted identity whose outputs are replicated over the
+    global mesh all-gathers them; this process keeps its own shards). Arrays already addressable here, and
+    non-arrays, are returned as they are. Never fetches a non-addressable array to the host.
     """
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
+    idx = [i for i, x in enumerate(xs) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    out = list(xs)
+    if not idx:
+        return out
     t0 = time.perf_counter()
-    rep = _replicate_fn(x.sharding.mesh)(x)
-    shards = [s.data for s in rep.addressable_shards]
-    out = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(local_mesh, PartitionSpec()), shards)
+    reps = _replicate_fn(xs[idx[0]].sharding.mesh, len(idx))(*(xs[i] for i in idx))
+    for i, rep in zip(idx, reps):
+        out[i] = jax.make_array_from_single_device_arrays(
+            rep.shape, NamedSharding(local_mesh, PartitionSpec()), [s.data for s in rep.addressable_shards])
     _COORD["s"] += time.perf_counter() - t0
     return out
 
 
-def localize_tree(tree: Any, local_mesh, place: Optional[Callable[[Any, Any], Any]] = None) -> Any:
-    """:func:`localize` every leaf, one tensor at a time; ``place(path, local)`` (optional) may move each
-    local copy to its final sharding before the next tensor is gathered (bounding the extra memory to one
-    tensor). Every process must call it with the same tree."""
+def localize_tree(tree: Any, local_mesh, place: Optional[Callable[[Any, Any], Any]] = None,
+                  chunk_bytes: int = SYNC_CHUNK_BYTES) -> Any:
+    """:func:`localize` the leaves of ``tree`` in chunks of at most ``chunk_bytes`` (a larger tensor alone), so
+    the extra device memory is one chunk; ``place(path, local)`` (optional) may move each local copy to its
+    final sharding before the next chunk is gathered. Every process must call it with the same tree."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = []
+    out, chunk, size = [], [], 0
+
+    def flush():
+        nonlocal chunk, size
+        for (path, _), loc in zip(chunk, localize([x for _, x in chunk], local_mesh)):
+            out.append(place(path, loc) if place is not None else loc)
+        chunk, size = [], 0
+
     for path, leaf in leaves:
-        loc = localize(leaf, local_mesh)
-        out.append(place(path, loc) if place is not None else loc)
+        nbytes = int(getattr(leaf, "nbytes", 0))
+        if chunk and size + nbytes > chunk_bytes:
+            flush()
+        chunk.append((path, leaf))
+        size += nbytes
+    flush()
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -153,7 +176,7 @@ class MultiHostRollout:
         return self.driver.params
 
     def sync_weights(self, params) -> float:
-        """Gather the trainer's global ``params`` tensor by tensor into this process's engine; returns seconds.
+        """Gather the trainer's global ``params`` chunk by chunk into this process's engine; returns seconds.
         Every process must call it."""
         t0 = time.perf_counter()
         self.driver.sync_weights(localize_tree(params, self.local_mesh))
