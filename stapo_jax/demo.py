@@ -13,6 +13,11 @@ tokenizer saved with ``--model`` (an HF export such as ``runs/tiny_cpu/hf`` carr
 one, with a warning when ``--model`` had none: the Qwen3 tokenizer shipped in ``stapo_jax/assets`` when the
 model's vocabulary holds it, else the offline character tokenizer (``stapo_jax.tokenizer``).
 Greedy decoding is ``models.decode.greedy_generate`` (jitted prefill + one-token decode steps).
+
+With N JAX processes (``stapo-jax launch --local N --command demo ...``, a pod or SLURM job) every process
+initialises multi-controller JAX (``stapo_jax.distributed.initialize``), builds the same model (same weights or
+seed) on its own local devices (``--mesh`` spans ``jax.local_devices()``) and decodes the single prompt; greedy
+decoding makes every replica's output identical and only process 0 prints it.
 """
 from __future__ import annotations
 
@@ -60,7 +65,10 @@ def _parse_mesh(spec: str):
     unknown = set(sizes) - {"data", "fsdp", "tensor"}
     if unknown:
         raise ValueError(f"--mesh {spec!r}: unknown axes {sorted(unknown)} (use data, fsdp, tensor)")
-    return make_mesh(**sizes)
+    import jax
+
+    # multi-controller: every process holds its own replica on its local devices (the demo has one prompt)
+    return make_mesh(**sizes, devices=jax.local_devices())
 
 
 def load_model(args):
@@ -166,11 +174,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``stapo-jax demo``; returns the exit code (0 ok, 2 bad input: message on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import jax
+
+    from stapo_jax.distributed import initialize
+
+    initialize()  # N processes (launch --local N, pod, SLURM): before any device is touched; no-op for one
     try:
         rec = run(args)
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:   # CheckpointError is a ValueError
         print(f"stapo-jax demo: error: {e}", file=sys.stderr)
         return 2
+    if jax.process_index() != 0:  # every process decoded the same greedy continuation; process 0 prints it
+        return 0
     print(f"model:         {rec['model']}")
     print(f"prompt:        {rec['prompt']!r}")
     print(f"prompt_ids:    {json.dumps(rec['prompt_ids'])}")

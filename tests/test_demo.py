@@ -132,3 +132,26 @@ def test_stapo_jax_demo_command(tmp_path):
     assert rec["prompt"] == repr("The capital of France is")
     assert len(json.loads(rec["generated_ids"])) in (1, 2)
     assert np.all(np.array(json.loads(rec["prompt_ids"])) < 151669)
+
+
+def test_demo_two_processes_print_once_and_equal_one(tmp_path):
+    """``stapo-jax launch --local 2 --command demo``: both processes join one multi-controller job, and the
+    single printed record (process 0's) equals a one-process run's (greedy, same seed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
+                                                                     "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1", STAPO_DISTRIBUTED="auto", PYTHONPATH=str(REPO))
+    args = ["demo", "--max-new-tokens", "3", "--seed", "3"]
+    one = subprocess.run([sys.executable, "-m", "stapo_jax", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "stapo_jax", "launch", "--local", "2", "--devices-per-process", "1",
+                          "--timeout", "300", "--command", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=400)
+    assert two.returncode == 0, two.stdout[-3000:]
+    printed = [line for line in two.stdout.splitlines() if "generated_ids:" in line]
+    assert len(printed) == 1 and printed[0].startswith("[p0] "), two.stdout[-3000:]
+    rec1 = _parse(one.stdout)
+    rec2 = _parse("\n".join(line[len("[p0] "):] for line in two.stdout.splitlines() if line.startswith("[p0] ")))
+    for key in ("model", "prompt", "prompt_ids", "generated_ids", "text"):
+        assert rec2[key] == rec1[key], key
+    assert len(json.loads(rec1["generated_ids"])) >= 1
