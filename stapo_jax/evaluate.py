@@ -225,13 +225,17 @@ GRADER_KINDS = {"math_verify": "math_verify_strict", "boxed_exact": "boxed_exact
 
 
 class _ScorerGrader:
-    """``(responses, golds) -> (scores, stats)`` over a RewardScorer."""
+    """``(responses, golds) -> (scores, stats)`` over a RewardScorer. With N JAX processes each grades a
+    contiguous share of the rows and the scores are all-gathered (``rollout.multihost.score_rows``; a collective:
+    every process calls it on the same rows); ``time_s`` is then not reported."""
 
     def __init__(self, scorer):
         self.scorer = scorer
 
     def __call__(self, responses, golds):
-        return self.scorer.score(list(responses), list(golds))
+        from stapo_jax.rollout.multihost import score_rows
+
+        return score_rows(list(responses), list(golds), self.scorer)
 
     def close(self):
         self.scorer.close()

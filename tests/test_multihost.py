@@ -256,6 +256,33 @@ def test_different_configs_are_named():
         assert "processes [1]" in err
 
 
+def test_eval_graders_split_rows_over_processes():
+    """``stapo-jax eval`` graders (evaluate.make_graders) with 2 processes: each grades its own share of the rows
+    (3 + 2 of 5) and both get the one-process scores and counts."""
+    code = ("import sys, json; from stapo_jax import distributed as d; d.initialize(); import jax\n"
+            "from stapo_jax.evaluate import make_graders\n"
+            "texts = ['\\\\boxed{6}', 'so \\\\boxed{7}', 'no answer', '\\\\boxed{1/2}', '\\\\boxed{0.5}']\n"
+            "golds = ['6', '6', '3', '1/2', '1/2']\n"
+            "out = {}\n"
+            "for name, g in make_graders(['math_verify', 'boxed_exact'], num_workers=1).items():\n"
+            "    seen = []; inner = g.scorer.score\n"
+            "    g.scorer.score = lambda t, gl, inner=inner, seen=seen: (seen.append(len(t)), inner(t, gl))[1]\n"
+            "    scores, stats = g(texts, golds); g.close()\n"
+            "    out[name] = [[float(s) for s in scores], stats['n'], stats['n_correct'], sum(seen)]\n"
+            "print('OUT', json.dumps(out))\n")
+    single, rc1 = _run_snippet(code, n=1)[0]
+    assert rc1 == 0, single
+    one = json.loads(next(x for x in single.splitlines() if x.startswith("OUT"))[4:])
+    assert one["math_verify"][0] == [1.0, 0.0, 0.0, 1.0, 1.0] and one["boxed_exact"][0][0] == 1.0, one
+    outs = _run_snippet(code, n=2)
+    assert [rc for _, rc in outs] == [0, 0], outs
+    two = [json.loads(next(x for x in text.splitlines() if x.startswith("OUT"))[4:]) for text, _ in outs]
+    for i, res in enumerate(two):
+        for name in ("math_verify", "boxed_exact"):
+            assert res[name][:3] == one[name][:3], (name, res, one)
+            assert res[name][3] == (3, 2)[i], (name, i, res)  # rows this process graded itself
+
+
 def test_unreachable_coordinator_fails_clearly():
     port = portpicker.pick_unused_port()
     t0 = time.monotonic()
