@@ -65,7 +65,16 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
     there, stapo_spec §3), saving the pre-pass; with ``correction`` both are the same step (``old_entropy``
     gives it the provisional tau_h, exact on the first mini-batch).
-    Returns (state, metrics averaged over mini-batches; ``COUNT_METRICS`` summed)."""
+
+    Args:
+      exp: an ``experience.Experience`` whose ``arrays`` hold ``input_ids`` int32 / ``attention_mask`` bool [B, P+R],
+        ``response_mask`` bool [B, R], ``advantages`` float32 [B, R] (and optionally ``rollout_log_probs``
+        float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
+        data-parallel shards (``num_micro_batches`` checks that first).
+      mesh: the training mesh (rows go to its data-parallel devices); None = one device.
+    Returns:
+      (state, metrics: float per key, averaged over mini-batches; ``COUNT_METRICS`` summed; plus
+      ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
