@@ -36,6 +36,8 @@ __all__ = [
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
+    "POLICY_LOSSES",
+    "register_policy_loss",
     "safe_divide",
     "finalize_metrics",
     "add_metrics",
@@ -384,6 +386,25 @@ def kl_loss(
     dt = log_probs.dtype
     return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
                      loss_scale_factor)
+
+
+# Policy losses by name, as verl's ``core_algos.register_policy_loss``: every loss has the signature and
+# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss`. One surrogate serves every recipe
+# (the mask and the KL-Cov selection are its arguments), so the registry holds ``vanilla`` only.
+POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
+    Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+
+    def deco(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
 
 
 def add_metrics(a: dict, b: dict) -> dict:
