@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stapo_jax.registry import register_into
+
 __all__ = [
     "register_adv_est",
     "grpo_advantages",
@@ -39,14 +41,7 @@ def register_adv_est(name: str):
     """Decorator registering an outcome-advantage estimator ``fn(rewards [N], group_ids [N], **kw) -> [N]`` under
     ``name`` (the recipe's ``adv_estimator``). Raises ValueError if the name is taken.
     Source: verl ``core_algos.register_adv_est``."""
-
-    def deco(fn):
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return register_into(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def _check(rewards: jax.Array, group_ids: jax.Array) -> None:

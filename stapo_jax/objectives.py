@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.registry import register_into
+
 __all__ = [
     "PolicyLossConfig",
     "LOSS_AGG_MODES",
@@ -397,14 +399,7 @@ POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
 def register_policy_loss(name: str):
     """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
     Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
-
-    def deco(fn):
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return register_into(POLICY_LOSSES, "policy loss", name)
 
 
 def add_metrics(a: dict, b: dict) -> dict:
