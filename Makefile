@@ -17,8 +17,9 @@ $(VENV)/.runtime: requirements.txt requirements-jetstream.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-peers.txt
 	$(BIN)/pip install -q -r requirements-test.txt
+	$(BIN)/pip install -q --no-deps -r requirements-peers.txt
 	touch $@
 
 run: setup

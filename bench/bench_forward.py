@@ -1,7 +1,7 @@
 """Forward throughput of a Qwen3-0.6B-shaped model: ours (JAX/Flax, jitted) vs transformers' PyTorch
 ``Qwen3ForCausalLM`` on the same random weights, in one process.
 
-The config is the real ``../shared/data/qwen3_configs/Qwen3-0.6B.json`` (``models.presets.from_hf_config``);
+The config is the real ``Qwen3-0.6B.json`` shipped in ``stapo_jax/assets/qwen3_configs`` (``models.presets.from_hf_config``);
 weights are random (ours initialised, then copied into the HF model through ``models.hf.iter_hf_tensors``, the
 exporter's tensor stream, so both sides compute the same function; the max |logit difference| is printed).
 A "forward" is input ids [B, S] -> full logits [B, S, V] float32 on both sides (HF's default

@@ -12,7 +12,7 @@ weights can have near-ties, so it need not be 1.0 on the big model). Ours is tim
 steps per jitted call).
 
 Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
-``../shared/data/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
+``stapo_jax/assets/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
 exporter's tensor stream (``bench_forward.hf_copy`` over ``models.hf.iter_hf_tensors``).
 
 torch runs with the faster of 1 thread and all cores (measured on a 6-token run first): on a shared, busy
@@ -46,11 +46,12 @@ from flax import nnx  # noqa: E402
 from bench_forward import hf_copy  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from stapo_jax.assets import qwen3_config_dir  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
 
-CONFIG_06B = Path(__file__).resolve().parents[2] / "shared/data/qwen3_configs/Qwen3-0.6B.json"
+CONFIG_06B = qwen3_config_dir() / "Qwen3-0.6B.json"
 
 
 def model_config(name: str) -> Qwen3Config:

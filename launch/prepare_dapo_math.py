@@ -48,14 +48,14 @@ def answer_text(row: dict):
 
 
 def read_rows(src: str):
-    from stapo_jax.data import _Bad, _read_file, _resolve_hf
+    from stapo_jax.data import BadRow, read_file, resolve_hf_files
 
     p = Path(src)
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in (".parquet", ".jsonl")) \
-        if p.is_dir() else _resolve_hf(src, "train")
+        if p.is_dir() else resolve_hf_files(src, "train")
     for f in files:
-        for _, rec in _read_file(f, f.suffix.lstrip(".")):
-            yield None if isinstance(rec, _Bad) else rec
+        for _, rec in read_file(f, f.suffix.lstrip(".")):
+            yield None if isinstance(rec, BadRow) else rec
 
 
 def convert(src: str, out: Path, keep_duplicates: bool = False) -> dict:

@@ -1,13 +1,12 @@
 """Named Qwen3 presets (0.6B, 1.7B, 8B, 14B and their -Base variants) as ``Qwen3Config``.
 
-The architecture numbers are those of the official HF ``config.json`` files; the copies in
-``../shared/data/qwen3_configs`` (relative to the repository root) are the source, and
-``tests/test_presets.py`` checks that every number embedded here equals them. Only these numbers are embedded,
-the files are not shipped. :func:`from_hf_config` reads such a file (a preset name looked up in a config
-directory, or any user path) instead.
+The architecture numbers are those of the official HF ``config.json`` files, shipped as package data in
+``stapo_jax/assets/qwen3_configs`` (sources in DATA.md); ``tests/test_presets.py`` checks that every number
+embedded here equals them. :func:`from_hf_config` reads such a file (a preset name looked up in a config
+directory, by default the shipped one, or any user path) instead.
 
 Instruct models end turns with ``<|im_end|>`` (151645) and allow 40,960 positions; -Base models use
-``<|endoftext|>`` (151643) and 32,768 (conventions.md §6). Qwen3-0.6B-Base has no copy in shared/data; its
+``<|endoftext|>`` (151643) and 32,768 (conventions.md §6). Qwen3-0.6B-Base has no shipped config.json; its
 numbers are those of Qwen3-0.6B with the -Base EOS / context length (HF ``Qwen/Qwen3-0.6B-Base``).
 
 Parameter counts (``models.qwen3.param_count``, abstract shapes only): 0.596B, 1.721B, 8.191B, 14.768B.
@@ -49,18 +48,6 @@ for _size in _SIZES:
 PRESET_NAMES = tuple(PRESETS)
 
 
-def shared_data_dir(*parts: str) -> Path:
-    """``<repo root>/../shared/data/<parts>``; falls back to ``./../shared/data`` relative to the working dir.
-
-    Returns the first candidate that exists, else the repo-root one (so error messages show a real path).
-    """
-    candidates = [REPO_ROOT.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
-    for c in candidates:
-        if (c.joinpath(*parts)).exists():
-            return c.joinpath(*parts)
-    return candidates[0].joinpath(*parts)
-
-
 def canonical_name(name: str) -> str:
     """The preset key for ``name`` (case-insensitive; an ``owner/`` prefix such as ``Qwen/`` is ignored).
 
@@ -95,8 +82,8 @@ def from_hf_config(name_or_path: Union[str, os.PathLike], config_dir: Optional[U
     Args:
       name_or_path: a JSON file path, a checkpoint directory holding ``config.json``, or a preset name looked
         up as ``<config_dir>/<name>.json``.
-      config_dir: directory of ``<preset name>.json`` files; default ``../shared/data/qwen3_configs``
-        relative to the repository root.
+      config_dir: directory of ``<preset name>.json`` files; default the shipped
+        ``stapo_jax/assets/qwen3_configs`` (:func:`stapo_jax.assets.qwen3_config_dir`).
       overrides: ``Qwen3Config`` fields (dtype, param_dtype, remat).
     Raises:
       FileNotFoundError: no such file (the message names the path tried).
@@ -107,12 +94,16 @@ def from_hf_config(name_or_path: Union[str, os.PathLike], config_dir: Optional[U
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        directory = Path(config_dir) if config_dir is not None else shared_data_dir("qwen3_configs")
+        if config_dir is None:
+            from stapo_jax.assets import qwen3_config_dir
+
+            config_dir = qwen3_config_dir()
+        directory = Path(config_dir)
         p = directory / f"{canonical_name(str(name_or_path))}.json"
         if not p.is_file():
             raise FileNotFoundError(f"{p}: no HF config.json for preset {str(name_or_path)!r}")
     return Qwen3Config.from_json(p, **overrides)
 
 
-__all__ = ["PRESETS", "PRESET_NAMES", "REPO_ROOT", "shared_data_dir", "canonical_name", "preset",
+__all__ = ["PRESETS", "PRESET_NAMES", "REPO_ROOT", "canonical_name", "preset",
            "from_hf_config"]

@@ -1,7 +1,9 @@
 """Outcome-reward advantage estimators (one scalar reward per response) and DAPO's reward-side hooks.
 
 Groups are the G responses sampled for one prompt, identified by an integer ``group_ids`` array (verl's
-prompt ``uid``). All functions are jit-able given a static ``num_groups``; rows may come in any order.
+prompt ``uid``): any integers (negative, sparse, unsorted), rows in any order, jit-able as they are. Passing
+``num_groups`` instead declares dense ids in ``[0, num_groups)`` (checked when concrete) and skips the
+relabelling sort.
 
 Conventions (conventions.md §1.3, verl ``compute_grpo_outcome_advantage`` / ``compute_rloo_outcome_advantage``):
 
@@ -38,13 +40,18 @@ def _check(rewards: jax.Array, group_ids: jax.Array) -> None:
         raise ValueError(f"group_ids must be integer, got dtype {group_ids.dtype}")
 
 
-def _num_groups(group_ids, num_groups):
+def _dense_ids(group_ids, num_groups):
+    """``(ids in [0, n_g), n_g)``: with ``num_groups`` the ids as given (range-checked when concrete); without it
+    any integer ids relabelled by rank (``jnp.unique(..., size=N)``, jit-able; n_g = N, unused slots empty)."""
     if num_groups is not None:
-        return int(num_groups)
-    try:
-        return int(jnp.max(group_ids)) + 1 if group_ids.size else 0
-    except jax.errors.ConcretizationTypeError as e:  # traced without a static group count
-        raise ValueError("pass num_groups= when calling under jit") from e
+        n_g = int(num_groups)
+        _check_group_range(group_ids, n_g)
+        return group_ids, n_g
+    n = group_ids.shape[0]
+    if n == 0:
+        return group_ids.astype(jnp.int32), 0
+    _, inverse = jnp.unique(group_ids, size=n, fill_value=jnp.max(group_ids), return_inverse=True)
+    return inverse.reshape(-1).astype(jnp.int32), n
 
 
 def _check_group_range(group_ids, n_g: int) -> None:
@@ -64,8 +71,7 @@ def _check_group_range(group_ids, n_g: int) -> None:
 
 def _group_stats(rewards, group_ids, num_groups, ddof):
     """Per-row (count, mean, std with ``ddof``, all-equal flag) of the row's group. rewards float [N]."""
-    n_g = _num_groups(group_ids, num_groups)
-    _check_group_range(group_ids, n_g)
+    group_ids, n_g = _dense_ids(group_ids, num_groups)
     ones = jnp.ones_like(rewards)
     count = jax.ops.segment_sum(ones, group_ids, n_g)[group_ids]
     mean = (jax.ops.segment_sum(rewards, group_ids, n_g) / jnp.maximum(jax.ops.segment_sum(ones, group_ids, n_g), 1))[
@@ -96,8 +102,8 @@ def grpo_advantages(
 
     Args:
       rewards: ``[N]`` float (int is cast to float32), one outcome reward per response.
-      group_ids: ``[N]`` int in ``[0, num_groups)``, the prompt each response belongs to.
-      num_groups: static number of groups (required under jit; inferred from ``group_ids`` otherwise).
+      group_ids: ``[N]`` int, the prompt each response belongs to (any integers, like verl's ``uid``).
+      num_groups: optional static group count declaring ids dense in ``[0, num_groups)`` (no relabelling).
       epsilon: added to the std (verl 1e-6; TRL uses 1e-4).
       ddof: delta degrees of freedom of the std (1 = unbiased, verl/TRL/Tunix; 0 = MaxText).
       norm_adv_by_std_in_grpo: False gives Dr.GRPO, ``R - mean`` (verl's switch of the same name).
@@ -108,9 +114,9 @@ def grpo_advantages(
       or ``R``); all-equal groups: exactly 0.
 
     Raises:
-      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, concrete (not
-        traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad index; under jit the range is
-        the caller's to guarantee), or ``num_groups`` is missing under jit.
+      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, or, with
+        ``num_groups``, concrete (not traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad
+        index; under jit the range is the caller's to guarantee).
 
     Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
     """

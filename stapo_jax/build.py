@@ -84,30 +84,10 @@ def build_tokenizer(cfg: Config):
 
 def build_recipe(cfg: Config):
     """The :class:`stapo_jax.recipes.Recipe` the resolved config describes (recipe defaults were applied by
-    ``load_config``; every loss/mask/advantage field comes from the config, verl key names)."""
-    from stapo_jax.masks import S2TConfig, TopEntropyConfig
-    from stapo_jax.objectives import PolicyLossConfig
-    from stapo_jax.recipes import get_recipe
+    ``load_config``); see :func:`stapo_jax.recipes.recipe_from_config`."""
+    from stapo_jax.recipes import recipe_from_config
 
-    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
-    loss = PolicyLossConfig(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
-    mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
-    return get_recipe(
-        cfg.algorithm.recipe, loss=loss, token_mask=mask,
-        s2t=S2TConfig(tau_p=s.tau_p, entropy_quantile=s.entropy_quantile, quantile_scope=s.quantile_scope,
-                      quantile_tokens=s.quantile_tokens, quantile_method=s.quantile_method,
-                      stats_policy=s.stats_policy, minibatch_method=s.minibatch_method,
-                      renormalize=s.renormalize),
-        top_entropy=TopEntropyConfig(ratio=t.ratio, scope=t.scope),
-        adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
-        adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
-        dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,
-        overlong_buffer_len=cfg.reward.overlong_buffer_len, overlong_penalty_factor=cfg.reward.overlong_penalty,
-        drop_truncated=cfg.data.drop_truncated)
+    return recipe_from_config(cfg)
 
 
 def build_optimizer(cfg: Config):

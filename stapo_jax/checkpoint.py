@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -74,7 +75,9 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no committed checkpoint in {self.directory}")
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        # jax arrays restore into their shardings; numpy leaves (host state, e.g. the RNG) restore as numpy
+        target = jax.tree.map(lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x),
+                              abstract_state)
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
@@ -89,3 +92,35 @@ class Checkpointer:
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+
+def export_hf(model, tok, out: str) -> str:
+    """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it).
+    Every process takes part in gathering the (sharded, possibly multi-host) parameters tensor by tensor (never
+    more than one tensor on the host); process 0 alone writes. Returns ``out``.
+
+    Args:
+      model: the ``models.qwen3.Qwen3`` to export; tok: its transformers tokenizer; out: target directory.
+    Raises:
+      models.hf.CheckpointError: a parameter/config mismatch (see ``models.hf.save_hf_checkpoint``).
+    """
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    from models.hf import iter_hf_tensors, save_hf_checkpoint
+
+    if jax.process_index() != 0:
+        for _ in iter_hf_tensors(model, model.config):  # the same gathers, in the same order, as process 0
+            pass
+        multihost_utils.sync_global_devices("stapo_jax hf export")
+        return out
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(model, model.config, tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("stapo_jax hf export")
+    return out

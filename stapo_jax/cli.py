@@ -5,6 +5,8 @@ Subcommands are imported lazily so that ``stapo-jax check`` does not pay for Jet
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 
 COMMANDS = {
@@ -13,10 +15,25 @@ COMMANDS = {
     "eval": ("stapo_jax.evaluate", "benchmark evaluation (avg@k, pass@k) with the rollout engine"),
     "serve": ("stapo_jax.rollout.server", "JetStream gRPC rollout server on 127.0.0.1"),
     "check": ("stapo_jax.check", "recompute a dumped PyTorch batch and compare losses/metrics"),
-    "plot": ("stapo_jax.plots", "PNG curves from a run directory's metrics"),
+    "plot": ("stapo_jax.plots", "PNG curves of a run; several runs: overlaid, one figure per metric"),
+    "compare": ("stapo_jax.plots", "the same as plot with two or more runs (e.g. STAPO next to GRPO)"),
     "plan": ("stapo_jax.plan", "per-device memory and FLOPs of a run, without allocating weights"),
     "demo": ("stapo_jax.demo", "load or build a Qwen3 and greedy-decode a prompt"),
+    "launch": ("stapo_jax.launch", "run a command as N local JAX processes (rehearse a pod/SLURM job)"),
 }
+
+
+def quiet_third_party_startup() -> None:
+    """Silence two start-up lines every command printed, before the subcommand imports jax / transformers:
+
+    * ``INFO jax._src.xla_bridge: Unable to initialize backend 'tpu': ... libtpu.so ...`` (JAX probes for a TPU
+      on every machine and logs the miss at INFO, shown once a command configures INFO logging): that
+      logger is raised to WARNING (a real backend failure is still reported);
+    * transformers' ``PyTorch was not found...`` advice (``make run`` installs no torch; only the HF export's
+      ``from_pretrained`` needs it): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the user set it.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def _usage() -> str:
@@ -36,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"stapo-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    quiet_third_party_startup()
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)

@@ -1,6 +1,6 @@
 """Typed run configuration: dataclass schema, YAML loading, dotted overrides, validation, save/reload.
 
-Every default is the interpretation adopted in ``shared/reference/stapo_spec.md`` §10 (STAPO on the JustRL
+Every default is the interpretation adopted in the STAPO spec (``stapo_spec.md``) §10 (STAPO on the JustRL
 recipe); key spellings follow verl (``actor.clip_ratio_c``, ``actor.loss_agg_mode``, ``actor.kl_loss_coef``,
 ``actor.entropy_coeff``, ``algorithm.norm_adv_by_std_in_grpo``, ``actor.ppo_mini_batch_size`` ...). The spec's
 ``loss.*`` names map to ``actor.*``: ``loss.dual_clip_c`` -> ``actor.clip_ratio_c``, ``loss.kl_coef`` ->
@@ -18,26 +18,28 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
+
+from stapo_jax.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
+from stapo_jax.config_io import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
+    ConfigError,
+    build_dataclass,
+    has_dotted,
+    parse_override,
+    plain_copy,
+    set_dotted,
+    unknown_keys,
+    valid_keys,
+)
 
 CONFIG_FILENAME = "config.yaml"
 JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 RECIPES = ("grpo", "dapo", "entropy20", "justrl", "stapo")
-
-
-class ConfigError(ValueError):
-    """A config key is unknown, a value has the wrong type or range, or two keys contradict each other.
-
-    The message always names the dotted key(s) involved.
-    """
 
 
 # ----------------------------------------------------------------------------------------------- schema
@@ -46,7 +48,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """The policy model. Exactly one source: ``path`` (HF directory or hub id with ``config.json`` and
-    safetensors), ``preset`` (an HF ``config.json`` in ``../shared/data/qwen3_configs``, e.g.
+    safetensors), ``preset`` (an HF ``config.json`` shipped in ``stapo_jax/assets/qwen3_configs``, e.g.
     ``"Qwen3-0.6B"``), or, with both unset, the explicit size fields (a from-scratch model). With a
     preset, explicit size fields override the preset's values (e.g. a 2-layer Qwen3-0.6B for CI)."""
 
@@ -183,14 +185,14 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm", "token-sum-norm"] = "token-mean"
     loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                          "k1+", "k2+", "k3+", "low_var_kl+"] = "low_var_kl"
+                          "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"] = "low_var_kl"
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1
@@ -202,37 +204,14 @@ class ActorConfig:
 
 
 @dataclass
-class S2TConfig:
-    """STAPO's spurious-token mask (stapo_spec §3, §10 items 1-6)."""
-
-    enabled: bool = True
-    tau_p: float = 0.002
-    entropy_quantile: float = 0.8
-    quantile_scope: Literal["minibatch", "microbatch", "rollout_batch"] = "minibatch"
-    quantile_tokens: Literal["valid", "positive_adv"] = "valid"
-    quantile_method: Literal["linear", "nearest", "topk_ceil"] = "linear"
-    stats_policy: Literal["current", "old"] = "current"
-    minibatch_method: Literal["correction", "prepass"] = "correction"
-    renormalize: bool = True
-
-
-@dataclass
-class TopEntropyConfig:
-    """20-Entropy baseline mask: keep the top ``ratio`` of valid tokens by entropy (stapo_spec §5, §10.12)."""
-
-    enabled: bool = False
-    ratio: float = 0.2
-    scope: Literal["minibatch", "microbatch"] = "minibatch"
-
-
-@dataclass
 class RewardConfig:
     """Verifier (stapo_jax.rewards) and DAPO overlong shaping (stapo_spec §5; ``overlong_buffer_len: 0``
     is off). ``boxed_normalize`` applies DAPO's ``normalize_final_answer`` to both sides before the exact
     match (JustRL's strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the
     answer is taken from a response for reasoning-gym scoring."""
 
-    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "gym"] = "boxed_exact_pm1"
+    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
+                  "gym"] = "boxed_exact_pm1"
     timeout_s: float = 10.0
     num_workers: int = 4
     overlong_buffer_len: int = 0
@@ -263,6 +242,10 @@ class TrainerConfig:
     eval_every: int = 0
     export_hf: bool = True
     resume: bool = True
+    # verl's trainer.logger: any of console (progress bar), tensorboard, wandb; metrics.jsonl is always written
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
+    experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
 
 
 @dataclass
@@ -281,7 +264,7 @@ class EvalConfig:
 
     benchmarks: list[str] = field(default_factory=lambda: [
         "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"])
-    data_dir: str = "../shared/data"
+    data_dir: Optional[str] = None      # None: the six benchmarks shipped in stapo_jax/assets/benchmarks
     n_samples: Union[int, dict[str, int]] = field(default_factory=lambda: {
         "aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4, "olympiadbench": 4})
     temperature: float = 1.0
@@ -311,7 +294,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON types (tuples become lists)."""
-        return _plain_copy(dataclasses.asdict(self))
+        return plain_copy(dataclasses.asdict(self))
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
@@ -406,7 +389,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         raw = loaded or {}
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return from_dict(raw)
 
 
@@ -416,52 +399,21 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     Raises:
       ConfigError: see :func:`load_config`.
     """
-    raw = _plain_copy(raw)
+    raw = plain_copy(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
     if recipe in RECIPE_DEFAULTS:
         for key, value in RECIPE_DEFAULTS[recipe].items():
-            if not _has_dotted(raw, key):
-                _set_dotted(raw, key, value)
-    unknown = _unknown_keys(Config, raw, "")
+            if not has_dotted(raw, key):
+                set_dotted(raw, key, value)
+    unknown = unknown_keys(Config, raw, "")
     if len(unknown) == 1:
         raise ConfigError(unknown[0])
     if unknown:
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
-    cfg = _build(Config, raw, "")
+    cfg = build_dataclass(Config, raw, "")
     validate(cfg)
     return cfg
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """Split ``"a.b.c=value"`` into ``("a.b.c", yaml.safe_load("value"))``.
-
-    Raises:
-      ConfigError: no ``=``, an empty key, or a value that is not valid YAML.
-    """
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key.sub=value")
-    key, text = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} has an empty key")
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: value {text!r} is not valid YAML: {e}") from e
-    return key, value
-
-
-def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """All dotted leaf keys of a schema dataclass (dict-valued fields are leaves)."""
-    out = []
-    for name, tp in get_type_hints(cls).items():
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
-            out.extend(valid_keys(tp, key + "."))
-        else:
-            out.append(key)
-    return out
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -567,10 +519,7 @@ def validate(cfg: Config) -> None:
     need(all(0 <= b < 1 for b in o.betas), f"actor.optim.betas={list(o.betas)} must lie in [0, 1)")
     need(o.eps > 0, f"actor.optim.eps={o.eps} must be > 0")
 
-    s = cfg.s2t
-    need(0 < s.tau_p <= 1, f"s2t.tau_p={s.tau_p} must be in (0, 1]")
-    need(0 <= s.entropy_quantile <= 1, f"s2t.entropy_quantile={s.entropy_quantile} must be in [0, 1]")
-    need(0 < cfg.top_entropy.ratio <= 1, f"top_entropy.ratio={cfg.top_entropy.ratio} must be in (0, 1]")
+    s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
 
@@ -591,6 +540,9 @@ def validate(cfg: Config) -> None:
         need(getattr(t, k) >= 1, f"trainer.{k}={getattr(t, k)} must be >= 1")
     for k in ("save_every", "eval_every"):
         need(getattr(t, k) >= 0, f"trainer.{k}={getattr(t, k)} must be >= 0 (0 = off)")
+    bad_loggers = sorted(set(t.logger) - {"console", "tensorboard", "wandb", "jsonl"})
+    need(not bad_loggers, f"trainer.logger: unknown logger(s) {bad_loggers} (expected console, tensorboard, wandb; "
+         f"metrics.jsonl is always written)")
     need(cfg.sft.steps >= 0, f"sft.steps={cfg.sft.steps} must be >= 0")
     need(cfg.sft.lr > 0, f"sft.lr={cfg.sft.lr} must be > 0")
     need(cfg.sft.batch_size >= 1, f"sft.batch_size={cfg.sft.batch_size} must be >= 1")
@@ -625,178 +577,3 @@ def _recipe_violations(cfg: Config) -> list[str]:
     if recipe != "stapo" and cfg.s2t.enabled:
         out.append(f"s2t.enabled=true belongs to algorithm.recipe=stapo (got {recipe}){hint}")
     return out
-
-
-# ------------------------------------------------------------------------------------ internals
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    """Instantiate schema dataclass ``cls`` from ``raw`` with type checks; unknown keys raise."""
-    where = prefix.rstrip(".") or "<top level>"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {type(raw).__name__} {raw!r}")
-    hints = get_type_hints(cls)
-    for key in raw:
-        if key not in hints:
-            raise ConfigError(_unknown_key_message(f"{prefix}{key}", list(hints), prefix))
-    kwargs = {name: _coerce(raw[name], hints[name], f"{prefix}{name}") for name in hints if name in raw}
-    return cls(**kwargs)
-
-
-def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
-    """One message (with its did-you-mean) per unknown key anywhere under ``raw``, in file order, so that a
-    config with several typos is fixed in one round; sections that are not mappings are left to ``_build``."""
-    if not isinstance(raw, dict):
-        return []
-    hints = get_type_hints(cls)
-    out = []
-    for key, value in raw.items():
-        if key not in hints:
-            out.append(_unknown_key_message(f"{prefix}{key}", list(hints), prefix))
-        elif dataclasses.is_dataclass(hints[key]):
-            out.extend(_unknown_keys(hints[key], value, f"{prefix}{key}."))
-    return out
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against annotation ``tp`` and convert losslessly (int -> float, list -> tuple, a
-    numeric string such as YAML 1.1's ``1e-6`` -> float)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
-    if origin in (Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{key}: null is not allowed (expected {_type_name(tp)})")
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if origin is Literal:
-        if isinstance(value, bool) and ("off" if not value else "on") in args:
-            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
-        for choice in args:
-            if value == choice and type(value) is type(choice):
-                return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):  # nan/inf would train silently into a NaN model
-                raise ConfigError(f"{key}: {value!r} is not a finite number")
-            return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-            if len(value) == len(args):
-                return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    elif origin is dict:
-        if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise ConfigError(f"{key}: keys must be strings, got {k!r}")
-                out[k] = _coerce(v, args[1], f"{key}.{k}")
-            return out
-    else:  # pragma: no cover - schema uses only the types above
-        raise TypeError(f"unsupported annotation {tp!r} for {key}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin in (Union, types.UnionType):
-        names = [_type_name(a) for a in args if a is not type(None)]
-        return " or ".join(names) + (" or null" if type(None) in args else "")
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(args[0])}"
-    if origin is tuple:
-        return f"a list of {len(args)} values" if Ellipsis not in args else f"a list of {_type_name(args[0])}"
-    if origin is dict:
-        return f"a mapping of str to {_type_name(args[1])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
-    if close:
-        suggestion = f"{prefix}{close[0]}"
-    else:  # maybe the key lives in another section (e.g. actor.tau_p -> s2t.tau_p)
-        all_keys = valid_keys()
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys}
-        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
-        suggestion = by_leaf[close[0]] if close else None
-        if suggestion is None:
-            close = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.5)
-            suggestion = close[0] if close else None
-    msg = f"unknown config key {key!r}"
-    if suggestion:
-        msg += f"; did you mean {suggestion!r}?"
-    else:
-        msg += f"; valid keys here: {sorted(siblings)}"
-    return msg
-
-
-def _has_dotted(raw: Mapping[str, Any], key: str) -> bool:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        elif not isinstance(nxt, dict):
-            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def _plain_copy(x: Any) -> Any:
-    """A copy made of plain dicts and lists (YAML-safe; tuples become lists)."""
-    if isinstance(x, Mapping):
-        return {k: _plain_copy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain_copy(v) for v in x]
-    return x

@@ -213,10 +213,10 @@ def make_iterator(examples: Sequence[dict[str, Any]], global_batch_size: int, *,
 
 def _iter_file_rows(specs: Sequence[str], d: DataConfig, split: str) -> Iterator[tuple[str, Any]]:
     """Yield ``(location, record)`` for every row of every spec; ``record`` is the parsed object or a
-    ``_Bad(reason)`` for an unparseable line."""
+    ``BadRow(reason)`` for an unparseable line."""
     for spec in specs:
         if d.source == "hf":
-            paths = _resolve_hf(spec, d.hf_split if split == "train" else d.hf_val_split)
+            paths = resolve_hf_files(spec, d.hf_split if split == "train" else d.hf_val_split)
         else:
             p = Path(spec)
             if not p.is_file():
@@ -224,15 +224,25 @@ def _iter_file_rows(specs: Sequence[str], d: DataConfig, split: str) -> Iterator
             paths = [p]
         for path in paths:
             kind = d.source if d.source != "hf" else path.suffix.lstrip(".")
-            yield from _read_file(path, kind)
+            yield from read_file(path, kind)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Bad:
+class BadRow:
+    """A row that could not be parsed; ``reason`` is a short tag (``invalid_json``, ``invalid_utf8``)."""
+
     reason: str
 
 
-def _read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
+def read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, record)`` for each row of one file: ``location`` is ``"<path>:<line>"`` (JSONL) or
+    ``"<path>:row<n>"`` (parquet / arrow); ``record`` is the parsed object (dict) or a :class:`BadRow`.
+
+    Args:
+      path: the file; kind: ``"jsonl"``, ``"parquet"`` or ``"arrow"``.
+    Raises:
+      DataError: an unreadable parquet/arrow file or an unsupported ``kind`` (the message names the path).
+    """
     if kind == "jsonl":
         # bytes, decoded line by line: a bad UTF-8 byte is a bad row of its own line (file:line in the report
         # or error), not a UnicodeDecodeError from the file iterator that names neither
@@ -242,14 +252,14 @@ def _read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
                 try:
                     line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
                 except UnicodeDecodeError:
-                    yield where, _Bad("invalid_utf8")
+                    yield where, BadRow("invalid_utf8")
                     continue
                 if not line.strip():
                     continue
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError:
-                    yield where, _Bad("invalid_json")
+                    yield where, BadRow("invalid_json")
     elif kind in ("parquet", "arrow"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -271,9 +281,17 @@ def _read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: unsupported file type {kind!r} (expected jsonl, parquet or arrow)")
 
 
-def _resolve_hf(spec: str, split: str) -> list[Path]:
+def resolve_hf_files(spec: str, split: str) -> list[Path]:
     """Files of ``split`` in a local dataset directory / file, or in a hub dataset downloaded with
-    ``huggingface_hub.snapshot_download``."""
+    ``huggingface_hub.snapshot_download`` (HF datasets' file layout: ``<split>.parquet``,
+    ``<split>-00000-of-00001.parquet``, ``<split>/...``).
+
+    Returns:
+      list of ``Path`` (parquet / arrow / jsonl files), at least one.
+    Raises:
+      FileNotFoundError: a local path that does not exist; DataError: the hub is unreachable or no file of
+      ``split`` exists (the message names the dataset and split).
+    """
     p = Path(spec)
     if p.is_file():
         return [p]
@@ -356,7 +374,7 @@ def _build_examples(rows: Sequence[tuple[str, Any]], tokenizer: Any, d: DataConf
 def _row_problem(rec: Any, prompt_key: str, answer_key: str) -> Optional[str]:
     """Why a record is unusable (``"missing:<key>"``, ``"not_str:<key>"``, ``"empty:<key>"``,
     ``"not_object"``, ``"invalid_json"``, ``"invalid_utf8"``), or None if it is fine."""
-    if isinstance(rec, _Bad):
+    if isinstance(rec, BadRow):
         return rec.reason
     if not isinstance(rec, dict):
         return "not_object"

@@ -8,19 +8,26 @@ Model sources (one of):
   on a CPU. Its continuation is meaningless text; the point is the pipeline
   (tokenizer -> prefill -> KV-cache decode steps -> detokenizer).
 
-The tokenizer defaults to the Qwen3 tokenizer files in ``../shared/data/qwen3_tokenizer`` (relative to the
-repository root); ``--tokenizer`` takes a directory or an HF hub id (``transformers.AutoTokenizer``).
+The tokenizer: ``--tokenizer`` (a directory or an HF hub id, ``transformers.AutoTokenizer``); else the
+tokenizer saved with ``--model`` (an HF export such as ``runs/tiny_cpu/hf`` carries its own); else a builtin
+one, with a warning when ``--model`` had none: the Qwen3 tokenizer shipped in ``stapo_jax/assets`` when the
+model's vocabulary holds it, else the offline character tokenizer (``stapo_jax.tokenizer``).
 Greedy decoding is ``models.decode.greedy_generate`` (jitted prefill + one-token decode steps).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PROMPT = "The capital of France is"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
 
@@ -31,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="HF Qwen3 checkpoint directory or hub id (config.json + *.safetensors)")
     src.add_argument("--preset", help="preset architecture with random weights, e.g. Qwen3-0.6B")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or hub id (default: ../shared/data/qwen3_tokenizer)")
+                   help="tokenizer directory or hub id (default: the one saved with --model, else the builtin "
+                        "Qwen3 tokenizer shipped with the package)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate (default: %(default)s)")
@@ -76,21 +84,43 @@ def load_model(args):
     return cfg, Qwen3(cfg, rngs=nnx.Rngs(args.seed)), desc
 
 
-def load_tokenizer(path_or_id: Optional[str]):
-    """``transformers.AutoTokenizer`` from a directory or hub id (default: the shared Qwen3 tokenizer).
+def load_tokenizer(path_or_id: Optional[str], model_path: Optional[str] = None, vocab_size: Optional[int] = None):
+    """The demo's tokenizer (module docstring): ``path_or_id``, else ``model_path``'s, else a builtin one.
 
+    Args:
+      path_or_id: ``--tokenizer`` (directory or hub id) or None.
+      model_path: ``--model`` (directory or hub id) or None; a directory without tokenizer files
+        (:data:`TOKENIZER_FILES`) falls back to a builtin tokenizer with a warning.
+      vocab_size: the model's vocabulary size; picks the builtin tokenizer (the shipped Qwen3 one if it fits,
+        else the character tokenizer). None = the shipped Qwen3 tokenizer.
+    Returns:
+      a ``transformers`` fast tokenizer.
     Raises:
-      FileNotFoundError: the default tokenizer directory is absent and no ``--tokenizer`` was given.
+      OSError: transformers cannot load ``path_or_id`` (a missing directory or an unknown hub id).
     """
     from transformers import AutoTokenizer
 
-    from models.presets import shared_data_dir
-    if path_or_id is None:
-        path = shared_data_dir("qwen3_tokenizer")
-        if not path.is_dir():
-            raise FileNotFoundError(f"{path}: default Qwen3 tokenizer not found; pass --tokenizer DIR_OR_HUB_ID")
-        path_or_id = str(path)
-    return AutoTokenizer.from_pretrained(path_or_id)
+    from stapo_jax.assets import qwen3_tokenizer_dir
+    if path_or_id is not None:
+        return AutoTokenizer.from_pretrained(path_or_id)
+    if model_path is not None:
+        local = Path(model_path).expanduser()
+        if not local.is_dir():                                     # a hub id: its tokenizer comes with it
+            return AutoTokenizer.from_pretrained(model_path)
+        if any((local / f).is_file() for f in TOKENIZER_FILES):
+            return AutoTokenizer.from_pretrained(str(local))
+    qwen3 = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+    if vocab_size is None or len(qwen3) <= vocab_size:
+        if model_path is not None:
+            log.warning("%s holds no tokenizer; using the builtin Qwen3 tokenizer (pass --tokenizer DIR_OR_HUB_ID "
+                        "to choose another)", model_path)
+        return qwen3
+    from stapo_jax.tokenizer import build_builtin_tokenizer
+
+    log.warning("%s holds no tokenizer and its vocabulary (%d) is smaller than Qwen3's (%d); using the builtin "
+                "character tokenizer (pass --tokenizer DIR_OR_HUB_ID to choose another)", model_path, vocab_size,
+                len(qwen3))
+    return build_builtin_tokenizer()
 
 
 def run(args) -> dict:
@@ -107,7 +137,8 @@ def run(args) -> dict:
     from models.decode import greedy_generate
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    tok = load_tokenizer(args.tokenizer)
+    cfg, model, desc = load_model(args)
+    tok = load_tokenizer(args.tokenizer, args.model, cfg.vocab_size)
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True,
                                       add_generation_prompt=True)
@@ -116,7 +147,6 @@ def run(args) -> dict:
         ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("--prompt encodes to no tokens")
-    cfg, model, desc = load_model(args)
     if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
@@ -135,6 +165,7 @@ def run(args) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``stapo-jax demo``; returns the exit code (0 ok, 2 bad input: message on stderr)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         rec = run(args)
     except (ValueError, KeyError, FileNotFoundError, OSError) as e:   # CheckpointError is a ValueError

@@ -1,14 +1,16 @@
 """Token-level diagnostics of STAPO (stapo_spec.md §6): stop-gradient, cheap, returned as metrics.
 
 * Lemma A.1 (exact): for the unnormalised per-token surrogate ``J = w log pi(y)`` with weight ``w``,
-  ``grad_z J = w (e_y - pi)`` so ``||grad_z J||^2 = w^2 (1 - 2p + C)``, ``C = sum_v pi_v^2``.
+  ``grad_z J = w (e_y - pi)`` so ``||grad_z J||^2 = w^2 (1 - 2p + C) = w^2 ((1 - p)^2 + C')``, ``C = sum_v pi_v^2``,
+  ``C' = sum_{v != y} pi_v^2``; the second form is what is computed (no cancellation in float32 as p -> 1).
 * Theorem 3.1 (bounds): ``w^2 (1 - 2p + e^{-H}) <= ||grad_z J||^2 <= w^2 (2 - 2p - C_V H^2)`` with
   ``C_V = (|V| - 1) / (|V| (ln |V|)^2)``.
 * Phase cells: probability (``p < tau_p`` low) x advantage sign x entropy (``H < tau_h`` low); the cell
   ``p low, A > 0, H low`` holds the spurious tokens S2T silences.
 
 ``w`` is 0 for a clipped token (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``, and the dual-clipped
-``A < 0, r > c``), otherwise ``r A`` (the 1/N factor is left out). Gradients here are w.r.t. the tempered logits
+``A < 0, r > c``) and for a token whose log-ratio lies outside the ``±log_ratio_clamp`` clamp (verl's ±20: the
+clamp's gradient is 0 there), otherwise ``r A`` (the 1/N factor is left out). Gradients here are w.r.t. the tempered logits
 ``z = logits / T``; w.r.t. the raw logits they are ``1/T`` times as large.
 
 Metrics use the ``{name: (sum, weight)}`` convention of ``objectives.py``.
@@ -44,35 +46,60 @@ def vocab_constant(vocab_size: int) -> float:
     return (vocab_size - 1) / (vocab_size * math.log(vocab_size) ** 2)
 
 
-def collision_probability(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """``C = sum_v softmax(logits / T)_v^2``; logits ``[..., V]`` -> ``[...]`` float32. (Rényi-2: C >= e^{-H}.)"""
+def collision_probability(logits: jax.Array, temperature: float = 1.0, token_ids: jax.Array | None = None) -> jax.Array:
+    """``C = sum_v softmax(logits / T)_v^2``, or with ``token_ids`` ``C' = sum_{v != y} softmax(logits / T)_v^2``
+    (the other tokens only, summed directly so that it keeps its relative precision as ``p_y -> 1``).
+
+    Args: logits ``[..., V]`` float; token_ids ``[...]`` int (optional). Returns ``[...]`` float32 (float64 for
+    float64 logits). Rényi-2: ``C >= e^{-H}``. The chunked pass gives ``C'`` without ``[..., V]`` logits
+    (``chunked_log_probs_and_entropy(..., with_collision=True)``). Source: STAPO Lemma A.1.
+    """
     p = jax.nn.softmax(logits.astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32) / temperature, -1)
-    return jnp.sum(p * p, axis=-1)
+    sq = p * p
+    if token_ids is not None:
+        sq = jnp.where(token_ids[..., None] == jnp.arange(p.shape[-1]), 0.0, sq)
+    return jnp.sum(sq, axis=-1)
 
 
 def surrogate_weight(
-    ratio: jax.Array,
+    log_ratio: jax.Array,
     advantages: jax.Array,
     *,
     clip_ratio_low: float,
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
+    log_ratio_clamp: float = 20.0,
 ) -> jax.Array:
-    """Per-token weight ``w``: 0 where the clipped surrogate is flat in the ratio, else ``r A``.
+    """Per-token weight ``w = d l / d log_probs`` (up to sign): 0 where the clipped surrogate is flat in the
+    log-probability, else ``r A`` with ``r = exp(log_ratio)``.
 
-    Args: ratio ``[B, T]`` (``exp(log_probs - old_log_probs)``), advantages ``[B, T]`` or ``[B]``, clip settings
-      as ``PolicyLossConfig``. Returns ``[B, T]``. Source: stapo_spec.md §6 (plus verl's dual clip).
+    Flat: the ratio clip (``A > 0, r > 1 + eps_high``; ``A < 0, r < 1 - eps_low``), the dual clip (``A < 0,
+    r > c``) and the log-ratio clamp (``|log_ratio| > log_ratio_clamp``, where verl's ``clamp(-20, 20)`` has a zero
+    gradient).
+
+    Args: log_ratio ``[B, T]`` float (``log_probs - old_log_probs``, *before* the clamp), advantages ``[B, T]`` or
+      ``[B]``, clip settings as ``PolicyLossConfig``. Returns ``[B, T]`` float.
+    Source: stapo_spec.md §6; verl ``compute_policy_loss_vanilla`` (clamp, dual clip).
     """
-    adv = advantages[:, None] if advantages.ndim == 1 and ratio.ndim == 2 else advantages
+    adv = advantages[:, None] if advantages.ndim == 1 and log_ratio.ndim == 2 else advantages
+    ratio = jnp.exp(jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp))
     clipped = ((adv > 0) & (ratio > 1 + clip_ratio_high)) | ((adv < 0) & (ratio < 1 - clip_ratio_low))
     if clip_ratio_c is not None:
         clipped = clipped | ((adv < 0) & (ratio > clip_ratio_c))
+    clipped = clipped | (jnp.abs(log_ratio) > log_ratio_clamp)
     return jnp.where(clipped, 0.0, ratio * adv)
 
 
-def gradient_norm_sq(p: jax.Array, collision: jax.Array, w: jax.Array) -> jax.Array:
-    """Lemma A.1: ``||grad_z (w log pi(y))||^2 = w^2 (1 - 2p + C)``. Shapes broadcast; p in [0, 1]."""
-    return w * w * (1.0 - 2.0 * p + collision)
+def gradient_norm_sq(log_probs: jax.Array, collision_others: jax.Array, w: jax.Array) -> jax.Array:
+    """Lemma A.1: ``||grad_z (w log pi(y))||^2 = w^2 ((1 - p)^2 + C')``, ``C' = sum_{v != y} pi_v^2``.
+
+    ``1 - p`` is ``-expm1(log_probs)`` and ``C'`` excludes the sampled token, so nothing cancels as ``p -> 1``
+    (the textbook ``1 - 2p + C`` loses every digit in float32 there).
+    Args: log_probs (nats), collision_others (from :func:`collision_probability` with ``token_ids`` or the chunked
+    pass), w: broadcastable float arrays. Returns their broadcast shape. Source: STAPO Lemma A.1.
+    """
+    one_minus_p = -jnp.expm1(log_probs)
+    return w * w * (one_minus_p * one_minus_p + collision_others)
 
 
 def gradient_norm_bounds(p: jax.Array, entropy: jax.Array, w: jax.Array, vocab_size: int):
@@ -98,7 +125,7 @@ def token_diagnostics(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
     vocab_size: int | None = None,
-    collision: jax.Array | None = None,
+    collision_others: jax.Array | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> dict[str, tuple[jax.Array, jax.Array]]:
     """Phase-cell fractions, S2T fractions and gradient-norm statistics as ``{name: (sum, weight)}``.
@@ -108,13 +135,13 @@ def token_diagnostics(
         ``[B, T]``. response_mask: ``[B, T]`` valid tokens. token_mask: the keep mask actually applied (or None).
       tau_p: probability threshold; tau_h: entropy threshold (scalar, e.g. the S2T quantile).
       clip settings: as ``PolicyLossConfig``. vocab_size: |V| for the Theorem 3.1 bounds (omit to skip them).
-      collision: ``[B, T]`` ``sum_v pi_v^2`` (from ``chunked_log_probs_and_entropy(..., with_collision=True)``) for
-        the exact Lemma A.1 norm ``g = 1 - 2p + C`` (omit to skip it).
+      collision_others: ``[B, T]`` ``sum_{v != y} pi_v^2`` (``chunked_log_probs_and_entropy(..., with_collision=True)``)
+        for the exact Lemma A.1 norm ``g = (1 - p)^2 + C'`` (omit to skip it).
 
     Returns (all weights are token counts over valid tokens unless noted):
       ``s2t/masked_frac`` (valid tokens not kept), ``s2t/frac_pos_lowp`` (A > 0 and p < tau_p),
       ``s2t/frac_below_tau_h``, ``s2t/n_keep`` (sum over kept tokens, weight 1), ``phase/<cell>/frac``,
-      and with ``collision``: ``grad/g_mean``, ``grad/w2g_mean``, ``phase/<cell>/g_mean``,
+      and with ``collision_others``: ``grad/g_mean``, ``grad/w2g_mean``, ``phase/<cell>/g_mean``,
       ``phase/<cell>/w2g_mean`` (weight = tokens in the cell), with ``vocab_size``: ``grad/bound_lower_mean``,
       ``grad/bound_upper_mean``, ``grad/bounds_violated`` (count of tokens outside the bounds; weight 1).
 
@@ -123,7 +150,7 @@ def token_diagnostics(
     """
     shape = tuple(log_probs.shape)
     for name, a in dict(entropy=entropy, old_log_probs=old_log_probs, response_mask=response_mask,
-                        token_mask=token_mask, collision=collision).items():
+                        token_mask=token_mask, collision_others=collision_others).items():
         if a is not None and tuple(a.shape) != shape:
             raise ValueError(f"{name} shape {tuple(a.shape)} must equal log_probs shape {shape}")
     sg = jax.lax.stop_gradient
@@ -148,11 +175,10 @@ def token_diagnostics(
         sel = sel & (low_h if h == "hlow" else ~low_h)
         cells[cell] = sel.astype(dt) * v
         out[f"phase/{cell}/frac"] = metric_pair(cells[cell], v)
-    ratio = jnp.exp(jnp.clip(lp - old, -log_ratio_clamp, log_ratio_clamp))
-    w = surrogate_weight(ratio, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                         clip_ratio_c=clip_ratio_c)
-    if collision is not None:
-        g = 1.0 - 2.0 * p + sg(collision).astype(dt)
+    w = surrogate_weight(lp - old, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                         clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp)
+    if collision_others is not None:
+        g = gradient_norm_sq(lp, sg(collision_others).astype(dt), 1.0)
         w2g = w * w * g
         out["grad/g_mean"] = metric_pair(g, v)
         out["grad/w2g_mean"] = metric_pair(w2g, v)
@@ -163,8 +189,8 @@ def token_diagnostics(
         lo, hi = gradient_norm_bounds(p, ent, w, vocab_size)
         out["grad/bound_lower_mean"] = metric_pair(lo, v)
         out["grad/bound_upper_mean"] = metric_pair(hi, v)
-        if collision is not None:
-            exact = w * w * (1.0 - 2.0 * p + sg(collision).astype(dt))
+        if collision_others is not None:
+            exact = w2g
             tol = 1e-5 * (1.0 + w * w)
             bad = ((exact < lo - tol) | (exact > hi + tol)).astype(dt)
             out["grad/bounds_violated"] = (jnp.sum(bad * v), jnp.ones((), dt))

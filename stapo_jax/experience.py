@@ -15,6 +15,7 @@ import numpy as np
 from stapo_jax.advantages import compute_advantages, nonzero_variance_groups, overlong_reward_penalty
 from stapo_jax.batching import pack_prompt_response, round_up
 from stapo_jax.rollout.driver import FINISH_LENGTH, RolloutBatch
+from stapo_jax.rollout.multihost import score_rows
 
 
 @dataclasses.dataclass
@@ -43,10 +44,12 @@ def decode_responses(tokenizer: Any, rollout: RolloutBatch) -> list[str]:
 
 
 def score_rollout(rollout: RolloutBatch, examples: Sequence[dict], tokenizer: Any, scorer) -> tuple[np.ndarray, dict]:
-    """Verifier scores [N] float32 of each row against its prompt's gold, and the scorer's stats."""
+    """Verifier scores [N] float32 of each row against its prompt's gold, and the scorer's stats. In a
+    multi-process job each process scores a share of whole groups and the scores are all-gathered
+    (``stapo_jax.rollout.multihost.score_rows``): the result is the same on every process."""
     texts = decode_responses(tokenizer, rollout)
     golds = [examples[int(i)]["gold"] for i in rollout.prompt_index]
-    return scorer.score(texts, golds)
+    return score_rows(texts, golds, scorer, max(rollout.group_size, 1))
 
 
 def _concat(parts: Sequence[RolloutBatch], offsets: Sequence[int]) -> RolloutBatch:

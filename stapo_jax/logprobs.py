@@ -175,12 +175,12 @@ def _per_token_seq_loop(t: int, c: int, names, init, step):
 
 
 def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
-    """Per-token logZ, E_p[z], sum_v p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile.
+    """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile.
 
     With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
     ``logits_to_log_probs_and_entropy`` does (``jax.nn.logsumexp``, ``jax.nn.softmax``), so the trainer's
     log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles outermost
-    carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum exp(2 (z - m)) and
+    carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
     z_y, so the weight is read once and no tile outlives its step.
     """
     acc = _acc_of(h, w)
@@ -201,8 +201,9 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             probs = jax.nn.softmax(z, axis=-1)
             new = {"log_z": jax.nn.logsumexp(z, axis=-1), "e_z": jnp.sum(probs * z, axis=-1),
                    "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
-            if with_collision:
-                new["q"] = jnp.sum(probs * probs, axis=-1)
+            if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
+                label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
+                new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
             return new
 
         out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab)
@@ -224,9 +225,10 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             e = jnp.exp(z - m[..., None])
             new = {"m": m, "s": old["s"] * scale + jnp.sum(e, axis=-1),
                    "t": old["t"] * scale + jnp.sum(e * z, axis=-1)}
-            if with_collision:
-                new["q"] = old["q"] * scale * scale + jnp.sum(e * e, axis=-1)
             i_c = _slice(ids, start, c, 1)
+            if with_collision:
+                label = i_c[..., None] == vs + jnp.arange(vc)
+                new["q"] = old["q"] * scale * scale + jnp.sum(jnp.where(label, 0.0, e * e), axis=-1)
             hit = (i_c >= j * vc) & (i_c < vs + vc)
             picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
             new["z_y"] = jnp.where(hit, picked, old["z_y"])
@@ -244,7 +246,7 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
-    """``(log_probs, entropy[, collision])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``."""
+    """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``."""
     return _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision)[0]
 
 
@@ -258,8 +260,8 @@ def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab
 def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
     """Hand-written backward over the same tiles, recomputing each logits tile once.
 
-    With p = softmax(z), E = E_p[z], C = sum_v p_v^2 and cotangents (g_lp, g_H, g_C) per token:
-      dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C p_v (p_v - C)
+    With p = softmax(z), E = E_p[z], C' = sum_{v != y} p_v^2 and cotangents (g_lp, g_H, g_C') per token:
+      dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C' p_v (p_v 1[v != y] - C')
     then d logits = dz / temperature, dh = d logits @ w^T, dw = h^T @ d logits, d temperature = -sum dz z / T.
     Vocabulary tiles (``bwd_vocab_chunk`` wide) are outermost, so the float32 head-gradient accumulator is one tile
     (written once into the ``[D, V]`` result in the weight's dtype) while dh ``[B, T, D]`` (small) accumulates.
@@ -296,7 +298,7 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
             dz = glp * (onehot - p) - gh * p * (z - ez)
             if with_collision:
                 cc, gc = coll
-                dz = dz + 2.0 * gc * p * (p - cc)
+                dz = dz + 2.0 * gc * p * (jnp.where(onehot, 0.0, p) - cc)
             if col_fresh is not None or row_fresh is not None:
                 fresh = jnp.ones((c, vc), bool)
                 fresh = fresh if col_fresh is None else fresh & col_fresh
@@ -339,9 +341,9 @@ def chunked_log_probs_and_entropy(
 
     The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
     tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
-    exponentials, their z-weighted sum (and sum of squares for the collision probability), so the largest
+    exponentials, their z-weighted sum (and sum of squares of the other tokens' probabilities), so the largest
     buffer is one ``[B, seq_chunk, vocab_chunk]`` tile. The backward is hand-written (``jax.custom_vjp``): it
-    saves only the inputs and logZ, E_p[z] (and C) per token, recomputes each tile once, accumulates the
+    saves only the inputs and logZ, E_p[z] (and C') per token, recomputes each tile once, accumulates the
     hidden-state gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32
     ``[D, vocab_chunk]`` tile at a time, written into the ``[D, V]`` result in the weight's dtype. Gradients
     w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
@@ -359,12 +361,14 @@ def chunked_log_probs_and_entropy(
       vocab_chunk: positive int or None, vocabulary entries per tile (capped at V). None: the forward takes the
         whole vocabulary per tile (one ``[B, seq_chunk, V]`` tile) and the backward tiles it at
         ``BACKWARD_VOCAB_CHUNK`` (8192) entries, so its float32 head-gradient accumulator never is ``[D, V]``.
-      with_collision: also return the collision probability ``C = sum_v softmax(z)_v^2`` ``[B, T]`` (for the
-        Lemma A.1 gradient-norm diagnostic, ``stapo_jax.diagnostics``).
+      with_collision: also return the collision probability of the *other* tokens
+        ``C' = sum_{v != y} softmax(z)_v^2`` ``[B, T]``, summed without the sampled token so that it keeps its
+        relative precision as ``p_y -> 1`` (the collision probability is ``C = C' + exp(2 log_probs)``; the Lemma
+        A.1 gradient norm is ``(1 - p)^2 + C'``, ``stapo_jax.diagnostics.gradient_norm_sq``).
 
     Returns:
-      ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision)``), each ``[B, T]`` float32 (float64 for
-      float64 inputs); log-probs and entropy in nats.
+      ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision_others)``), each ``[B, T]`` float32
+      (float64 for float64 inputs); log-probs and entropy in nats.
 
     Raises:
       ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, or

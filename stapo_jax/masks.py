@@ -1,8 +1,12 @@
 """Token masks: which valid response tokens enter the policy-gradient loss.
 
-Every mask is a function of stop-gradient inputs and returns a boolean ``keep`` array of the shape of
-``response_mask`` that is False wherever ``response_mask`` is 0. The objective (``objectives.py``) multiplies
-``keep`` into its numerator and, when renormalising, its denominator.
+Every mask is a function of stop-gradient inputs, registered by name (:data:`TOKEN_MASKS`, as verl's
+``core_algos`` registers its policy losses) with the statistics it needs and its population, and returns
+``(mask, threshold)``: a boolean array of the shape of ``response_mask`` that is False wherever
+``response_mask`` is 0 (a *keep* mask, or for ``kl_cov`` a *selection*), and the scalar threshold of the
+statistic that decided it (NaN when the population is empty; comparisons with NaN are False, so the mask then
+selects nothing). The objective (``objectives.py``) multiplies ``keep`` into its numerator and, when
+renormalising, its denominator.
 
 Population of the thresholds (``tau_h`` of S2T, the top-k of 20-Entropy) = the tokens of the arrays passed
 in, plus, when ``axis_name`` is given (inside ``jax.shard_map``), the same arrays of every shard along that
@@ -17,11 +21,25 @@ mesh axis (``jax.lax.all_gather``), so the threshold is exact and identical on a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.mask_settings import (  # noqa: F401  (re-exported: part of this module's API)
+    QUANTILE_METHODS,
+    QUANTILE_SCOPES,
+    QUANTILE_TOKENS,
+    CovConfig,
+    S2TConfig,
+    TopEntropyConfig,
+)
+
 __all__ = [
+    "TokenMask",
+    "TOKEN_MASKS",
+    "register_token_mask",
+    "get_token_mask",
     "S2TConfig",
     "TopEntropyConfig",
     "CovConfig",
@@ -32,77 +50,63 @@ __all__ = [
     "kl_cov_mask",
     "QUANTILE_METHODS",
     "QUANTILE_SCOPES",
+    "QUANTILE_TOKENS",
 ]
-
-QUANTILE_METHODS = ("linear", "nearest", "topk_ceil")
-QUANTILE_SCOPES = ("microbatch", "minibatch")
-
-
-@dataclass(frozen=True)
-class S2TConfig:
-    """STAPO's S2T mask settings (stapo_spec.md §3 and §10 items 1-6; defaults are the adopted reading).
-
-    tau_p: absolute probability threshold (silence if p < tau_p). entropy_quantile: q of tau_h = Q_q(H).
-    quantile_scope: 'minibatch' (pre-pass, global over devices and micro-batches) or 'microbatch'.
-    quantile_tokens: 'valid' (all valid response tokens) or 'positive_adv'. quantile_method: 'linear'
-    (torch.quantile default), 'nearest' or 'topk_ceil' (80/20 code). stats_policy: 'current' or 'old'
-    (policy giving p and H). minibatch_method: how the train step gets the exact mini-batch ``tau_h`` under the
-    current policy: 'correction' (mask with the old-policy quantile during the gradient pass, then redo forward +
-    backward only for micro-batches where the exact quantile changes a token's mask) or 'prepass' (one extra
-    forward over the mini-batch first, stapo_spec §3). renormalize: masked tokens leave the denominator too.
-    """
-
-    tau_p: float = 0.002
-    entropy_quantile: float = 0.8
-    quantile_scope: str = "minibatch"
-    quantile_tokens: str = "valid"
-    quantile_method: str = "linear"
-    stats_policy: str = "current"
-    minibatch_method: str = "correction"
-    renormalize: bool = True
-
-    def __post_init__(self):
-        if not 0.0 < self.tau_p <= 1.0:
-            raise ValueError(f"s2t.tau_p must be in (0, 1], got {self.tau_p}")
-        if not 0.0 <= self.entropy_quantile <= 1.0:
-            raise ValueError(f"s2t.entropy_quantile must be in [0, 1], got {self.entropy_quantile}")
-        _one_of("s2t.quantile_scope", self.quantile_scope, QUANTILE_SCOPES)
-        _one_of("s2t.quantile_tokens", self.quantile_tokens, ("valid", "positive_adv"))
-        _one_of("s2t.quantile_method", self.quantile_method, QUANTILE_METHODS)
-        _one_of("s2t.stats_policy", self.stats_policy, ("current", "old"))
-        _one_of("s2t.minibatch_method", self.minibatch_method, ("correction", "prepass"))
-
-
-@dataclass(frozen=True)
-class TopEntropyConfig:
-    """20-Entropy (Wang et al. 2506.01939) settings: keep the top ``ratio`` of valid tokens by entropy.
-
-    scope: 'minibatch' (our default, stapo_spec.md §10 item 12) or 'microbatch' (official code).
-    """
-
-    ratio: float = 0.2
-    scope: str = "minibatch"
-
-    def __post_init__(self):
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"top_entropy.ratio must be in (0, 1], got {self.ratio}")
-        _one_of("top_entropy.scope", self.scope, QUANTILE_SCOPES)
-
-
-@dataclass(frozen=True)
-class CovConfig:
-    """Clip-Cov / KL-Cov selection settings (verl ``policy_loss.clip_cov_*`` / ``kl_cov_ratio``; Cui et al.
-    2505.22617). The KL-Cov penalty coefficient is ``PolicyLossConfig.ppo_kl_coef``."""
-
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-
 
 def _one_of(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """A registered token mask.
+
+    name: the recipe's ``token_mask`` value. fn: ``fn(*needs, response_mask, **settings) -> (mask, threshold)``.
+    needs: the statistics it reads, by their batch names (``log_probs``, ``entropy``, ``advantages``,
+    ``old_log_probs``, ``key``). settings: dotted recipe fields passed as keyword arguments (the keyword is the
+    last part), e.g. ``s2t.tau_p``. population: in words, the tokens its threshold is taken over. scope: the
+    dotted recipe field naming its population scope (``microbatch`` / ``minibatch``), or None (each call is its own
+    population). selects: the mask selects tokens for a penalty (``kl_cov_selection``) instead of keeping them.
+    renormalize: whether dropped tokens leave the denominator: a bool or a dotted recipe field.
+    """
+
+    name: str
+    fn: Callable
+    needs: tuple[str, ...]
+    settings: tuple[str, ...]
+    population: str
+    scope: str | None = None
+    selects: bool = False
+    renormalize: bool | str = True
+
+
+TOKEN_MASKS: dict[str, TokenMask] = {}
+
+
+def register_token_mask(name: str, **spec) -> Callable:
+    """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
+
+    Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
+
+    def deco(fn):
+        if name in TOKEN_MASKS:
+            raise ValueError(f"token mask {name!r} is already registered")
+        TOKEN_MASKS[name] = TokenMask(name=name, fn=fn, **spec)
+        return fn
+
+    return deco
+
+
+def get_token_mask(name: str) -> TokenMask:
+    """The registered mask ``name``. Raises: ValueError naming the known masks."""
+    if name not in TOKEN_MASKS:
+        raise ValueError(f"unknown token mask {name!r}; known: {sorted(TOKEN_MASKS)}")
+    return TOKEN_MASKS[name]
+
+
+def _nan_if_empty(n, value):
+    return jnp.where(n > 0, value, jnp.asarray(jnp.nan, value.dtype))
 
 
 def _check_same_shape(ref_name, ref, **arrays):
@@ -150,7 +154,7 @@ def masked_quantile(
       axis_name: mesh axis name(s) to gather over inside ``shard_map``; None for the local population.
 
     Returns:
-      scalar of ``values.dtype``; 0 when no value is valid (never NaN).
+      scalar of ``values.dtype``; NaN when no value is valid (an empty population has no quantile).
 
     Raises:
       ValueError: unknown ``method``, q outside [0, 1], or shape mismatch.
@@ -179,9 +183,13 @@ def masked_quantile(
             hi = jnp.minimum(lo + 1, last)
             frac = pos - lo.astype(v.dtype)
             out = s[lo] + frac * (s[hi] - s[lo])
-    return jnp.where(n > 0, out, jnp.zeros((), v.dtype))
+    return _nan_if_empty(n, out)
 
 
+@register_token_mask("s2t", needs=("log_probs", "entropy", "advantages"),
+                     settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
+                     population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
+                     scope="s2t.quantile_scope", renormalize="s2t.renormalize")
 def s2t_mask(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -198,8 +206,9 @@ def s2t_mask(
     """STAPO's Silencing-Spurious-Tokens (S2T) mask.
 
     A valid token is silenced iff ``A > 0`` and ``p = exp(log_probs) < tau_p`` and ``entropy < tau_h``, where
-    ``tau_h`` is the ``entropy_quantile`` quantile of the entropies of the population (valid tokens, or valid
-    tokens with ``A > 0`` when ``quantile_tokens='positive_adv'``) of this call, gathered over ``axis_name``.
+    ``tau_h`` is the ``entropy_quantile`` quantile of the entropies of the population (valid tokens; valid
+    tokens with ``A > 0`` when ``quantile_tokens='positive_adv'``; valid tokens with ``A > 0`` and ``p < tau_p``
+    when ``quantile_tokens='candidates'``) of this call, gathered over ``axis_name``.
     Tokens with ``A <= 0`` are never silenced. All inputs are stop-gradient.
 
     Args:
@@ -213,8 +222,8 @@ def s2t_mask(
         provisional threshold in ``minibatch_method='correction'``); returned as given.
 
     Returns:
-      ``(keep, tau_h)``: ``keep`` ``[B, T]`` bool (valid and not silenced); ``tau_h`` scalar (0 if the
-      population is empty).
+      ``(keep, tau_h)``: ``keep`` ``[B, T]`` bool (valid and not silenced); ``tau_h`` scalar (NaN if the
+      population is empty: then nothing is silenced).
 
     Raises:
       ValueError: shape mismatches (naming the array) or invalid settings.
@@ -222,33 +231,41 @@ def s2t_mask(
     Source: STAPO (arXiv 2602.15620) §3-4, Algorithm 1; stapo_spec.md §3.
     """
     _check_same_shape("response_mask", response_mask, log_probs=log_probs, entropy=entropy, advantages=advantages)
-    _one_of("quantile_tokens", quantile_tokens, ("valid", "positive_adv"))
+    _one_of("quantile_tokens", quantile_tokens, QUANTILE_TOKENS)
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
     adv = _tokenwise(sg(advantages), response_mask)
     valid = response_mask.astype(bool)
-    population = valid & (adv > 0) if quantile_tokens == "positive_adv" else valid
+    population = {"valid": valid, "positive_adv": valid & (adv > 0),
+                  "candidates": valid & (adv > 0) & (jnp.exp(log_probs) < tau_p)}[quantile_tokens]
     if tau_h is None:
         tau_h = masked_quantile(entropy, population, entropy_quantile, quantile_method, axis_name=axis_name)
     silenced = valid & (adv > 0) & (jnp.exp(log_probs) < tau_p) & (entropy < tau_h)
     return valid & ~silenced, tau_h
 
 
+@register_token_mask("top_entropy", needs=("entropy",), settings=("top_entropy.ratio",),
+                     population="valid tokens", scope="top_entropy.scope")
 def top_entropy_mask(
-    entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, axis_name=None
-) -> jax.Array:
+    entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
+    axis_name=None,
+) -> tuple[jax.Array, jax.Array]:
     """20-Entropy mask: keep the ``k = max(1, ceil(ratio * n))`` highest-entropy valid tokens.
 
     The threshold is the ``k``-th largest valid entropy of the population (gathered over ``axis_name``); a
     valid token is kept iff its entropy is >= the threshold. Without ties this is exactly the official
     ``torch.topk`` selection; with ties at the threshold all tied tokens are kept (so the mask does not
-    depend on token order, where ``torch.topk`` breaks ties arbitrarily).
+    depend on token order, where ``torch.topk`` breaks ties arbitrarily). ``quantile_method='linear'`` takes
+    the threshold as ``torch.quantile(valid entropies, 1 - ratio)`` instead: TRL's ``get_high_entropy_mask``
+    (``top_entropy_quantile = ratio``).
 
     Args:
       entropy: ``[B, T]`` float (nats, stop-gradient). response_mask: ``[B, T]`` 0/1 or bool.
-      ratio: fraction in (0, 1]. axis_name: mesh axis name(s) inside ``shard_map``.
+      ratio: fraction in (0, 1]. quantile_method: ``topk_ceil`` (80/20 code) or ``linear`` (TRL), see
+      :func:`masked_quantile`. axis_name: mesh axis name(s) inside ``shard_map``.
 
-    Returns: ``keep`` ``[B, T]`` bool (all False when there is no valid token).
+    Returns: ``(keep, threshold)``: ``keep`` ``[B, T]`` bool (all False when there is no valid token), the entropy
+    threshold (NaN when there is none).
     Raises: ValueError on shape mismatch or ratio outside (0, 1].
     Source: Wang et al. 2506.01939; ``get_global_entropy_top_mask`` (Shenzhi-Wang/Beyond-the-80-20-Rule-RLVR).
     """
@@ -257,9 +274,8 @@ def top_entropy_mask(
     _check_same_shape("response_mask", response_mask, entropy=entropy)
     entropy = jax.lax.stop_gradient(entropy)
     valid = response_mask.astype(bool)
-    threshold = masked_quantile(entropy, valid, 1.0 - ratio, "topk_ceil", axis_name=axis_name)
-    n = jnp.sum(_gather(valid, axis_name).astype(jnp.int32))
-    return valid & (entropy >= threshold) & (n > 0)
+    threshold = masked_quantile(entropy, valid, 1.0 - ratio, quantile_method, axis_name=axis_name)
+    return valid & (entropy >= threshold), threshold
 
 
 def _masked_mean(x, mask):
@@ -267,6 +283,10 @@ def _masked_mean(x, mask):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1)
 
 
+@register_token_mask("clip_cov", needs=("log_probs", "old_log_probs", "advantages", "key"),
+                     settings=("loss.clip_ratio_low", "loss.clip_ratio_high", "cov.clip_cov_ratio", "cov.clip_cov_lb",
+                               "cov.clip_cov_ub"),
+                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
 def clip_cov_mask(
     log_probs: jax.Array,
     old_log_probs: jax.Array,
@@ -274,21 +294,26 @@ def clip_cov_mask(
     response_mask: jax.Array,
     key: jax.Array,
     *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
-) -> jax.Array:
+    priority: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Clip-Cov: detach a random ``max(1, floor(clip_cov_ratio * n))`` of the valid, not-already-clipped tokens
     whose centred covariance ``(A - mean A)(log p - mean log p)`` lies in ``(clip_cov_lb, clip_cov_ub)``.
 
-    Returns ``keep`` ``[B, T]`` bool (valid minus the detached tokens). verl keeps detached tokens in the
-    denominator: use the objective with ``renormalize=False``. The random choice uses ``key`` (verl uses
-    ``torch.randperm``), so only the candidate set, not the draw, matches verl. Local population only.
+    Returns ``(keep, threshold)``: ``keep`` ``[B, T]`` bool (valid minus the detached tokens); the smallest
+    covariance among the detached tokens (NaN when none is detached). verl keeps detached tokens in the
+    denominator: use the objective with ``renormalize=False``. The random choice takes the candidates of highest
+    ``priority`` (default: uniform draws from ``key``); verl draws ``torch.randperm`` over the candidates in
+    row-major order, so a ``priority`` built from the same permutation replays verl's draw exactly
+    (tests/test_peer_parity.py). Local population only.
 
     Args: log_probs/old_log_probs ``[B, T]`` float; advantages ``[B]``/``[B, T]``; response_mask ``[B, T]``;
-      key: a ``jax.random`` key; the clip and cov settings as verl ``policy_loss``.
+      key: a ``jax.random`` key; the clip and cov settings as verl ``policy_loss``; priority: optional
+      ``[B, T]`` float >= 0 ranking the candidates (higher is detached first; replaces the draw from ``key``).
     Raises: ValueError on shape mismatch or ``clip_cov_ratio <= 0``.
     Source: Cui et al. 2505.22617; verl ``compute_policy_loss_clip_cov``.
     """
@@ -305,18 +330,25 @@ def clip_cov_mask(
     cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     n = jnp.sum(valid.astype(jnp.int32))
     num = jnp.maximum(jnp.floor(clip_cov_ratio * n.astype(jnp.float32)).astype(jnp.int32), 1)
-    score = jnp.where(cand, jax.random.uniform(key, cand.shape), -1.0)
+    draw = jax.random.uniform(key, cand.shape) if priority is None else priority
+    score = jnp.where(cand, draw, -1.0)
     thr = jnp.sort(score.reshape(-1))[::-1][jnp.clip(num - 1, 0, score.size - 1)]
     detach = cand & (score >= thr)
-    return valid & ~detach
+    n_det = jnp.sum(detach.astype(jnp.int32))
+    threshold = _nan_if_empty(n_det, jnp.min(jnp.where(detach, cov, jnp.asarray(jnp.inf, cov.dtype))))
+    return valid & ~detach, threshold
 
 
+@register_token_mask("kl_cov", needs=("log_probs", "advantages"), settings=("cov.kl_cov_ratio",),
+                     population="valid tokens", selects=True)
 def kl_cov_mask(
     log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, *, kl_cov_ratio: float = 0.0002
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """KL-Cov selection: the ``max(1, floor(kl_cov_ratio * n))`` valid tokens of largest centred covariance
-    ``(A - mean A)(log p - mean log p)``. Returns a ``[B, T]`` bool *selection* (True = gets the KL penalty
-    ``ppo_kl_coef * |log p - log p_old|`` in :func:`stapo_jax.objectives.compute_policy_loss`), not a keep mask.
+    ``(A - mean A)(log p - mean log p)``. Returns ``(selection, threshold)``: a ``[B, T]`` bool *selection*
+    (True = gets the KL penalty ``ppo_kl_coef * |log p - log p_old|`` in
+    :func:`stapo_jax.objectives.compute_policy_loss`), not a keep mask, and the covariance threshold (the k-th
+    largest; NaN when there is no valid token).
 
     Raises: ValueError on shape mismatch or ``kl_cov_ratio <= 0``.
     Source: Cui et al. 2505.22617; verl ``compute_policy_loss_kl_cov`` (ties: all tied tokens selected).
@@ -332,5 +364,5 @@ def kl_cov_mask(
     k = jnp.maximum(jnp.floor(kl_cov_ratio * n.astype(jnp.float32)).astype(jnp.int32), 1)
     lo = jnp.asarray(jnp.finfo(cov.dtype).min, cov.dtype)
     s = jnp.sort(jnp.where(valid, cov, lo).reshape(-1))[::-1]
-    thr = s[jnp.clip(k - 1, 0, s.size - 1)]
-    return valid & (cov >= thr) & (n > 0)
+    thr = _nan_if_empty(n, s[jnp.clip(k - 1, 0, s.size - 1)])
+    return valid & (cov >= thr), thr

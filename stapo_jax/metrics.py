@@ -1,5 +1,7 @@
-"""Per-step metrics of a run: one JSON object per line in ``metrics.jsonl``, TensorBoard event files
-(tensorboardX) and a tqdm progress bar on the console."""
+"""Per-step metrics of a run: one JSON object per line in ``metrics.jsonl`` (always), and as chosen by
+``trainer.logger`` (verl's key): TensorBoard event files (tensorboardX, ``tensorboard``), Weights & Biases
+(``wandb``; ``WANDB_MODE=offline`` writes a local run under ``<run_dir>/wandb`` without any network, to be
+``wandb sync``-ed later) and a tqdm progress bar on the console (``console``)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +29,23 @@ def to_python(v):
     return v
 
 
+def progress_bar(total: Optional[int], desc: str, *, unit: str = "step", enabled: bool = True):
+    """A tqdm progress bar on stderr (count, rate, ETA) for a long phase (SFT steps, evaluated problems), shown
+    only on JAX process 0 of a multi-controller run; elsewhere, or with ``enabled`` false, a disabled tqdm
+    whose ``update`` / ``set_postfix`` / ``write`` / ``close`` do nothing.
+
+    Args:
+      total: number of units (None: unknown, no ETA); desc: the label in front; unit: e.g. ``"step"``.
+    Returns:
+      a ``tqdm.auto.tqdm`` (use as a context manager or call ``close()``).
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
+                disable=not enabled or jax.process_index() != 0)
+
+
 class MetricsLogger:
     """Write scalar metrics per step.
 
@@ -35,10 +54,14 @@ class MetricsLogger:
       total_steps: length of the progress bar (steps).
       tensorboard: write TensorBoard events under ``run_dir/tb``.
       progress: show a tqdm progress bar on stderr.
+      wandb: keyword arguments of ``wandb.init`` (e.g. ``project``, ``name``, ``config``) to also log to
+        Weights & Biases (files under ``run_dir/wandb``), or None. ``WANDB_MODE=offline`` needs no network.
+    Raises:
+      ImportError: ``wandb`` requested but not installed (the message says how to install it).
     """
 
     def __init__(self, run_dir: str, total_steps: Optional[int] = None, *, tensorboard: bool = True,
-                 progress: bool = True, desc: str = "train"):
+                 progress: bool = True, desc: str = "train", wandb: Optional[Mapping] = None):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         _drop_partial_last_line(self.path)
@@ -47,6 +70,7 @@ class MetricsLogger:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self._wandb = _start_wandb(run_dir, wandb) if wandb is not None else None
         self._bar = None  # created at the first step, so warm-up phases do not count towards its rate
         self._bar_args = dict(total=total_steps, desc=desc, dynamic_ncols=True) if progress else None
 
@@ -65,6 +89,8 @@ class MetricsLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, int(step))
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(step))
         bar = self._ensure_bar(initial=int(step) - 1)
         if bar is not None:
             bar.set_postfix({k: f"{row[k]:.4g}" for k in _BAR_KEYS if isinstance(row.get(k), (int, float))},
@@ -96,10 +122,44 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        """Finish the progress bar, flush and close TensorBoard, W&B and ``metrics.jsonl``."""
         self.close_progress()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         self._file.close()
+
+    @classmethod
+    def from_config(cls, run_dir: str, cfg, *, main_process: bool = True) -> "MetricsLogger":
+        """The logger ``trainer.logger`` asks for: ``console`` (progress bar), ``tensorboard``, ``wandb``
+        (project ``trainer.project_name``, run name ``trainer.experiment_name`` or the run directory's name, the
+        resolved config attached). Only the main process (JAX process 0) shows a bar or writes TensorBoard /
+        W&B; every process writes its ``metrics.jsonl``.
+
+        Args:
+          run_dir: this process's metrics directory; cfg: the run :class:`~stapo_jax.config.Config`.
+        """
+        t = cfg.trainer
+        chosen = set(t.logger)
+        wandb = None
+        if main_process and "wandb" in chosen:
+            name = t.experiment_name or os.path.basename(os.path.normpath(t.run_dir))
+            wandb = dict(project=t.project_name, name=name,
+                         config=cfg.to_dict())
+        return cls(run_dir, t.total_steps, tensorboard=main_process and "tensorboard" in chosen,
+                   progress=main_process and "console" in chosen, wandb=wandb)
+
+
+def _start_wandb(run_dir: str, init_kwargs: Mapping):
+    """``wandb.init(dir=run_dir, **init_kwargs)``; the run object."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("trainer.logger includes wandb but the wandb package is not installed: "
+                          "pip install wandb (or drop wandb from trainer.logger)") from e
+    return wandb.init(dir=run_dir, **{"reinit": "create_new", **dict(init_kwargs)})
 
 
 def _drop_partial_last_line(path: str) -> None:

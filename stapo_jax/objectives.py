@@ -3,7 +3,7 @@
 Pure functions on ``[B, T]`` arrays. Every loss returns ``(loss_sum, loss_denominator, metrics)``: the
 mini-batch loss is ``sum_k loss_sum_k / D`` where ``D`` is the *global* denominator of the whole mini-batch
 (:func:`global_loss_denominator`, or the sum of the returned denominators over micro-batches and shards for
-every mode except ``seq-mean-token-sum-norm``, whose denominator is the constant ``loss_scale_factor``).
+every mode except those in ``CONSTANT_DENOMINATOR_MODES``, whose denominator is a constant).
 Dividing once makes micro-batch accumulation and data parallelism exact (conventions.md §2, Tunix
 ``aggregate_loss``); see :func:`safe_divide`.
 
@@ -29,8 +29,10 @@ import jax.numpy as jnp
 __all__ = [
     "PolicyLossConfig",
     "LOSS_AGG_MODES",
+    "CONSTANT_DENOMINATOR_MODES",
     "KL_TYPES",
     "kl_penalty",
+    "kl_loss",
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
@@ -39,7 +41,10 @@ __all__ = [
     "add_metrics",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                  "token-sum-norm")
+# modes whose denominator is a constant (not a sum over micro-batches / shards): accumulate it once, not K times
+CONSTANT_DENOMINATOR_MODES = ("token-sum", "token-sum-norm")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
             "low_var_kl+", "k3+")
 _SEQ_EPS = 1e-8  # verl agg_loss: s_b / (n_b + 1e-8)
@@ -51,12 +56,14 @@ class PolicyLossConfig:
 
     clip_ratio_low / clip_ratio_high: epsilon_low / epsilon_high of the ratio clip.
     clip_ratio_c: dual-clip constant (> 1) for ``A < 0``, or None to disable (verl always applies 3.0).
-    loss_agg_mode: one of ``LOSS_AGG_MODES``. loss_scale_factor: constant divisor of
-    ``seq-mean-token-sum-norm`` (None: the mask's last dimension, verl's default).
+    loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl 0.9.1 ``agg_loss`` semantics; ``token-sum-norm`` is the
+    pre-0.9.1 ``seq-mean-token-sum-norm``, kept as an explicit option). loss_scale_factor: the per-sequence
+    horizon of ``seq-mean-token-sum-norm`` / ``token-sum-norm`` (None: the mask's last dimension, verl's default).
     log_ratio_clamp: |log ratio| clamp before exp (verl 20). entropy_coeff: entropy bonus coefficient.
     use_kl_loss / kl_loss_coef / kl_loss_type: KL-to-reference term (``KL_TYPES``).
     rollout_is_threshold: cap of the truncated importance weight ``exp(old - rollout)`` (None: off).
-    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``).
+    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``; verl
+    ``policy_loss.ppo_kl_coef`` default 0.1; this project used 1.0 before verl 0.9.1 parity).
     """
 
     clip_ratio_low: float = 0.2
@@ -70,7 +77,7 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     rollout_is_threshold: float | None = None
-    ppo_kl_coef: float = 1.0
+    ppo_kl_coef: float = 0.1
 
     def __post_init__(self):
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -148,7 +155,11 @@ def aggregate(
     * ``token-mean``: ``(sum_b s_b, sum_b n_b)``
     * ``seq-mean-token-mean``: ``(sum_b s_b / (n_b + 1e-8) [n_b > 0], #{b: n_b > 0})``
     * ``seq-mean-token-sum``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0})``
-    * ``seq-mean-token-sum-norm``: ``(sum_b s_b, loss_scale_factor or T)`` (a constant, not additive)
+    * ``token-sum``: ``(sum_b s_b, 1)`` (a constant, not additive)
+    * ``seq-mean-token-sum-norm``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0} * (loss_scale_factor or T))``
+      (verl >= 0.9.1, PR #4510: the sequence mean of token sums, divided by the horizon; Dr.GRPO)
+    * ``token-sum-norm``: ``(sum_b s_b, loss_scale_factor or T)`` (a constant, not additive; verl < 0.9.1's
+      ``seq-mean-token-sum-norm``)
 
     Args:
       loss_mat: ``[B, T]`` float per-token loss. num_mask / den_mask: ``[B, T]`` float 0/1 masks of the
@@ -171,8 +182,12 @@ def aggregate(
         return jnp.sum(jnp.where(nonempty, s_b / (n_b + _SEQ_EPS), 0.0)), jnp.sum(nonempty.astype(dt))
     if loss_agg_mode == "seq-mean-token-sum":
         return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt))
+    if loss_agg_mode == "token-sum":
+        return jnp.sum(s_b), jnp.ones((), dt)
+    factor = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        factor = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt)) * jnp.asarray(factor, dt)
+    if loss_agg_mode == "token-sum-norm":
         return jnp.sum(s_b), jnp.asarray(factor, dt)
     raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
@@ -182,7 +197,7 @@ def global_loss_denominator(
 ) -> jax.Array:
     """The denominator ``D`` of a whole mini-batch (pass the full ``[B, T]`` masks, or call per shard and
     ``psum``-then-use for the additive modes). Equals the sum of :func:`compute_policy_loss`'s per-micro-batch
-    denominators, except for ``seq-mean-token-sum-norm`` where it is the constant scale factor.
+    denominators, except for ``CONSTANT_DENOMINATOR_MODES`` where it is the constant.
 
     Args: response_mask ``[B, T]``; token_mask ``[B, T]`` bool or None; config; renormalize as the loss.
     Returns: float32 scalar. Raises: ValueError as :func:`aggregate`.
@@ -209,6 +224,7 @@ def compute_policy_loss(
     rollout_log_probs: jax.Array | None = None,
     kl_cov_selection: jax.Array | None = None,
     renormalize: bool = True,
+    return_per_token: bool = False,
 ) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
     """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``.
 
@@ -226,6 +242,12 @@ def compute_policy_loss(
       kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.masks.kl_cov_mask`; switches to verl's KL-Cov
         loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
       renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
+      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
+        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
+        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
+        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
+        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the total per-token loss that is
+        aggregated). Padding positions hold 0 / False.
 
     Returns:
       ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
@@ -283,15 +305,18 @@ def compute_policy_loss(
     delta = jnp.clip(log_probs - old, -config.log_ratio_clamp, config.log_ratio_clamp)
     ratio = jnp.exp(delta)
     metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
+    clipped = clipped_lower = jnp.zeros(shape, bool)
     if kl_cov_selection is None:
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
         lc = jnp.maximum(l1, l2)
-        metrics["pg_clipfrac"] = metric_pair((l2 > l1).astype(dt), k)
+        clipped = (l2 > l1) & valid
+        metrics["pg_clipfrac"] = metric_pair(clipped.astype(dt), k)
         if config.clip_ratio_c is not None:
             l3 = -adv * config.clip_ratio_c
             pg = jnp.where(adv < 0, jnp.minimum(l3, lc), lc)
-            metrics["pg_clipfrac_lower"] = metric_pair(((lc > l3) & (adv < 0)).astype(dt), k)
+            clipped_lower = (lc > l3) & (adv < 0) & valid
+            metrics["pg_clipfrac_lower"] = metric_pair(clipped_lower.astype(dt), k)
         else:
             pg = lc
     else:
@@ -309,6 +334,7 @@ def compute_policy_loss(
     total = pg
     pg_sum, den = aggregate(pg, k, d, mode, factor)
     metrics["pg_loss"] = (pg_sum, den)
+    kl = jnp.zeros_like(pg)
     if config.use_kl_loss:
         kl = kl_penalty(log_probs, sg(ref_log_probs).astype(dt), config.kl_loss_type)
         total = total + config.kl_loss_coef * kl
@@ -319,7 +345,45 @@ def compute_policy_loss(
             total = total - config.entropy_coeff * entropy.astype(dt)
             metrics["entropy_loss"] = (aggregate(entropy.astype(dt), k, d, mode, factor)[0], den)
     loss_sum, _ = aggregate(total, k, d, mode, factor)
+    if return_per_token:
+        zero = jnp.zeros((), dt)
+        per_token = {"log_ratio": jnp.where(valid, delta, zero), "ratio": jnp.where(valid, ratio, zero),
+                     "pg_losses": jnp.where(valid, pg, zero), "clipped": clipped, "clipped_lower": clipped_lower,
+                     "kl": jnp.where(valid, kl, zero), "loss": jnp.where(valid, total, zero)}
+        return loss_sum, den, metrics, per_token
     return loss_sum, den, metrics
+
+
+def kl_loss(
+    log_probs: jax.Array,
+    ref_log_probs: jax.Array,
+    response_mask: jax.Array,
+    *,
+    kl_loss_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    token_mask: jax.Array | None = None,
+    renormalize: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The KL-to-reference term on its own: ``aggregate(kl_penalty(log_probs, ref_log_probs), ...)`` as
+    ``(kl_sum, denominator)`` (the value is ``safe_divide(kl_sum, denominator)``; the loss adds
+    ``kl_loss_coef`` times it). Equals the ``kl_loss`` metric of :func:`compute_policy_loss`.
+
+    Args: log_probs / ref_log_probs ``[B, T]`` float (nats; the gradient flows through ``log_probs``);
+      response_mask ``[B, T]`` 0/1 or bool; token_mask ``[B, T]`` bool or None; kl_loss_type in ``KL_TYPES``;
+      loss_agg_mode / loss_scale_factor / renormalize as :func:`compute_policy_loss`.
+    Returns: float scalars. Raises: ValueError for a shape mismatch, unknown type or mode.
+    Source: verl ``kl_penalty`` + ``agg_loss`` (``actor.use_kl_loss``).
+    """
+    if tuple(response_mask.shape) != tuple(log_probs.shape):
+        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} must equal log_probs {log_probs.shape}")
+    valid = response_mask.astype(bool)
+    log_probs = jnp.where(valid, log_probs, jnp.zeros((), log_probs.dtype))
+    ref = jax.lax.stop_gradient(jnp.where(valid, ref_log_probs, jnp.zeros((), ref_log_probs.dtype)))
+    k, d = _masks(response_mask, token_mask, renormalize)
+    dt = log_probs.dtype
+    return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
+                     loss_scale_factor)
 
 
 def add_metrics(a: dict, b: dict) -> dict:
@@ -336,7 +400,7 @@ def finalize_metrics(metrics: dict, loss_denominator: jax.Array | None = None) -
     """``{name: (sum, weight)}`` -> ``{name: sum / weight}`` (0 where the weight is 0).
 
     ``loss_denominator``: the global denominator to use for the loss-type metrics (``LOSS_METRICS``) after
-    accumulating micro-batches; needed for ``seq-mean-token-sum-norm``, whose per-call denominator is a
+    accumulating micro-batches; needed for ``CONSTANT_DENOMINATOR_MODES``, whose per-call denominator is a
     constant and therefore must not be summed.
     """
     out = {}

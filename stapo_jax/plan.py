@@ -318,19 +318,13 @@ def _spec_recipe(spec: dict):
 
 
 def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
-    """The static ``_Spec`` of ``stapo_jax.rollout.engine``'s jitted prefill/insert/step functions for a model and
-    engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model), so the
-    very functions the engine runs can be lowered with abstract arguments."""
-    import types
+    """The static ``DecodeSpec`` of ``stapo_jax.rollout.decode_fns``' jitted prefill/insert/step functions for a
+    model and engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model),
+    so the very functions the engine runs can be lowered with abstract arguments."""
+    from stapo_jax.rollout.decode_fns import abstract_decode_spec
+    from stapo_jax.rollout.engine import engine_stop_ids
 
-    from stapo_jax.rollout import engine as eng
-
-    vocab = qcfg.vocab_size
-    eos = engine_config.eos_token_ids or tuple(sorted({*qcfg.eos_token_ids,
-                                                       *(i for i in eng.QWEN3_STOP_IDS if i < vocab)}))
-    shardings = eng.Qwen3Engine._decode_state_shardings(
-        types.SimpleNamespace(_mesh=mesh, model_config=qcfg, config=engine_config))
-    return eng._Spec(graphdef, qcfg, engine_config, eos, shardings)
+    return abstract_decode_spec(graphdef, qcfg, engine_config, mesh, engine_stop_ids(qcfg, engine_config))
 
 
 def _plan_decode(spec, qcfg, mesh) -> dict:
@@ -340,6 +334,7 @@ def _plan_decode(spec, qcfg, mesh) -> dict:
     from models.qwen3 import Qwen3
     from models.sharding import param_shardings
     from stapo_jax.rollout import engine as eng
+    from stapo_jax.rollout.decode_fns import init_fn, step_fn
     from stapo_jax.rollout.sampling import SamplingParams
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
@@ -348,8 +343,8 @@ def _plan_decode(spec, qcfg, mesh) -> dict:
                             max_decode_length=spec["response_length"])
     espec = abstract_engine_spec(qcfg, ecfg, mesh, graphdef)
     with jax.set_mesh(mesh):
-        state = _abstract(jax.eval_shape(eng._init_fn, espec, jax.random.key(0)), espec.state_shardings)
-        compiled = eng._step_fn.lower(espec, params, state, SamplingParams(temperature=spec["temperature"])).compile()
+        state = _abstract(jax.eval_shape(init_fn, espec, jax.random.key(0)), espec.state_shardings)
+        compiled = step_fn.lower(espec, params, state, SamplingParams(temperature=spec["temperature"])).compile()
     return {"params_bytes": _shard_bytes(params), "kv_cache_bytes": _shard_bytes((state.cache.k, state.cache.v)),
             "decode_state_bytes": _shard_bytes(state), "memory": _memory(compiled),
             "flops_per_device": _flops(compiled)}

@@ -25,12 +25,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from stapo_jax import masks
+from stapo_jax.config import RECIPES as CONFIG_RECIPES
+from stapo_jax.config import from_dict
 from stapo_jax.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.objectives import PolicyLossConfig
 
-__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask"]
+__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
+           "recipe_from_config"]
 
-TOKEN_MASKS = ("none", "s2t", "top_entropy", "clip_cov", "kl_cov")
+TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
 _ADV = ("grpo", "dr_grpo", "rloo")
 
 
@@ -74,10 +77,19 @@ class Recipe:
 
     @property
     def renormalize(self) -> bool:
-        """Whether masked tokens leave the denominator (False only for S2T with renormalize=false and Clip-Cov)."""
-        if self.token_mask == "s2t":
-            return self.s2t.renormalize
-        return self.token_mask != "clip_cov"
+        """Whether masked tokens leave the denominator (the mask's registered rule: False only for S2T with
+        renormalize=false and Clip-Cov)."""
+        if self.token_mask == "none":
+            return True
+        rule = masks.get_token_mask(self.token_mask).renormalize
+        return recipe_field(self, rule) if isinstance(rule, str) else rule
+
+    @property
+    def mask_scope(self) -> str:
+        """``minibatch`` or ``microbatch``: the population scope of the mask's threshold (``microbatch`` for masks
+        without a scope setting and for ``none``)."""
+        spec = None if self.token_mask == "none" else masks.get_token_mask(self.token_mask)
+        return "microbatch" if spec is None or spec.scope is None else recipe_field(self, spec.scope)
 
     def replace(self, **changes) -> "Recipe":
         """``dataclasses.replace``; nested sections accept dicts, e.g. ``replace(loss={"clip_ratio_c": None})``."""
@@ -87,17 +99,33 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-_CLIP_HIGHER = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, loss_agg_mode="token-mean",
-                    entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0)
+def recipe_from_config(cfg) -> Recipe:
+    """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.Config`) describes: every
+    loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
+    the recipe's own setting types, used as they are.
 
-RECIPES: dict[str, Recipe] = {
-    "grpo": Recipe("grpo", PolicyLossConfig(**{**_CLIP_HIGHER, "clip_ratio_high": 0.2})),
-    "entropy20": Recipe("entropy20", PolicyLossConfig(**_CLIP_HIGHER), token_mask="top_entropy"),
-    "justrl": Recipe("justrl", PolicyLossConfig(**_CLIP_HIGHER)),
-    "dapo": Recipe("dapo", PolicyLossConfig(**_CLIP_HIGHER), dynamic_sampling=True, overlong_buffer_len=4096,
-                   overlong_penalty_factor=1.0),
-    "stapo": Recipe("stapo", PolicyLossConfig(**_CLIP_HIGHER), token_mask="s2t"),
-}
+    Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
+    """
+    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
+    loss = PolicyLossConfig(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
+    mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
+    return Recipe(
+        cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,
+        adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
+        adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
+        dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,
+        overlong_buffer_len=cfg.reward.overlong_buffer_len, overlong_penalty_factor=cfg.reward.overlong_penalty,
+        drop_truncated=cfg.data.drop_truncated)
+
+
+# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.RECIPE_DEFAULTS[name]``
+# (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
+RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
+                              for name in CONFIG_RECIPES}
 
 
 def get_recipe(name: str, **changes) -> Recipe:
@@ -112,51 +140,52 @@ def get_recipe(name: str, **changes) -> Recipe:
     return recipe.replace(**changes) if changes else recipe
 
 
+def recipe_field(recipe: Recipe, dotted: str):
+    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way)."""
+    section, name = dotted.split(".")
+    return getattr(getattr(recipe, section), name)
+
+
 def compute_token_mask(
     recipe: Recipe,
     *,
-    log_probs,
-    entropy,
-    advantages,
     response_mask,
+    log_probs=None,
+    entropy=None,
+    advantages=None,
     old_log_probs=None,
     key=None,
     axis_name=None,
     tau_h=None,
 ):
-    """The recipe's token mask on this population (all inputs stop-gradient).
+    """The recipe's token mask on this population (all inputs stop-gradient), by the mask registry.
 
     Args:
-      recipe: a :class:`Recipe`. log_probs / entropy / response_mask: ``[B, T]``; advantages ``[B]`` or
-        ``[B, T]``; old_log_probs ``[B, T]`` (Clip-Cov only); key: PRNG key (Clip-Cov only); axis_name: mesh
-        axes to gather the threshold population over (inside ``shard_map``); tau_h: S2T only, a given entropy
+      recipe: a :class:`Recipe`. response_mask: ``[B, T]``. The statistics the mask declares it needs
+        (``masks.get_token_mask(name).needs``): log_probs / entropy / old_log_probs ``[B, T]`` float, advantages
+        ``[B]`` or ``[B, T]``, key a PRNG key; the others may be omitted. axis_name: mesh axes to gather the
+        threshold population over (inside ``shard_map``; masks with a scope). tau_h: S2T only, a given entropy
         threshold instead of the population quantile (see :func:`stapo_jax.masks.s2t_mask`).
 
     Returns:
-      ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for ``kl_cov`` it is the KL-Cov
-      *selection*, passed to the objective as ``kl_cov_selection``); ``stats`` dict of scalars
-      (``s2t/tau_h`` for S2T).
+      ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for a *selecting* mask such as ``kl_cov`` it
+      is the selection, passed to the objective as ``kl_cov_selection``); ``stats``: the mask's threshold as
+      ``s2t/tau_h`` (S2T) or ``<mask>/threshold`` (scalar; NaN for an empty population).
 
-    Raises: ValueError when Clip-Cov lacks ``old_log_probs``/``key``, or from the mask functions.
+    Raises: ValueError naming a statistic the mask needs but did not get, or from the mask function.
     """
     if recipe.token_mask == "none":
         return None, {}
-    if recipe.token_mask == "s2t":
-        c = recipe.s2t
-        keep, tau_h = masks.s2t_mask(log_probs, entropy, advantages, response_mask, tau_p=c.tau_p,
-                                     entropy_quantile=c.entropy_quantile, quantile_method=c.quantile_method,
-                                     quantile_tokens=c.quantile_tokens, axis_name=axis_name,
-                                     tau_h=tau_h)
-        return keep, {"s2t/tau_h": tau_h}
-    if recipe.token_mask == "top_entropy":
-        return masks.top_entropy_mask(entropy, response_mask, ratio=recipe.top_entropy.ratio,
-                                      axis_name=axis_name), {}
-    if recipe.token_mask == "clip_cov":
-        if old_log_probs is None or key is None:
-            raise ValueError("token_mask='clip_cov' needs old_log_probs and a PRNG key")
-        c = recipe.cov
-        return masks.clip_cov_mask(log_probs, old_log_probs, advantages, response_mask, key,
-                                   clip_ratio_low=recipe.loss.clip_ratio_low,
-                                   clip_ratio_high=recipe.loss.clip_ratio_high, clip_cov_ratio=c.clip_cov_ratio,
-                                   clip_cov_lb=c.clip_cov_lb, clip_cov_ub=c.clip_cov_ub), {}
-    return masks.kl_cov_mask(log_probs, advantages, response_mask, kl_cov_ratio=recipe.cov.kl_cov_ratio), {}
+    spec = masks.get_token_mask(recipe.token_mask)
+    given = dict(log_probs=log_probs, entropy=entropy, advantages=advantages, old_log_probs=old_log_probs, key=key)
+    missing = [n for n in spec.needs if given[n] is None]
+    if missing:
+        raise ValueError(f"token_mask={spec.name!r} needs {missing} (it reads {list(spec.needs)})")
+    kwargs = {n: given[n] for n in spec.needs}
+    kwargs.update({d.split(".")[1]: recipe_field(recipe, d) for d in spec.settings})
+    if spec.scope is not None:
+        kwargs["axis_name"] = axis_name
+    if tau_h is not None:
+        kwargs["tau_h"] = tau_h
+    keep, threshold = spec.fn(response_mask=response_mask, **kwargs)
+    return keep, {("s2t/tau_h" if spec.name == "s2t" else f"{spec.name}/threshold"): threshold}

@@ -52,7 +52,7 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
 
 def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
             warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
-            seq_chunk: int = 512, log=None) -> list[dict]:
+            seq_chunk: int = 512, log=None, progress: bool = False) -> list[dict]:
     """Train ``model`` in place on (prompt ids, response ids) pairs; returns the metrics of every step.
 
     Args:
@@ -61,6 +61,7 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
       steps, batch_size: optimizer steps and sequences per step (> 0).
       lr, warmup_steps, weight_decay, clip_grad: see ``stapo_jax.optim.make_optimizer``.
       pad_id: padding id; log: optional callable(step, metrics).
+      progress: show a progress bar ``sft`` (step, loss, ETA) on stderr, on process 0 only.
     Raises:
       ValueError: non-positive ``steps`` or ``batch_size``; a token id outside ``[0, vocab_size)`` (naming the
         example), e.g. a tokenizer larger than the model's embedding.
@@ -71,6 +72,9 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
     graphdef, params = nnx.split(model)
     opt_state = optimizer.init(params)
     history = []
+    from stapo_jax.metrics import progress_bar
+
+    bar = progress_bar(steps, "sft", enabled=progress)
     for step in range(steps):
         pairs = [next(examples) for _ in range(batch_size)]
         b = pack_prompt_response([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad_id,
@@ -81,8 +85,11 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
                                         jnp.asarray(b["response_mask"]))
         m = {k: float(v) for k, v in m.items()}
         history.append(m)
+        bar.set_postfix(loss=f"{m['sft/loss']:.4f}", refresh=False)
+        bar.update(1)
         if log is not None:
             log(step, m)
+    bar.close()
     nnx.update(model, params)
     return history
 
@@ -106,9 +113,10 @@ def gold_response_ids(example: dict, tokenizer, cfg) -> list[int]:
     return list(ids) + [tokenizer.eos_token_id]
 
 
-def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None) -> list[dict]:
+def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, progress: bool = True) -> list[dict]:
     """SFT warm-up of ``model`` (in place) on gold responses of ``examples`` drawn uniformly with
-    ``trainer.seed``, with the ``sft.*`` settings. Returns per-step metrics (see :func:`run_sft`)."""
+    ``trainer.seed``, with the ``sft.*`` settings, with a progress bar (process 0) unless ``progress`` is
+    false. Returns per-step metrics (see :func:`run_sft`)."""
     rng = np.random.RandomState(cfg.trainer.seed)
 
     def pairs():
@@ -120,7 +128,8 @@ def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None) -
     from stapo_jax.tokenizer import pad_token_id
 
     return run_sft(model, pairs(), steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
-                   pad_id=pad_token_id(tokenizer), seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log)
+                   pad_id=pad_token_id(tokenizer), seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log,
+                   progress=progress)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run)."""
     import logging
 
-    from models.hf import save_hf_checkpoint
     from stapo_jax import build
+    from stapo_jax.checkpoint import export_hf
+    from stapo_jax.distributed import check_same_config, initialize
     from stapo_jax.config import load_config
     from stapo_jax.data import load_prompt_dataset
 
@@ -138,15 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, force=True)
+    initialize()  # N processes (pod / SLURM): the same SFT on the global mesh; process 0 writes the export
     cfg = load_config(a.config, a.overrides)
+    check_same_config(cfg)
     mesh = build.build_mesh(cfg)
     tok = build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
     examples = load_prompt_dataset(cfg, tok, "train").examples
-    hist = sft_from_config(cfg, model, examples, tok, log=lambda i, m: print(
-        f"sft step {i + 1}: loss {m['sft/loss']:.4f}") if (i + 1) % 10 == 0 else None)
+    hist = sft_from_config(cfg, model, examples, tok)
     out = os.path.join(cfg.trainer.run_dir, "sft_hf")
-    save_hf_checkpoint(model, model.config, out)
-    tok.save_pretrained(out)
+    export_hf(model, tok, out)
     print(f"SFT: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.4f} -> {hist[-1]['sft/loss']:.4f}; saved {out}")
     return 0

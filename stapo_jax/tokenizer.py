@@ -25,6 +25,10 @@ BUILTIN_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK, UNK)
 BUILTIN_CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))  # newline, tab, printable ASCII
 # Qwen3's stop set is {<|endoftext|>, <|im_end|>} (conventions.md §6); the same names are used here.
 STOP_TOKEN_NAMES = (ENDOFTEXT, IM_END)
+# Qwen3's stop ids, the one definition (conventions.md §6): <|endoftext|> (base EOS, also the pad id) and
+# <|im_end|> (instruct EOS); for a model without a tokenizer (the engine, the gRPC client, the planner)
+QWEN3_STOP_IDS = (151643, 151645)
+QWEN3_PAD_ID = QWEN3_STOP_IDS[0]
 
 BUILTIN_CHAT_TEMPLATE = (
     "{%- for message in messages %}"

@@ -18,7 +18,7 @@ Data flow (stapo_spec.md §3-4, conventions.md §2):
    which it changes a token's mask, ``grad(sum_exact - sum_provisional)`` is added (``lax.cond``; counted in
    ``s2t/correction_passes``). The result equals the pre-pass update.
 4. Loss value, denominator and metrics once on the whole mini-batch with the final mask; one division of the
-   gradient sum by that **global** denominator (a constant for ``seq-mean-token-sum-norm``), so the update
+   gradient sum by that **global** denominator (a constant for ``token-sum`` / ``token-sum-norm``), so the update
    equals the full-batch gradient exactly; then the optax update. A non-finite gradient norm skips the update
    (``nonfinite_grad = 1``).
 
@@ -39,13 +39,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from stapo_jax.diagnostics import token_diagnostics
-from stapo_jax.masks import masked_quantile
+from stapo_jax.masks import get_token_mask, masked_quantile
 from stapo_jax.objectives import compute_policy_loss, finalize_metrics, safe_divide
 from stapo_jax.policy import response_log_probs_and_entropy
 from stapo_jax.recipes import Recipe, compute_token_mask
+from stapo_jax.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
-           "minibatch_stats_mode"]
+           "minibatch_stats_mode"]  # minibatch_stats_mode lives in stapo_jax.s2t (re-exported for the trainer)
 
 DATA_AXES = ("data", "fsdp")
 # reported as totals over the mini-batches of a step, not means
@@ -168,52 +169,6 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes))
 
 
-def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
-    """Where the update takes the mini-batch statistics of the recipe's token mask from (the one place this is
-    decided; ``make_train_step``, the trainer and ``stapo-jax plan`` all ask it).
-
-    Returns ``"none"`` (no population mask, or ``microbatch`` scope: each micro-batch is its own population),
-    ``"old"`` (S2T ``stats_policy=old``: the batch's ``old_log_probs`` / ``old_entropy``), ``"correction"`` (S2T
-    ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
-    """
-    mask = recipe.token_mask
-    scope = {"s2t": recipe.s2t.quantile_scope, "top_entropy": recipe.top_entropy.scope}.get(mask, "microbatch")
-    if mask == "s2t" and recipe.s2t.stats_policy == "old":
-        return "old"
-    if mask not in ("s2t", "top_entropy") or scope != "minibatch":
-        return "none"
-    if mask == "s2t" and recipe.s2t.minibatch_method == "correction" and has_old_entropy:
-        return "correction"
-    return "prepass"
-
-
-def _correct(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact):
-    """S2T ``minibatch_method='correction'``: add ``grad(sum_exact - sum_provisional)`` for every micro-batch in
-    which the exact mini-batch ``tau_h`` changed the mask of at least one token (``lax.cond``: the others cost
-    nothing). ``keep_*``: ``[K, B/K, R]`` bool. Returns ``(grad_sum, metrics)`` with the counts
-    ``s2t/correction_passes`` (micro-batches redone) and ``s2t/corrected_tokens``."""
-    changed = keep_guess != keep_exact
-    redo = jnp.any(changed.reshape(changed.shape[0], -1), axis=1)
-
-    def one(acc, xs):
-        mb, kg, kc, flag = xs
-
-        def fix(_):
-            def diff(p):
-                lp, ent = forward(p, mb)
-                return surrogate(lp, ent, mb, kc)[0] - surrogate(lp, ent, mb, kg)[0]
-
-            return jax.grad(diff)(params)
-
-        g = jax.lax.cond(flag, fix, lambda _: jax.tree.map(jnp.zeros_like, params), None)
-        return jax.tree.map(jnp.add, acc, g), None
-
-    grad_sum = jax.lax.cond(jnp.any(redo), lambda g: jax.lax.scan(one, g, (mbs, keep_guess, keep_exact, redo))[0],
-                            lambda g: g, grad_sum)
-    return grad_sum, {"s2t/correction_passes": jnp.sum(redo).astype(jnp.float32),
-                      "s2t/corrected_tokens": jnp.sum(changed).astype(jnp.float32)}
-
-
 def make_train_step(
     recipe: Recipe,
     optimizer: optax.GradientTransformation,
@@ -254,6 +209,7 @@ def make_train_step(
     """
     loss_cfg = recipe.loss
     mask = recipe.token_mask
+    selects = mask != "none" and get_token_mask(mask).selects  # kl_cov: a selection, not a keep mask
     k = num_micro_batches
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
@@ -286,9 +242,8 @@ def make_train_step(
                                               advantages=batch.advantages, response_mask=resp,
                                               old_log_probs=batch.old_log_probs, key=key)
             tau_all = _threshold(st, mask_stats[1], resp)
-        elif mode == "correction":  # provisional tau_h: the old policy's mini-batch quantile (exact on the first mini-batch)
-            tau_guess = compute_token_mask(recipe, log_probs=batch.old_log_probs, entropy=batch.old_entropy,
-                                           advantages=batch.advantages, response_mask=resp)[1]["s2t/tau_h"]
+        elif mode == "correction":
+            tau_guess = provisional_tau_h(recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp)
 
         def forward(p, mb):
             return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
@@ -296,9 +251,9 @@ def make_train_step(
                                                   vocab_chunk=vocab_chunk)
 
         def surrogate(lp, ent, mb, keep):
-            kl_sel = keep if mask == "kl_cov" else None
+            kl_sel = keep if selects else None
             return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                                       None if mask == "kl_cov" else keep, loss_cfg, entropy=ent,
+                                       None if selects else keep, loss_cfg, entropy=ent,
                                        ref_log_probs=mb.ref_log_probs, rollout_log_probs=mb.rollout_log_probs,
                                        kl_cov_selection=kl_sel, renormalize=recipe.renormalize)
 
@@ -332,7 +287,7 @@ def make_train_step(
             keep_full, stats = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
                                                   advantages=batch.advantages, response_mask=resp)
             tau_all = stats["s2t/tau_h"]
-            grad_sum, extra = _correct(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
+            grad_sum, extra = correction_pass(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
         b = batch.response_mask.shape[0]
         tau_rows = tau_all if tau_all is not None else _unsplit(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
@@ -341,7 +296,7 @@ def make_train_step(
         m = dict(m)
         diag_lp, diag_ent = mask_stats if mask_stats is not None else (lp_all, ent_all)
         m.update(token_diagnostics(diag_lp, diag_ent, batch.advantages, batch.old_log_probs, resp,
-                                   None if mask == "kl_cov" else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
+                                   None if selects else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
                                    clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
                                    clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,
                                    log_ratio_clamp=loss_cfg.log_ratio_clamp))
@@ -364,7 +319,8 @@ def make_train_step(
             "loss_denominator": den,
             "grad_norm": grad_norm,
             "nonfinite_grad": (~finite).astype(jnp.float32),
-            "s2t/tau_h": tau_all if tau_all is not None else jnp.mean(taus),
+            # an empty population has a NaN threshold; the metric reports 0 there (no NaN in the logs)
+            "s2t/tau_h": jnp.nan_to_num(tau_all, nan=0.0) if tau_all is not None else jnp.mean(jnp.nan_to_num(taus)),
         })
         return new_state, metrics
 

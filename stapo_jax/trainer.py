@@ -15,19 +15,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.multihost_utils import global_array_to_host_local_array
+from jax.experimental import multihost_utils
 
 from stapo_jax import build
-from stapo_jax.checkpoint import Checkpointer
+from stapo_jax.checkpoint import Checkpointer, export_hf
 from stapo_jax.config import Config, ConfigError, load_config
 from stapo_jax.data import load_prompt_dataset, make_iterator
 from stapo_jax.experience import collect_experience, heldout_accuracy
 from stapo_jax.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
+from stapo_jax.rollout.multihost import allgather_max, coordination_seconds
+from stapo_jax.distributed import check_same_config
 from stapo_jax.tokenizer import pad_token_id
-from stapo_jax.train_step import (COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step,
-                                  minibatch_stats_mode)
+from stapo_jax.s2t import make_update_steps
+from stapo_jax.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding, make_log_prob_fn
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,12 @@ def _num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     per_device = rows // dp
     k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
     if rows % dp or per_device % k:
-        raise ConfigError(f"mini-batch of {rows} sequences does not split into {dp} data-parallel shards of "
-                          f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}")
+        raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
+                          f"into {dp} data-parallel shards ({jax.process_count()} processes x "
+                          f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "
+                          f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change "
+                          f"actor.ppo_mini_batch_size, trainer.train_batch_size, actor.ppo_micro_batch_size or "
+                          f"mesh.*")
     return k
 
 
@@ -67,10 +73,12 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     Returns (state, metrics averaged over mini-batches; ``COUNT_METRICS`` summed)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
-    # each process holds its own rows (multi-controller): local numpy <-> global row-sharded arrays
+    # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
+    # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
     sharding = batch_sharding(mesh) if mesh is not None else None
-    put = (lambda x: jax.make_array_from_process_local_data(sharding, x)) if sharding is not None else jnp.asarray
-    get = (lambda x: np.asarray(global_array_to_host_local_array(x, mesh, sharding.spec))) if sharding is not None \
+    put = (lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])) if sharding is not None \
+        else jnp.asarray
+    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if sharding is not None \
         else np.asarray
     old_lp, old_ent = [], []
     for s in range(0, exp.num_rows, mini_rows):
@@ -112,11 +120,12 @@ def train(cfg: Config) -> dict[str, Any]:
     t = cfg.trainer
     run_dir = os.path.abspath(t.run_dir)
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
+    check_same_config(cfg)  # all processes started with the same settings (names the differing keys)
     mesh = build.build_mesh(cfg)
     G = cfg.rollout.n
-    mini_rows = cfg.actor.ppo_mini_batch_size * G // jax.process_count()  # this process's rows
+    mini_rows = cfg.actor.ppo_mini_batch_size * G  # global rows per mini-batch (the same on every process)
     # every check that can reject the config runs before anything is written into run_dir
-    k = _num_micro_batches(cfg, mini_rows * jax.process_count(), mesh)
+    k = _num_micro_batches(cfg, mini_rows, mesh)
     recipe = build.build_recipe(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)
@@ -132,8 +141,9 @@ def train(cfg: Config) -> dict[str, Any]:
         _check_same_model(cfg, run_dir)
     if main_process:
         cfg.save(run_dir)
-    logger = MetricsLogger(run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"),
-                           t.total_steps, tensorboard=main_process, progress=main_process)
+    logger = MetricsLogger.from_config(  # trainer.logger: console / tensorboard / wandb, on process 0
+        run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
+        main_process=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
     preempt = _Preemption()  # from here on SIGTERM means: finish the current phase, save, exit 0
     try:
@@ -151,17 +161,17 @@ def train(cfg: Config) -> dict[str, Any]:
         shardings = jax.tree.map(lambda x: x.sharding, state)
         step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
                        state_shardings=shardings, **common)
-        step_fn = make_train_step(recipe, optimizer, **step_kw)
-        first_fn = step_fn
-        if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
-            first_fn = make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw)
+        first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
-        data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        rng = jax.random.key_data(jax.random.PRNGKey(t.seed))
+        # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
+        data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                shard_index=0, shard_count=1)
+        # the RL seed stream lives on the host (numpy): identical on every process, checkpointed by process 0
+        rng = np.asarray(jax.random.key_data(jax.random.PRNGKey(t.seed)))
         start = 0
         if resuming:
             start, restored, data_state, meta = ckpt.restore({"train": state, "rng": rng})
-            state, rng = restored["train"], restored["rng"]
+            state, rng = restored["train"], np.asarray(restored["rng"])
             if meta.get("dataset_fingerprint") not in (None, train_ds.fingerprint):
                 log.warning("the training prompts differ from those of the checkpointed run: the resumed run "
                             "will not see the same samples as an uninterrupted one")
@@ -175,13 +185,17 @@ def train(cfg: Config) -> dict[str, Any]:
                         "against the trainer's θ_old). Restart the server from a new export to refresh it.",
                         cfg.rollout.mode)
         summary["final_step"] = start
-        for step in range(start, t.total_steps if not preempt.requested else start):
+        stop = allgather_max(float(preempt.requested)) > 0  # SIGTERM to any process stops all at the same step
+        for step in range(start, t.total_steps if not stop else start):
             t0 = time.perf_counter()
-            rng, sub = jax.random.split(rng)
+            coordination_seconds(reset=True)
+            rng, sub = (np.asarray(x) for x in jax.random.split(rng))
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
             exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
                                      max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id)
             t1 = time.perf_counter()
+            if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
+                _dump_experience(os.environ[DUMP_ENV], step + 1, exp)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh)
             t2 = time.perf_counter()
@@ -190,10 +204,12 @@ def train(cfg: Config) -> dict[str, Any]:
                                          f"{m.get('loss')}, grad_norm {m.get('grad_norm')}); stopping without "
                                          f"checkpointing or exporting them")
             sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
+            stop = allgather_max(float(preempt.requested)) > 0
             m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
             m.update(exp.metrics)
             n_tokens = float(exp.arrays["attention_mask"].sum())
             m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
+                      "time/coordination": coordination_seconds(),
                       "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
                 m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
@@ -204,14 +220,14 @@ def train(cfg: Config) -> dict[str, Any]:
                 logger.advance(step + 1)
             ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
                       meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
-                      force=preempt.requested or step + 1 == t.total_steps)
+                      force=stop or step + 1 == t.total_steps)
             summary["final_step"] = step + 1
-            if preempt.requested:
+            if stop:
                 break
         ckpt.wait()
         logger.close_progress()
         summary["optimizer_steps"] = int(state.step)
-        if preempt.requested:
+        if stop:
             logger.write(f"SIGTERM: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")
             summary["preempted"] = True
         nnx.update(model, state.params)
@@ -219,11 +235,8 @@ def train(cfg: Config) -> dict[str, Any]:
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
             summary["heldout_acc_after"] = acc
             logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
-        if t.export_hf and jax.process_count() > 1:
-            log.warning("trainer.export_hf: multi-process export is not supported; export the last Orbax "
-                        "checkpoint from a single process")
-        elif t.export_hf and not summary.get("preempted"):
-            summary["hf_export"] = _export_hf(model, tok, os.path.join(run_dir, "hf"))
+        if t.export_hf and not summary.get("preempted"):
+            summary["hf_export"] = export_hf(model, tok, os.path.join(run_dir, "hf"))
     finally:
         preempt.restore()
         logger.close()
@@ -233,6 +246,16 @@ def train(cfg: Config) -> dict[str, Any]:
         _write_plots(run_dir, summary)
         _write_summary(run_dir, summary)
     return summary
+
+
+DUMP_ENV = "STAPO_DUMP_EXPERIENCE_DIR"
+
+
+def _dump_experience(directory: str, step: int, exp) -> None:
+    """``<directory>/step_<step>.npz``: the packed rollout (``input_ids``, ``response_mask``, ...), ``rewards``
+    and ``advantages`` of an RL step, written by process 0 when ``$STAPO_DUMP_EXPERIENCE_DIR`` is set."""
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
 
 
 @jax.jit
@@ -257,21 +280,6 @@ def _check_same_model(cfg: Config, run_dir: str) -> None:
                           f"use a new trainer.run_dir or trainer.resume=false")
 
 
-def _export_hf(model, tok, out: str) -> str:
-    """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it)."""
-    import shutil
-
-    from models.hf import save_hf_checkpoint
-
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(model, model.config, tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
-
-
 def _val_examples(cfg: Config, tok) -> list[dict]:
     has_val = cfg.data.gym.val_size if cfg.data.source == "gym" else bool(cfg.data.val_files)
     return load_prompt_dataset(cfg, tok, "val").examples if has_val else []
@@ -287,7 +295,7 @@ def _sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metri
 def _write_plots(run_dir: str, summary: dict) -> None:
     from stapo_jax.plots import plot_run
     try:
-        summary["plots"] = plot_run(run_dir)
+        summary["plots"] = plot_run(run_dir, summary=summary)   # held-out accuracy from the before-RL point
     except ValueError as e:  # no metrics rows (e.g. preempted before the first step)
         log.warning("no plots: %s", e)
 

@@ -11,10 +11,11 @@ from flax import nnx
 
 from models.hf import save_hf_checkpoint
 from models.qwen3 import Qwen3, Qwen3Config
+from stapo_jax.assets import qwen3_tokenizer_dir
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
 from stapo_jax.rollout.sampling import SamplingParams
 
-TOKENIZER_DIR = "../shared/data/qwen3_tokenizer"
+TOKENIZER_DIR = str(qwen3_tokenizer_dir())
 
 
 def tiny_config(**kw) -> Qwen3Config:

@@ -101,7 +101,7 @@ def test_pack_rejects_out_of_range_token_ids(prompts, responses, kw, message):
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "nonzero_variance"])
 @pytest.mark.parametrize("ids,num_groups,message", [
-    ([0, 0, 1, -1], None, r"group_ids\[3\] = -1 is outside \[0, num_groups=2\)"),
+    ([0, 0, 1, -1], 2, r"group_ids\[3\] = -1 is outside \[0, num_groups=2\)"),
     ([0, 2, 1, 1], 2, r"group_ids\[1\] = 2 is outside \[0, num_groups=2\)"),
 ])
 def test_advantages_reject_concrete_group_ids_out_of_range(name, ids, num_groups, message):

@@ -98,6 +98,8 @@ def test_unknown_key_in_yaml_file(tmp_path):
     ("data.train_files=a.jsonl", r"data\.train_files: expected a list of str"),
     ("eval.n_samples={aime24: x}", r"eval\.n_samples: expected int or a mapping of str to int"),
     ("actor=3", r"actor: expected a mapping"),
+    ("s2t.quantile_scope=rollout_batch", r"s2t\.quantile_scope: 'rollout_batch' is not one of"),
+    ("actor.kl_loss_type=k4", r"actor\.kl_loss_type: 'k4' is not one of"),
 ])
 def test_wrong_types_are_named(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -125,6 +127,19 @@ def test_wrong_types_are_named(override, match):
 def test_cross_field_errors_name_the_keys(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("kl_type", ["kl+", "abs+", "mse+", "k3+"])
+def test_every_objective_kl_type_is_a_valid_config_value(kl_type):
+    import typing
+
+    from stapo_jax.config import ActorConfig
+    from stapo_jax.objectives import KL_TYPES, LOSS_AGG_MODES
+
+    assert load_config(None, [f"actor.kl_loss_type={kl_type}"]).actor.kl_loss_type == kl_type
+    hints = typing.get_type_hints(ActorConfig)
+    assert set(typing.get_args(hints["kl_loss_type"])) == set(KL_TYPES)
+    assert set(typing.get_args(hints["loss_agg_mode"])) == set(LOSS_AGG_MODES)
 
 
 def test_strict_recipe_can_be_lifted_explicitly():

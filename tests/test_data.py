@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stapo_jax.assets import asset_path, qwen3_tokenizer_dir
 from stapo_jax.config import ConfigError, load_config
 from stapo_jax.data import DataError, format_prompt, load_prompt_dataset, make_iterator
 from stapo_jax.tokenizer import build_builtin_tokenizer, load_tokenizer, pad_token_id, stop_token_ids
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GSM8K = SHARED / "gsm8k_test.jsonl"
-QWEN_TOK = SHARED / "qwen3_tokenizer"
+GSM8K = asset_path("samples", "gsm8k_test.jsonl")
+QWEN_TOK = qwen3_tokenizer_dir()
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_builtin_tokenizer_round_trip_and_specials(char_tok, tmp_path):
 
 
 def test_qwen3_tokenizer_ids(qwen_tok):
-    # conventions.md §6 / shared/data/SOURCES.md checks
+    # conventions.md §6 / DATA.md checks
     assert len(qwen_tok) == 151669
     assert qwen_tok("Hello, AI!", add_special_tokens=False)["input_ids"] == [9707, 11, 15235, 0]
     assert stop_token_ids(qwen_tok) == [151645, 151643] and pad_token_id(qwen_tok) == 151643

@@ -1,7 +1,8 @@
-"""stapo_jax/demo.py with the real Qwen3 tokenizer (../shared/data/qwen3_tokenizer): the greedy continuation of
+"""stapo_jax/demo.py with the real Qwen3 tokenizer (shipped in stapo_jax/assets): the greedy continuation of
 an HF checkpoint equals transformers' ``generate`` on the same tokens, and the printed text is the tokenizer's
 decoding of the printed ids."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,11 +14,11 @@ import torch
 from transformers import AutoTokenizer
 
 from fixtures_hf import make_hf_model
-from models.presets import shared_data_dir
+from stapo_jax.assets import qwen3_tokenizer_dir
 from stapo_jax.demo import main
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = shared_data_dir("qwen3_tokenizer")
+TOKENIZER = qwen3_tokenizer_dir()
 
 
 def _parse(out: str) -> dict:
@@ -44,10 +45,13 @@ def full_vocab_checkpoint(tmp_path_factory):
     return model, path
 
 
-def test_demo_on_hf_checkpoint_equals_hf_generate(full_vocab_checkpoint, tokenizer, capsys):
+def test_demo_on_hf_checkpoint_equals_hf_generate(full_vocab_checkpoint, tokenizer, capsys, caplog):
+    """A checkpoint without tokenizer files: the shipped Qwen3 tokenizer, with a warning that says so."""
     hf_model, path = full_vocab_checkpoint
     prompt = "Solve 2 + 3 = "
-    assert main(["--model", str(path), "--prompt", prompt, "--max-new-tokens", "10"]) == 0
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+        assert main(["--model", str(path), "--prompt", prompt, "--max-new-tokens", "10"]) == 0
+    assert any("holds no tokenizer" in r.message and "Qwen3 tokenizer" in r.message for r in caplog.records)
     rec = _parse(capsys.readouterr().out)
     prompt_ids = json.loads(rec["prompt_ids"])
     assert prompt_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -70,6 +74,43 @@ def test_default_tiny_random_model_runs_with_chat_template(tokenizer, capsys):
     gen = json.loads(rec["generated_ids"])
     assert 1 <= len(gen) <= 3 and all(0 <= t < 151936 for t in gen)
     assert json.loads(rec["text"]) == tokenizer.decode(gen, skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def char_vocab_export(tmp_path_factory):
+    """An HF export the way the trainer writes one for configs/tiny_cpu.yaml: a small model over the builtin
+    character tokenizer's 103 ids, with that tokenizer saved beside the weights; and the same weights alone."""
+    from stapo_jax.tokenizer import build_builtin_tokenizer
+
+    tok = build_builtin_tokenizer()
+    model = make_hf_model(tied=True, seed=5, vocab_size=len(tok), bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    with_tok, bare = tmp_path_factory.mktemp("export_tok"), tmp_path_factory.mktemp("export_bare")
+    model.save_pretrained(with_tok)
+    model.save_pretrained(bare)
+    tok.save_pretrained(with_tok)
+    return tok, with_tok, bare
+
+
+def test_demo_uses_the_tokenizer_saved_with_the_model(char_vocab_export, capsys, caplog):
+    tok, with_tok, bare = char_vocab_export
+    prompt = "Calculate 3 - 7 + 5."
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+        assert main(["--model", str(with_tok), "--prompt", prompt, "--max-new-tokens", "4", "--chat"]) == 0
+    assert not [r for r in caplog.records if "holds no tokenizer" in r.message]
+    rec = _parse(capsys.readouterr().out)
+    want = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    assert json.loads(rec["prompt_ids"]) == tok(want, add_special_tokens=False)["input_ids"]
+    # one id per character, one per special token (two <|im_start|>, one <|im_end|>)
+    assert len(json.loads(rec["prompt_ids"])) == len(want) - 2 * len("<|im_start|>") - len("<|im_end|>") + 3
+    gen = json.loads(rec["generated_ids"])
+    assert 1 <= len(gen) <= 4 and json.loads(rec["text"]) == tok.decode(gen, skip_special_tokens=False)
+    # the same weights without tokenizer files: the vocabulary (103) cannot hold Qwen3's, so the builtin
+    # character tokenizer is used, with a warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+        assert main(["--model", str(bare), "--prompt", prompt, "--max-new-tokens", "4"]) == 0
+    assert any("character tokenizer" in r.message for r in caplog.records)
+    assert json.loads(_parse(capsys.readouterr().out)["prompt_ids"]) == tok(prompt)["input_ids"]
 
 
 def test_demo_errors_are_reported_with_exit_code_2(tmp_path, capsys):

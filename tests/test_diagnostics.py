@@ -50,8 +50,8 @@ def _check_lemma_a1(seed, scale, c):
 
     g = jax.grad(total)(logits)
     autodiff = np.asarray(jnp.sum(g * g, -1))
-    w = surrogate_weight(jnp.exp(lp0 - old), adv, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=c)
-    analytic = np.asarray(gradient_norm_sq(jnp.exp(lp0), collision_probability(logits), w))
+    w = surrogate_weight(lp0 - old, adv, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=c)
+    analytic = np.asarray(gradient_norm_sq(lp0, collision_probability(logits, token_ids=ids), w))
     np.testing.assert_allclose(analytic, autodiff, rtol=1e-9, atol=1e-12)
 
 
@@ -88,7 +88,7 @@ def test_token_diagnostics_by_hand():
     lp = jnp.asarray(np.log(p), jnp.float32)
     out = token_diagnostics(lp, jnp.asarray(ent, jnp.float32), jnp.array([1.0]), lp, jnp.asarray(resp),
                             jnp.asarray(keep), tau_p=0.01, tau_h=1.0, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                            vocab_size=100, collision=jnp.asarray(p**2 + 0.01, jnp.float32))
+                            vocab_size=100, collision_others=jnp.asarray(np.full_like(p, 0.01), jnp.float32))
     f = {k: float(s) / float(w) for k, (s, w) in out.items() if float(w) > 0}
     assert f["s2t/masked_frac"] == 0.25 and f["s2t/frac_pos_lowp"] == 0.5 and f["s2t/frac_below_tau_h"] == 0.5
     assert f["s2t/n_keep"] == 3.0
@@ -109,7 +109,51 @@ def test_chunked_collision_equals_direct():
     h = jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(5, 29)) * 2, jnp.float32)
     ids = jnp.asarray(rng.integers(0, 29, size=(2, 7)))
-    direct = collision_probability(h @ w)
+    direct = collision_probability(h @ w, token_ids=ids)
     for vc in (None, 8):
         _, _, c = chunked_log_probs_and_entropy(h, w, ids, seq_chunk=3, vocab_chunk=vc, with_collision=True)
         np.testing.assert_allclose(np.asarray(c), np.asarray(direct), rtol=1e-5)
+
+
+def test_surrogate_weight_is_zero_beyond_the_log_ratio_clamp():
+    """A = -1, log_prob = 0, old_log_prob = -25, no dual clip: the loss's clamp(-20, 20) has zero gradient there,
+    so the weight is 0 (the weight of exp(clamp(delta)) A would be -4.85e8); it agrees with autodiff of the loss."""
+    lp, old, adv = jnp.array([[0.0, -1.0]]), jnp.array([[-25.0, -1.1]]), jnp.array([-1.0])
+    w = surrogate_weight(lp - old, adv, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
+    g = jax.grad(lambda x: compute_policy_loss(x, old, adv, jnp.ones((1, 2)), None, cfg)[0])(lp)
+    assert float(w[0, 0]) == 0.0 and float(g[0, 0]) == 0.0
+    np.testing.assert_allclose(float(w[0, 1]), -float(g[0, 1]), rtol=1e-6)
+    assert abs(float(w[0, 1]) + math.exp(0.1)) < 1e-5
+
+
+def test_gradient_norm_is_accurate_in_float32_as_p_goes_to_one():
+    """Logits 0 except 14 on the sampled token: float32 (1 - p)^2 + C' equals the float64 value to 1e-2
+    relative (the float32 rounding of log_probs ~ -1e-5 itself), where 1 - 2p + C cancels to 0 or worse; random
+    inputs agree to 1e-5 relative."""
+    rng = np.random.default_rng(0)
+    for v, top in ((32, 14.0), (1000, 14.0), (4325, 14.0)):  # V = 4325: the true value is 1.28e-5
+        z = np.zeros((1, v))
+        z[0, 3] = top
+        ids = np.array([3])
+        with jax.enable_x64(True):
+            lp64 = logits_to_log_probs_and_entropy(jnp.asarray(z, jnp.float64), jnp.asarray(ids))[0]
+            want = float(gradient_norm_sq(lp64, collision_probability(jnp.asarray(z), token_ids=jnp.asarray(ids)),
+                                          1.0)[0])
+        lp32 = logits_to_log_probs_and_entropy(jnp.asarray(z, jnp.float32), jnp.asarray(ids))[0]
+        got = float(gradient_norm_sq(lp32, collision_probability(jnp.asarray(z, jnp.float32),
+                                                                 token_ids=jnp.asarray(ids)), 1.0)[0])
+        p32 = jnp.exp(lp32)
+        textbook = float((1.0 - 2.0 * p32 + collision_probability(jnp.asarray(z, jnp.float32)))[0])
+        assert want > 0 and abs(got - want) <= 1e-2 * want, (v, got, want)
+        assert abs(textbook - want) > 10 * abs(got - want), (v, textbook, got, want)
+    z = rng.normal(size=(64, 50)) * 3
+    ids = rng.integers(0, 50, size=64)
+    with jax.enable_x64(True):
+        lp64 = logits_to_log_probs_and_entropy(jnp.asarray(z), jnp.asarray(ids))[0]
+        want = np.asarray(gradient_norm_sq(lp64, collision_probability(jnp.asarray(z), token_ids=jnp.asarray(ids)),
+                                           1.0))
+    lp32 = logits_to_log_probs_and_entropy(jnp.asarray(z, jnp.float32), jnp.asarray(ids))[0]
+    got = np.asarray(gradient_norm_sq(lp32, collision_probability(jnp.asarray(z, jnp.float32),
+                                                                  token_ids=jnp.asarray(ids)), 1.0))
+    np.testing.assert_allclose(got, want, rtol=1e-5)

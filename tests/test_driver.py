@@ -130,3 +130,15 @@ def test_build_rollout_takes_steps_per_sync_from_the_config():
     assert build_rollout(cfg, tiny_model(0)).steps_per_sync == 8  # the default
     cfg.rollout.steps_per_sync = 3
     assert build_rollout(cfg, tiny_model(0)).steps_per_sync == 3
+
+
+def test_row_offset_samples_a_share_of_the_global_batch(wide):
+    """A process sampling prompts [4, 10) with row_offset = 4 * G draws exactly rows 12.. of the whole batch
+    (the multi-process share of stapo_jax.rollout.multihost); a wrong offset draws other tokens."""
+    share = driver(8).generate(PROMPTS[4:], num_samples=3, max_new_tokens=12, seed=5, row_offset=12)
+    np.testing.assert_array_equal(share.responses, wide.responses[12:])
+    np.testing.assert_allclose(share.rollout_log_probs, wide.rollout_log_probs[12:], atol=1e-5)
+    unshifted = driver(8).generate(PROMPTS[4:], num_samples=3, max_new_tokens=12, seed=5)
+    assert not np.array_equal(unshifted.responses, wide.responses[12:])
+    with pytest.raises(RolloutInputError, match="row_offset"):
+        driver(8).generate(PROMPTS, num_samples=3, max_new_tokens=12, seed=5, row_offset=-1)

@@ -9,6 +9,7 @@ from flax import nnx
 from fixtures_rollout import RAGGED_PROMPTS, TOKENIZER_DIR, hf_greedy, make_engine, model_and_hf_twin, rows_of, tiny_model
 from stapo_jax.logprobs import chunked_log_probs_and_entropy
 from stapo_jax.rollout import compat
+from stapo_jax.rollout import decode_fns
 from stapo_jax.rollout import engine as engine_mod
 from stapo_jax.rollout.driver import RolloutDriver
 from stapo_jax.rollout.engine import NO_BOS_ID, ParamsMismatchError
@@ -176,7 +177,7 @@ def test_sync_weights_swaps_params_without_recompiling(twin):
     eng = make_engine(model)
     drv = RolloutDriver(eng)
     before = drv.generate(RAGGED_PROMPTS, max_new_tokens=8)
-    jitted = (engine_mod._step_fn, engine_mod._prefill_fn, engine_mod._insert_fn, engine_mod._init_fn)
+    jitted = (decode_fns.step_fn, decode_fns.prefill_fn, decode_fns.insert_fn, decode_fns.init_fn)
     sizes = [f._cache_size() for f in jitted]
     other = tiny_model(seed=1)
     seconds = drv.sync_weights(nnx.split(other)[1])
@@ -201,7 +202,7 @@ def test_decode_step_updates_the_cache_in_place(twin):
     model, _ = twin
     eng = make_engine(model, slots=8, max_prefill_length=64, max_decode_length=64)
     state = eng.init_decode_state()
-    mem = engine_mod._step_fn.lower(eng._spec, eng.load_params(), state, eng.config.sampling, 1).compile(
+    mem = decode_fns.step_fn.lower(eng.decode_spec, eng.load_params(), state, eng.config.sampling, 1).compile(
         ).memory_analysis()
     layer_bytes = state.cache.k[0].nbytes
     cache_bytes = sum(x.nbytes for x in state.cache.k + state.cache.v)

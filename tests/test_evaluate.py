@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from stapo_jax import evaluate as ev
+from stapo_jax.assets import benchmark_dir, qwen3_tokenizer_dir
 from stapo_jax.passk import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
-SPEC = REPO.parent / "shared" / "reference" / "stapo_spec.md"
+DATA = benchmark_dir()
+TOKENIZER = qwen3_tokenizer_dir()
+SPEC = REPO / "tests" / "data" / "paper_table2.md"     # stapo_spec.md §9, copied
 SIX = list(ev.BENCHMARKS)
 HEADER = "| model | method | AIME24 | AIME25 | AMC23 | MATH500 | Minerva | Olympiad | **Avg** |"
 
@@ -52,8 +54,10 @@ def test_load_problems_counts_and_sources(tmp_path):
 def test_load_problems_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         ev.load_problems(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(FileNotFoundError, match="aime24.jsonl"):
+    with pytest.raises(FileNotFoundError, match="aime24.jsonl") as e:
         ev.load_problems("aime24", data_dir=str(tmp_path))
+    # the message says how to choose benchmarks and which ones are shipped
+    assert "--benchmarks" in str(e.value) and all(b in str(e.value) for b in SIX)
     (tmp_path / "bad.jsonl").write_text('{"problem": "p", "answer": "1"}\n{"problem": "p2"}\n')
     with pytest.raises(ev.EvalDataError, match=r"row 1 has no field 'answer'"):
         ev.load_problems(str(tmp_path / "bad.jsonl"))
@@ -191,31 +195,30 @@ mesh: {{data: -1}}
 rollout: {{max_concurrent_decodes: 8, max_new_tokens: 8}}
 data: {{max_prompt_length: 512}}
 reward: {{num_workers: 2}}
-eval: {{data_dir: {data}}}
 trainer: {{run_dir: {run}}}
 """
 
 
 def test_eval_cli_tiny_model_end_to_end(tmp_path):
-    """``stapo-jax eval`` on a random 2-layer Qwen3 with the real Qwen3 tokenizer: 5 problems of each of the
-    six benchmarks, both settings, through the JetStream engine and the rollout driver; the table is written.
+    """``stapo-jax eval`` on a random 2-layer Qwen3 with the real Qwen3 tokenizer: 2 problems of each of the
+    six shipped benchmarks (no eval.data_dir: the package's files), both settings, through the JetStream engine and the rollout driver; the table is written.
     A random model scores ~0, so this checks structure and counts."""
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(TINY_CONFIG.format(tok=DATA / "qwen3_tokenizer", data=DATA, run=tmp_path / "run"))
-    rc = ev.main(["--config", str(cfg), "--limit", "5", "--n-samples", "2", "--max-new-tokens", "6",
+    cfg.write_text(TINY_CONFIG.format(tok=TOKENIZER, run=tmp_path / "run"))
+    rc = ev.main(["--config", str(cfg), "--limit", "2", "--n-samples", "2", "--max-new-tokens", "6",
                   "--paper", "14B", "--label", "tiny", "--save-samples"])
     assert rc == 0
     out = tmp_path / "run" / "eval"
     data = json.loads((out / "results.json").read_text())
     assert [(r["benchmark"], r["setting"]) for r in data["results"]] == [(b, s) for s in "ab" for b in SIX]
     for r in data["results"]:
-        assert r["num_problems"] == 5 and r["n_samples"] == 2 and len(r["correct"]) == 5
+        assert r["num_problems"] == 2 and r["n_samples"] == 2 and len(r["correct"]) == 2
         assert all(0 <= c <= 2 for c in r["correct"]) and 0 <= r["avg_at_n"] <= 100
         assert 1 <= r["mean_response_tokens"] <= 6 and 0 <= r["truncated_frac"] <= 1
         assert r["grader"] == "math_verify" and "boxed_exact" in r["other_graders"]
         assert (r["temperature"], r["top_p"]) == ((1.0, 1.0) if r["setting"] == "a" else (0.7, 0.9))
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 * 6 * 5 * 2
+    assert len(samples) == 2 * 6 * 2 * 2
     assert all(1 <= s["num_tokens"] <= 6 for s in samples)
     md = (out / "results.md").read_text().splitlines()
     i = md.index(HEADER)

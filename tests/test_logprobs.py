@@ -97,14 +97,15 @@ def test_no_full_logits_buffer_in_compiled_chunked_function():
 
 
 def _torch_reference_with_grads(h, w, ids, temp, cotangents):
-    """verl log-probs / entropy (and sum_v p_v^2) in float64 torch, and the autograd gradient of
+    """verl log-probs / entropy (and sum_{v != y} p_v^2) in float64 torch, and the autograd gradient of
     sum(cotangent * output) w.r.t. hidden, head weight and temperature."""
     th, tw = torch.tensor(h, requires_grad=True), torch.tensor(w, requires_grad=True)
     tt = torch.tensor(temp, dtype=torch.float64, requires_grad=True)
     logits = th @ tw
     lp = ref.logprobs_from_logits(logits, torch.tensor(ids), tt)
     ent = ref.entropy_from_logits(logits, tt)
-    coll = torch.sum(torch.softmax(logits / tt, dim=-1) ** 2, dim=-1)
+    others = 1.0 - torch.nn.functional.one_hot(torch.tensor(ids), logits.shape[-1]).to(logits.dtype)
+    coll = torch.sum(torch.softmax(logits / tt, dim=-1) ** 2 * others, dim=-1)
     loss = sum(torch.sum(o * torch.tensor(g)) for o, g in zip((lp, ent, coll), cotangents))
     gh, gw, gt = torch.autograd.grad(loss, (th, tw, tt))
     return [x.detach().numpy() for x in (lp, ent, coll)], [x.numpy() for x in (gh, gw, gt)]

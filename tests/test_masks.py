@@ -48,11 +48,11 @@ def test_masked_quantile_matches_torch(method, q):
         ours = float(masked_quantile(jnp.asarray(x), jnp.asarray(valid), q, method))
     theirs = ref.quantile(torch.tensor(x[valid]), q, method).item()
     assert abs(ours - theirs) < 1e-12
-    assert float(masked_quantile(jnp.asarray(x), jnp.zeros((4, 6), bool), q, method)) == 0.0  # empty: 0, not NaN
+    assert np.isnan(float(masked_quantile(jnp.asarray(x), jnp.zeros((4, 6), bool), q, method)))  # empty: NaN
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("tokens", ["valid", "positive_adv"])
+@pytest.mark.parametrize("tokens", ["valid", "positive_adv", "candidates"])
 def test_s2t_matches_torch(seed, tokens):
     lp, ent, adv, resp = random_stats(seed)
     adv_t = adv[:, None] * resp
@@ -62,6 +62,19 @@ def test_s2t_matches_torch(seed, tokens):
                                0.8, "linear", tokens)
     np.testing.assert_array_equal(np.asarray(keep), tkeep.numpy())
     np.testing.assert_allclose(float(tau), ttau.item(), rtol=1e-6)
+
+
+def test_s2t_candidates_population_by_hand():
+    """quantile_tokens='candidates': tau_h is the quantile over A > 0 and p < tau_p tokens only (entropies
+    0, 1, 3, 4 -> Q_0.5 = 2.0), so the token of entropy 1 is silenced and the one of entropy 3 kept."""
+    lp = jnp.log(jnp.array([[0.001, 0.001, 0.5, 0.001, 0.001, 0.001]]))
+    ent = jnp.array([[0.0, 1.0, 2.5, 3.0, 4.0, 0.0]])
+    resp = jnp.array([[1, 1, 1, 1, 1, 0]])
+    keep, tau = s2t_mask(lp, ent, jnp.array([1.0]), resp, entropy_quantile=0.5, quantile_tokens="candidates")
+    np.testing.assert_allclose(float(tau), 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(keep), [[False, False, True, True, True, False]])
+    keep, tau = s2t_mask(lp, ent, jnp.array([1.0]), resp, entropy_quantile=0.5, quantile_tokens="valid")
+    np.testing.assert_allclose(float(tau), 2.5, rtol=1e-6)  # the valid population includes the p = 0.5 token
 
 
 def test_s2t_by_hand():
@@ -79,15 +92,17 @@ def test_s2t_by_hand():
 def test_top_entropy_matches_official_topk():
     for seed in range(4):
         _, ent, _, resp = random_stats(seed, 6, 9)
-        ours = np.asarray(top_entropy_mask(jnp.asarray(ent), jnp.asarray(resp), ratio=0.2))
+        ours = np.asarray(top_entropy_mask(jnp.asarray(ent), jnp.asarray(resp), ratio=0.2)[0])
         theirs = ref.top_entropy_mask(torch.tensor(ent), torch.tensor(resp), 0.2).numpy()
         np.testing.assert_array_equal(ours, theirs)
-    assert not np.asarray(top_entropy_mask(jnp.ones((2, 3)), jnp.zeros((2, 3)))).any()
+    keep, thr = top_entropy_mask(jnp.ones((2, 3)), jnp.zeros((2, 3)))
+    assert not np.asarray(keep).any() and np.isnan(float(thr))
 
 
 def test_cov_masks():
     lp, ent, adv, resp = random_stats(7, 8, 10)
-    sel = np.asarray(kl_cov_mask(jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(resp), kl_cov_ratio=0.1))
+    sel, thr = kl_cov_mask(jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(resp), kl_cov_ratio=0.1)
+    sel = np.asarray(sel)
     valid = resp.astype(bool)
     advt = np.broadcast_to(adv[:, None], lp.shape)
     cov = (advt - advt[valid].mean()) * (lp - lp[valid].mean())
@@ -96,10 +111,31 @@ def test_cov_masks():
     flat = np.where(valid, cov, -np.inf).ravel()
     expect.ravel()[np.argsort(-flat)[:k]] = True
     np.testing.assert_array_equal(sel, expect)
-    keep = np.asarray(clip_cov_mask(jnp.asarray(lp), jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(resp),
-                                    jax.random.PRNGKey(0), clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                    clip_cov_ratio=0.05, clip_cov_lb=-1e9, clip_cov_ub=1e9))
+    np.testing.assert_allclose(float(thr), np.sort(flat)[::-1][k - 1], rtol=1e-6)
+    keep, thr = clip_cov_mask(jnp.asarray(lp), jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(resp),
+                              jax.random.PRNGKey(0), clip_ratio_low=0.2, clip_ratio_high=0.28,
+                              clip_cov_ratio=0.05, clip_cov_lb=-1e9, clip_cov_ub=1e9)
+    keep = np.asarray(keep)
     assert (valid & ~keep).sum() == max(1, int(0.05 * valid.sum())) and not (keep & ~valid).any()
+    np.testing.assert_allclose(float(thr), cov[valid & ~keep].min(), rtol=1e-5)
+
+
+def test_every_mask_has_one_return_style_and_nan_for_an_empty_population():
+    """Each registered mask returns (mask, threshold); with no valid token the threshold is NaN and the mask
+    all False, and the registry names what each mask reads."""
+    from stapo_jax.masks import TOKEN_MASKS
+
+    assert set(TOKEN_MASKS) == {"s2t", "top_entropy", "clip_cov", "kl_cov"}
+    stats = dict(log_probs=jnp.full((2, 3), -1.0), entropy=jnp.ones((2, 3)), advantages=jnp.array([1.0, -1.0]),
+                 old_log_probs=jnp.full((2, 3), -1.0), key=jax.random.PRNGKey(0))
+    for name, spec in TOKEN_MASKS.items():
+        kw = {n: stats[n] for n in spec.needs}
+        mask, thr = spec.fn(response_mask=jnp.zeros((2, 3)), **kw)
+        assert mask.dtype == jnp.bool_ and mask.shape == (2, 3) and not np.asarray(mask).any(), name
+        assert np.isnan(float(thr)), name
+    assert TOKEN_MASKS["kl_cov"].selects and not TOKEN_MASKS["s2t"].selects
+    assert TOKEN_MASKS["clip_cov"].needs == ("log_probs", "old_log_probs", "advantages", "key")
+    assert "entropy" not in TOKEN_MASKS["kl_cov"].needs + TOKEN_MASKS["clip_cov"].needs
 
 
 def test_config_validation():
@@ -139,7 +175,7 @@ def test_masks_invariant_to_token_order(stats, perm_seed, ties):
 
     def run(lp, ent, advt, resp):
         k1 = s2t_mask(jnp.asarray(lp), jnp.asarray(ent), jnp.asarray(advt), jnp.asarray(resp), tau_p=0.3)[0]
-        k2 = top_entropy_mask(jnp.asarray(ent), jnp.asarray(resp), ratio=0.3)
+        k2 = top_entropy_mask(jnp.asarray(ent), jnp.asarray(resp), ratio=0.3)[0]
         return np.asarray(k1).ravel(), np.asarray(k2).ravel()
 
     base = run(lp, ent, advt, resp)
@@ -161,12 +197,12 @@ SHARDED_SCRIPT = textwrap.dedent(
     adv = jnp.asarray(rng.normal(size=b), jnp.float32)
     resp = jnp.asarray(np.arange(t)[None] < rng.integers(0, t + 1, b)[:, None], jnp.float32)
     ref_keep, ref_tau = s2t_mask(lp, ent, adv, resp, tau_p=0.05)
-    ref_top = top_entropy_mask(ent, resp, ratio=0.2)
+    ref_top = top_entropy_mask(ent, resp, ratio=0.2)[0]
     mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     spec = P(("data", "fsdp"))
     def local(lp, ent, adv, resp):
         k, tau = s2t_mask(lp, ent, adv, resp, tau_p=0.05, axis_name=("data", "fsdp"))
-        top = top_entropy_mask(ent, resp, ratio=0.2, axis_name=("data", "fsdp"))
+        top = top_entropy_mask(ent, resp, ratio=0.2, axis_name=("data", "fsdp"))[0]
         return k, jnp.broadcast_to(tau, (lp.shape[0],)), top
     sh = NamedSharding(mesh, spec)
     lp_s, ent_s, adv_s, resp_s = (jax.device_put(x, sh) for x in (lp, ent, adv, resp))
@@ -176,7 +212,7 @@ SHARDED_SCRIPT = textwrap.dedent(
     np.testing.assert_array_equal(np.asarray(top), np.asarray(ref_top))
     assert np.all(np.asarray(tau) == float(ref_tau)), (tau, ref_tau)
     # without the gather, per-shard thresholds differ (the test can tell the scopes apart)
-    g = jax.jit(jax.shard_map(lambda e, r: top_entropy_mask(e, r, ratio=0.2), mesh=mesh, in_specs=(spec, spec),
+    g = jax.jit(jax.shard_map(lambda e, r: top_entropy_mask(e, r, ratio=0.2)[0], mesh=mesh, in_specs=(spec, spec),
                               out_specs=spec))
     assert not np.array_equal(np.asarray(g(ent_s, resp_s)), np.asarray(ref_top))
     # plain jit on sharded inputs (GSPMD): global population automatically

@@ -23,11 +23,13 @@ import torch_reference as ref  # noqa: E402
 from stapo_jax.advantages import grpo_advantages  # noqa: E402
 from stapo_jax.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
 from stapo_jax.objectives import (  # noqa: E402
+    CONSTANT_DENOMINATOR_MODES,
     LOSS_AGG_MODES,
     PolicyLossConfig,
     aggregate,
     compute_policy_loss,
     finalize_metrics,
+    kl_loss,
     kl_penalty,
     safe_divide,
 )
@@ -192,8 +194,11 @@ def test_aggregation_values_by_hand():
     s, d = aggregate(L, M, M, "seq-mean-token-mean")
     np.testing.assert_allclose([float(s), float(d)], [6 / (3 + 1e-8) + 4 / (1 + 1e-8), 2.0])
     assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum"))) == (10.0, 2.0)
-    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm"))) == (10.0, 3.0)
-    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm", 7.0))) == (10.0, 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm"))) == (10.0, 2.0 * 3.0)  # verl 0.9.1
+    assert tuple(map(float, aggregate(L, M, M, "seq-mean-token-sum-norm", 7.0))) == (10.0, 2.0 * 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "token-sum-norm"))) == (10.0, 3.0)  # verl < 0.9.1
+    assert tuple(map(float, aggregate(L, M, M, "token-sum-norm", 7.0))) == (10.0, 7.0)
+    assert tuple(map(float, aggregate(L, M, M, "token-sum"))) == (10.0, 1.0)
 
 
 def test_bad_inputs_name_the_field():
@@ -261,10 +266,37 @@ def test_micro_batch_accumulation_is_exact(name, mode):
 
     def accumulated(z):
         ss, ds = zip(*(parts(z, r) for r in splits))
-        den = ds[0] if mode == "seq-mean-token-sum-norm" else sum(ds)
+        den = ds[0] if mode in CONSTANT_DENOMINATOR_MODES else sum(ds)
         return safe_divide(sum(ss), den)
 
     v1, g1 = jax.value_and_grad(full)(logits)
     v2, g2 = jax.value_and_grad(accumulated)(logits)
     assert abs(float(v1) - float(v2)) < 1e-6 and float(v1) != 0.0
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), atol=1e-7)
+
+
+def test_per_token_outputs_and_standalone_kl():
+    """return_per_token gives the terms a loss unit test wants, consistent with the aggregate; kl_loss equals the
+    kl_loss metric."""
+    lp = jnp.array([[-1.0, -0.5, -2.0, 0.0], [-0.3, -1.0, -1.0, -1.0]])
+    old = jnp.array([[-1.5, -0.5, -0.2, 0.0], [-0.3, -25.0, -1.0, -1.0]])
+    ref_lp = jnp.array([[-1.2, -0.7, -2.0, 0.0], [-0.1, -1.1, -1.0, -1.0]])
+    adv = jnp.array([1.0, -2.0])
+    resp = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+                           kl_loss_coef=0.1, kl_loss_type="k3")
+    s, d, m, pt = compute_policy_loss(lp, old, adv, resp, None, cfg, ref_log_probs=ref_lp, return_per_token=True)
+    np.testing.assert_allclose(np.asarray(pt["log_ratio"]), [[0.5, 0.0, -1.8, 0.0], [0.0, 20.0, 0.0, 0.0]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pt["ratio"]), np.where(np.asarray(resp) > 0,
+                                                                 np.exp(np.asarray(pt["log_ratio"])), 0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pt["clipped"]), [[True, False, False, False], [False, False, False, False]])
+    np.testing.assert_array_equal(np.asarray(pt["clipped_lower"]),
+                                  [[False, False, False, False], [False, True, False, False]])
+    assert float(pt["pg_losses"][1, 1]) == pytest.approx(6.0)  # dual clip: -A c = 2 * 3
+    assert float(pt["pg_losses"][0, 0]) == pytest.approx(-1.28, rel=1e-6)
+    np.testing.assert_allclose(float(jnp.sum(pt["loss"])), float(s), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pt["loss"]), np.asarray(pt["pg_losses"] + 0.1 * pt["kl"]), rtol=1e-6)
+    ks, kd = kl_loss(lp, ref_lp, resp, kl_loss_type="k3")
+    np.testing.assert_allclose(float(ks) / float(kd), float(m["kl_loss"][0]) / float(m["kl_loss"][1]), rtol=1e-6)
+    np.testing.assert_allclose(float(ks), float(jnp.sum(pt["kl"])), rtol=1e-6)

@@ -1,5 +1,5 @@
 """Every shipped config parses and validates; the paper configs carry the paper's setup (stapo_spec §4, §5, §7)
-with the model numbers of ../shared/data/qwen3_configs; mesh presets split the paper's mini-batch; the launch
+with the model numbers of the shipped Qwen3 config.json files; mesh presets split the paper's mini-batch; the launch
 scripts are valid shell and build the commands they document (DRY_RUN); the DAPO-Math converter works."""
 import base64
 import json
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stapo_jax.assets import qwen3_config_dir
 from stapo_jax.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_CONFIGS = REPO.parent / "shared" / "data" / "qwen3_configs"
+SHARED_CONFIGS = qwen3_config_dir()
 PAPER = sorted((REPO / "configs" / "paper").glob("*.yaml"))
 MESHES = sorted((REPO / "configs" / "mesh").glob("*.yaml"))
 SIZES = {"1.7b": "Qwen3-1.7B-Base", "8b": "Qwen3-8B-Base", "14b": "Qwen3-14B-Base"}
@@ -53,7 +54,9 @@ def test_paper_config_matches_the_paper(path):
     assert cfg.s2t.enabled == (recipe == "stapo") and cfg.top_entropy.enabled == (recipe == "entropy20")
     assert (cfg.s2t.tau_p, cfg.s2t.entropy_quantile, cfg.s2t.quantile_scope) == (0.002, 0.8, "minibatch")
     assert cfg.top_entropy.ratio == 0.2
-    assert cfg.reward.kind == "boxed_exact_pm1" and cfg.algorithm.adv_estimator == "grpo"
+    # issue 13: the hardened math reward, except the JustRL baseline, which keeps JustRL's strict-box matcher
+    assert cfg.reward.kind == ("boxed_exact_pm1" if recipe == "justrl" else "math_verify_strict")
+    assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.data.prompt_suffix.endswith("put your final answer within \\boxed{}.")
     # §8: evaluation protocol
     assert cfg.eval.n_samples == {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4,

@@ -45,6 +45,7 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
     from stapo_jax.optim import make_optimizer
     from stapo_jax.recipes import get_recipe
     from stapo_jax.rollout import engine as eng
+    from stapo_jax.rollout.decode_fns import step_fn
     from stapo_jax.rollout.sampling import SamplingParams
     from stapo_jax.train_step import Batch, TrainState, batch_sharding, make_train_step
 
@@ -77,8 +78,8 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
         engine = eng.Qwen3Engine(model, eng.EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
                                                          max_decode_length=32), mesh=mesh)
         dstate = engine.init_decode_state(0)
-        real_decode = eng._step_fn.lower(engine._spec, engine.load_params(), dstate,
-                                         SamplingParams()).compile().memory_analysis()
+        real_decode = step_fn.lower(engine.decode_spec, engine.load_params(), dstate,
+                                    SamplingParams()).compile().memory_analysis()
 
     t_plan, d_plan = result["train"], result["decode"]
     for key in ("argument", "output", "alias", "temp"):

@@ -1,4 +1,4 @@
-"""Presets vs the real HF config.json files in ../shared/data/qwen3_configs, and parameter counts vs
+"""Presets vs the real HF config.json files shipped in stapo_jax/assets/qwen3_configs, and parameter counts vs
 transformers' ``Qwen3ForCausalLM`` built on torch's meta device (no allocation on either side)."""
 import json
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 import transformers
 
-from models.presets import PRESET_NAMES, from_hf_config, preset, shared_data_dir
+from models.presets import PRESET_NAMES, from_hf_config, preset
+from stapo_jax.assets import qwen3_config_dir
 from models.qwen3 import Qwen3Config, param_count
 
-CONFIG_DIR = shared_data_dir("qwen3_configs")
+CONFIG_DIR = qwen3_config_dir()
 SHARED_FILES = sorted(CONFIG_DIR.glob("*.json"))
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",

@@ -1,5 +1,5 @@
 """The real-data path (issue 5 item 9): ``configs/gsm8k_tiny.yaml`` (real Qwen3 tokenizer and chat template,
-GSM8K training prompts from ../shared/data, math-verify rewards, a tiny random Qwen3 with the real 151,936-entry
+GSM8K training prompts (the slice shipped in stapo_jax/assets/samples), math-verify rewards, a tiny random Qwen3 with the real 151,936-entry
 vocabulary) runs 2 RL steps from the repository root, with four bad rows appended to the training files.
 
 Independent checks: the prompt-length filter's counts against transformers' own chat-template tokenization of
@@ -18,7 +18,7 @@ import pytest
 from fixtures_trainer import REPO, committed_steps, metric_rows, run_cli
 
 CONFIG = REPO / "configs" / "gsm8k_tiny.yaml"
-GSM8K = "../shared/data/gsm8k_train.jsonl"
+GSM8K = "stapo_jax/assets/samples/gsm8k_train.jsonl"
 BAD_ROWS = [json.dumps({"problem": "What is 2 + 2?"}),                 # missing:answer
             json.dumps({"problem": "What is 3 + 3?", "answer": 6}),    # not_str:answer
             json.dumps({"problem": "   ", "answer": "1"}),             # empty:problem
@@ -48,7 +48,7 @@ def test_config_is_the_real_setup(cfg):
     from stapo_jax.tokenizer import load_tokenizer
 
     assert cfg.data.train_files == [GSM8K] and (REPO / GSM8K).is_file()
-    assert cfg.tokenizer.path == "../shared/data/qwen3_tokenizer" and cfg.reward.kind == "math_verify_01"
+    assert cfg.tokenizer.path == "stapo_jax/assets/qwen3_tokenizer" and cfg.reward.kind == "math_verify_01"
     assert cfg.data.apply_chat_template and cfg.s2t.enabled
     tok = load_tokenizer(cfg)
     mc = model_config(cfg, tok)

@@ -1,4 +1,5 @@
 """SFT warm-up: the cross-entropy step learns a tiny mapping; masked batches are inert."""
+import re
 
 import jax
 import jax.numpy as jnp
@@ -44,3 +45,17 @@ def test_all_masked_batch_is_a_zero_update():
     assert float(m["sft/loss"]) == 0.0 and float(m["sft/grad_norm"]) == 0.0
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(p2)):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_sft_progress_bar_shows_step_loss_and_eta(capsys):
+    """``progress=True``: a tqdm bar ``sft`` on stderr with the step count, the last loss and the rate/ETA
+    fields; without it nothing is printed."""
+    model = Qwen3(CFG, rngs=nnx.Rngs(2))
+    hist = run_sft(model, _examples(), steps=3, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0, progress=True)
+    err = capsys.readouterr().err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert final.startswith("sft: 100%") and "3/3" in final and "<00:00" in final          # count, elapsed<ETA
+    assert re.search(r"\d(s/step|step/s|it/s)", final), final                                # rate
+    assert f"loss={hist[-1]['sft/loss']:.4f}" in final
+    run_sft(model, _examples(), steps=2, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0)
+    assert capsys.readouterr().err == ""

@@ -79,8 +79,12 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
         return (seq_sum * nonempty).sum() / s if s > 0 else seq_sum.sum() * 0
     if loss_agg_mode == "seq-mean-token-mean":
         return (seq_sum / (n_b + 1e-8) * nonempty).sum() / s if s > 0 else seq_sum.sum() * 0
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        factor = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
+    factor = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if loss_agg_mode == "seq-mean-token-sum-norm":  # verl 0.9.1 (PR #4510)
+        return (seq_sum * nonempty).sum() / s / factor if s > 0 else seq_sum.sum() * 0
+    if loss_agg_mode == "token-sum-norm":  # verl < 0.9.1's seq-mean-token-sum-norm
         return seq_sum.sum() / factor
     raise ValueError(loss_agg_mode)
 
@@ -142,7 +146,9 @@ def s2t_mask(log_prob, entropy, advantages, response_mask, tau_p=0.002, entropy_
              quantile_tokens="valid"):
     """Keep mask (valid and not silenced) and tau_h. advantages broadcast to [B, T]."""
     valid = response_mask.bool()
-    pop = valid & (advantages > 0) if quantile_tokens == "positive_adv" else valid
+    pop = valid & (advantages > 0) if quantile_tokens in ("positive_adv", "candidates") else valid
+    if quantile_tokens == "candidates":  # stapo_spec.md §10 row 3: A > 0 and p < tau_p only
+        pop = pop & (torch.exp(log_prob.detach()) < tau_p)
     ent = entropy.detach()
     tau_h = quantile(ent[pop], entropy_quantile, method) if pop.any() else torch.tensor(0.0, dtype=ent.dtype)
     silenced = valid & (advantages > 0) & (torch.exp(log_prob.detach()) < tau_p) & (ent < tau_h)

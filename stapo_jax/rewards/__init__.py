@@ -5,6 +5,9 @@ Kinds (``reward.kind``, stapo_spec §2 and §10.13):
 * ``boxed_exact_pm1`` - JustRL/DAPO strict-box string match, +1 / -1 (:mod:`.string_match`);
 * ``boxed_exact_01``  - the same match, 1 / 0;
 * ``math_verify_01``  - math-verify equivalence, gold first, 1 / 0 (:mod:`.math`);
+* ``math_verify_strict`` - math-verify behind a final-answer policy (last complete box, the text after
+  ``</think>``; unfinished reasoning, an unterminated final box or a hedge earn nothing), normalisation and a
+  magnitude-safe numeric comparison, 1 / 0 (:mod:`.math_strict`, :mod:`.answer`; issue 13);
 * ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`).
 
 The string match is pure Python over at most 300 characters and runs inline. math-verify and reasoning-gym
@@ -31,8 +34,9 @@ from stapo_jax.rewards import string_match
 
 log = logging.getLogger(__name__)
 
-KINDS = ("boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "gym")
-_POOLED_KINDS = {"math_verify_01": "stapo_jax.rewards.math", "gym": "stapo_jax.rewards.gym"}
+KINDS = ("boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict", "gym")
+_POOLED_KINDS = {"math_verify_01": "stapo_jax.rewards.math", "math_verify_strict": "stapo_jax.rewards.math_strict",
+                 "gym": "stapo_jax.rewards.gym"}
 
 
 class VerifierPool:
@@ -111,16 +115,23 @@ class RewardScorer:
       boxed_normalize: string match after DAPO's normalisation (``reward.boxed_normalize``).
       gym_task: reasoning-gym task name (required for ``kind="gym"``).
       gym_answer_format: ``boxed | answer_tag | raw`` (:func:`stapo_jax.rewards.gym.extract_answer`).
+      rel_tol: ``math_verify_strict``: relative tolerance for answers with decimals (> 0).
+      require_think_close: ``math_verify_strict``: a response without ``</think>`` has no answer (thinking
+        templates that pre-fill ``<think>`` in the prompt).
     """
 
     def __init__(self, kind: str, *, timeout_s: float = 10.0, num_workers: int = 4, boxed_normalize: bool = False,
-                 gym_task: Optional[str] = None, gym_answer_format: str = "boxed"):
+                 gym_task: Optional[str] = None, gym_answer_format: str = "boxed", rel_tol: float = 1e-9,
+                 require_think_close: bool = False):
         if kind not in KINDS:
             raise ValueError(f"reward kind {kind!r}: expected one of {KINDS}")
         if kind == "gym" and not gym_task:
             raise ValueError("reward kind 'gym' needs gym_task (data.gym.task)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if not rel_tol > 0:
+            raise ValueError(f"rel_tol={rel_tol} must be > 0")
+        self.rel_tol, self.require_think_close = float(rel_tol), bool(require_think_close)
         self.kind, self.timeout_s, self.boxed_normalize = kind, float(timeout_s), boxed_normalize
         self.gym_task, self.gym_answer_format = gym_task, gym_answer_format
         self._pool: Optional[VerifierPool] = None
@@ -175,6 +186,10 @@ class RewardScorer:
                 from stapo_jax.rewards.math import verify_one as fn
 
                 args = [(r, g) for r, g in zip(responses, golds)]
+            elif self.kind == "math_verify_strict":
+                from stapo_jax.rewards.math_strict import verify_one as fn
+
+                args = [(r, g, self.rel_tol, self.require_think_close) for r, g in zip(responses, golds)]
             else:
                 from stapo_jax.rewards.gym import score_one as fn
 

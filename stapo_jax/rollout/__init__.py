@@ -2,6 +2,7 @@
 
 * :mod:`~stapo_jax.rollout.engine`: ``Qwen3Engine`` (JetStream ``Engine``), ``EngineConfig``.
 * :mod:`~stapo_jax.rollout.driver`: ``RolloutDriver`` (default for training), ``RolloutBatch``.
+* :mod:`~stapo_jax.rollout.multihost`: ``MultiHostRollout`` (one driver per JAX process, global results).
 * :mod:`~stapo_jax.rollout.server` / :mod:`~stapo_jax.rollout.client`: ``stapo-jax serve`` and
   ``GrpcRolloutClient`` (``rollout.mode: grpc``).
 * :mod:`~stapo_jax.rollout.sampling`: temperature / top-k / top-p with full-vocabulary log-probs.
@@ -45,6 +46,26 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     )
 
 
+def multihost_rollout(model: Any, config: Any, cfg_mesh: Any = None, tokenizer: Any = None, *,
+                      pad_token_id: Optional[int] = None, steps_per_sync: int = 1):
+    """This process's sampler replica in a multi-process job: a ``Qwen3Engine`` with ``config``
+    (``EngineConfig``) over the local devices (``multihost.local_mesh(cfg_mesh)``), holding a full copy of
+    ``model``'s (global, sharded) parameters gathered tensor by tensor, wrapped in ``MultiHostRollout`` (global
+    results on every process). Every process must call it."""
+    from flax import nnx
+
+    from stapo_jax.rollout.driver import RolloutDriver
+    from stapo_jax.rollout.engine import Qwen3Engine
+    from stapo_jax.rollout.multihost import MultiHostRollout, local_mesh, localize_tree
+
+    lmesh = local_mesh(cfg_mesh)
+    graphdef, state = nnx.split(model)
+    local_model = nnx.merge(graphdef, localize_tree(state, lmesh))
+    engine = Qwen3Engine(local_model, config, mesh=lmesh, tokenizer=tokenizer)
+    driver = RolloutDriver(engine, pad_token_id=pad_token_id, steps_per_sync=steps_per_sync)
+    return MultiHostRollout(driver, lmesh)
+
+
 def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any = None):
     """The rollout source selected by ``rollout.mode``.
 
@@ -68,10 +89,20 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
         from stapo_jax.rollout.driver import RolloutDriver
         from stapo_jax.rollout.engine import Qwen3Engine
 
-        engine = Qwen3Engine(model, engine_config(cfg, tokenizer), mesh=mesh, tokenizer=tokenizer)
+        import jax
+
         pad = None if tokenizer is None else tokenizer.pad_token_id
-        return RolloutDriver(engine, pad_token_id=pad, steps_per_sync=r.steps_per_sync)
+        if jax.process_count() == 1:
+            engine = Qwen3Engine(model, engine_config(cfg, tokenizer), mesh=mesh, tokenizer=tokenizer)
+            return RolloutDriver(engine, pad_token_id=pad, steps_per_sync=r.steps_per_sync)
+        return multihost_rollout(model, engine_config(cfg, tokenizer), getattr(cfg, "mesh", None), tokenizer,
+                                 pad_token_id=pad, steps_per_sync=r.steps_per_sync)
     if r.mode == "grpc":
+        import jax
+
+        if jax.process_count() > 1:
+            raise ValueError(f"rollout.mode=grpc with {jax.process_count()} JAX processes is not supported: use "
+                             f"rollout.mode=inprocess (one sampler replica per process)")
         from stapo_jax.rollout.client import GrpcRolloutClient
 
         kw = {}

@@ -27,6 +27,7 @@ import grpc
 from stapo_jax.rollout import compat
 from stapo_jax.rollout.driver import RolloutBatch, assemble_batch, check_generation_args, validate_prompts
 from stapo_jax.rollout.sampling import SamplingParams
+from stapo_jax.tokenizer import QWEN3_PAD_ID, QWEN3_STOP_IDS
 
 compat.install()
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
@@ -63,8 +64,8 @@ class GrpcRolloutClient:
       ValueError: a non-positive timeout, negative retries, or a malformed address.
     """
 
-    def __init__(self, address: str = "127.0.0.1:9000", *, eos_token_ids: Sequence[int] = (151643, 151645),
-                 pad_token_id: int = 151643, max_prompt_length: int = 1024, max_new_tokens_limit: int = 15360,
+    def __init__(self, address: str = "127.0.0.1:9000", *, eos_token_ids: Sequence[int] = QWEN3_STOP_IDS,
+                 pad_token_id: int = QWEN3_PAD_ID, max_prompt_length: int = 1024, max_new_tokens_limit: int = 15360,
                  vocab_size: Optional[int] = None, sampling: Optional[SamplingParams] = None,
                  prompt_truncation: str = "error", request_timeout_s: float = 600.0, max_retries: int = 3,
                  connect_timeout_s: float = 10.0, max_parallel: int = 64):

@@ -11,7 +11,8 @@
   swaps in new weights of the same shapes/shardings without recompiling.
 
 Results are deterministic for a seed and do not depend on the number of slots or devices: sample
-``i * G + g`` draws its n-th token with ``fold_in(fold_in(key(seed), i * G + g), n)``.
+``i * G + g`` draws its n-th token with ``fold_in(fold_in(key(seed), row_offset + i * G + g), n)``
+(``row_offset`` = 0 unless a process samples a share of a global batch).
 
 Row order of the returned :class:`RolloutBatch` is prompt-major (row ``i * G + g``), as verl repeats prompts
 ``interleave=True`` for GRPO groups.
@@ -213,7 +214,7 @@ class RolloutDriver:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, num_samples: int = 1,
                  max_new_tokens: Optional[int] = None, seed: int = 0,
-                 sampling: Optional[SamplingParams] = None) -> RolloutBatch:
+                 sampling: Optional[SamplingParams] = None, row_offset: int = 0) -> RolloutBatch:
         """Sample ``num_samples`` responses per prompt.
 
         Args:
@@ -223,6 +224,9 @@ class RolloutDriver:
           seed: base random seed; the result is a deterministic function of (params, prompts, G, seed,
             sampling), independent of slot count and mesh.
           sampling: overrides the engine's :class:`SamplingParams`.
+          row_offset: global index of this call's first row (>= 0): row ``r`` draws from the random stream of
+            sample ``row_offset + r``, so a process sampling a share of a global batch
+            (:mod:`stapo_jax.rollout.multihost`) draws exactly the tokens one process would draw for those rows.
         Returns:
           :class:`RolloutBatch` with N = P * G rows.
         Raises:
@@ -233,6 +237,8 @@ class RolloutDriver:
         limit = eng.config.max_decode_length
         max_new_tokens = limit if max_new_tokens is None else max_new_tokens
         check_generation_args(num_samples, max_new_tokens, limit)
+        if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
+            raise RolloutInputError(f"row_offset must be an int >= 0, got {row_offset!r}")
         prompts = validate_prompts(prompts, eng.max_prefill_length, eng.model_config.vocab_size,
                                    self.prompt_truncation)
         g_size, n_slots = int(num_samples), eng.max_concurrent_decodes
@@ -254,7 +260,7 @@ class RolloutDriver:
                 if i not in prefixes:
                     prefixes[i] = eng.prefill_tokens(params, prompts[i])
                 slot = free.popleft()
-                state = eng.insert_sample(prefixes[i], state, slot, row, max_new_tokens)
+                state = eng.insert_sample(prefixes[i], state, slot, row_offset + row, max_new_tokens)
                 if g == g_size - 1:
                     del prefixes[i]
                 slot_row[slot] = row

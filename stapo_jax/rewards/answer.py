@@ -1,0 +1,187 @@
+"""Final-answer policy and answer-string normalisation for ``reward.kind: math_verify_strict``.
+
+This is the small layer in front of math-verify that its own options cannot express (issue 13). It is pure
+string processing (no sympy), so it is cheap and total on any input.
+
+Final-answer policy (:func:`final_answer`):
+
+1. **Thinking models.** If the response contains ``</think>``, only the text after the last ``</think>`` is
+   read. A response that opens ``<think>`` but never closes it is unfinished reasoning and has no answer
+   (a box inside it earns nothing; TRL ``reasoning_accuracy_reward``, huggingface/trl#4563). With
+   ``require_think_close`` (thinking-mode runs whose template pre-fills ``<think>``) a response without
+   ``</think>`` has no answer either.
+2. **Boxes.** The answer is the last complete ``\\boxed{...}`` (or ``\\fbox{...}``). If the last box is
+   unterminated (the response stops inside it) there is no answer, even when an earlier box is complete.
+   Boxes separated only by connectors (``,``, ``and``, ``or``, ``\\quad``, ``x =``) form one multi-part
+   answer, joined with commas (so ``\\boxed{2} or \\boxed{3}`` is the set {2, 3}: right for the roots
+   {2, 3}, a hedge for a single gold value). An earlier box superseded by later text is a self-correction:
+   the last box counts ("maybe I made an error ... \\boxed{4}"), unless the text between them offers an
+   alternative (``alternatively``, ``either``, ``or maybe``, ``could also be``, ...), which earns nothing.
+3. **No box.** An anchored final answer counts: ``final answer is X``, ``answer: X``, ``answer is X``,
+   ``#### X`` (GSM8K), read to the end of its sentence; after ``</think>`` a short answer region (one line)
+   is the answer itself. An unanchored number in running text is not an answer (a truncated derivation
+   must not be graded by its last intermediate value; Tencent-Hunyuan/UniRL#360).
+
+Normalisation (:func:`normalize`), applied to the gold and the prediction alike: thousands separators (comma,
+``{,}``, thin spaces ``\\,`` ``\\;`` ``\\!`` ``\\thinspace``, U+2009, U+202F), ``\\text{}``-style wrappers
+around numbers, trailing units in ``\\text{}``, degree marks, percent (returned as a flag; the comparator
+accepts the value or the value / 100), scientific notation ``3.2e5``, plain mixed numbers ``2 1/2``,
+``x \\in S`` -> ``S``, markdown bold, ``$`` and ``\\displaystyle``.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Optional
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+# a gap between two boxes that only joins parts of one answer
+_CONNECTOR_RE = re.compile(r"^(?:[\s$.,;:&]|\\[,;!:]|\\q?quad|\\text\s*\{\s*(?:and|or|,)?\s*\}|\band\b|\bor\b|"
+                           r"\\(?:\[|\]|\(|\))|[a-zA-Z](?:_\{?\w+\}?)?\s*=)*$")
+_HEDGE_RE = re.compile(r"\b(?:alternatively|alternative (?:answer|value|solution)|either|or (?:maybe|possibly|perhaps)|"
+                       r"could also be|might also be|may also be|another possib\w*|not sure|unsure)\b", re.IGNORECASE)
+_ANCHOR_RE = re.compile(r"(?:final answer(?: is)?|answer is|answer\s*:|####)\s*:?\s*", re.IGNORECASE)
+_HEDGE_OR_RE = re.compile(r"(?:\d|\})\s*\$?\s*(?:,\s*)?(?:\bor\b|\\text\s*\{\s*or\s*\})", re.IGNORECASE)
+
+
+class FinalAnswer(NamedTuple):
+    """The answer text to grade (``None``: the response has none) and why (``reason``):
+    ``boxed``, ``boxed_multi``, ``anchored``, ``short_final``, ``no_answer``, ``unfinished_think``,
+    ``unterminated_box``, ``hedge``."""
+
+    text: Optional[str]
+    reason: str
+
+
+def _closing_brace(text: str, open_pos: int) -> int:
+    """Index of the ``}`` matching the ``{`` at ``open_pos`` (escaped braces counted, as DAPO does); -1 if
+    the brace never closes."""
+    depth = 0
+    for i in range(open_pos, len(text)):
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def answer_region(response: str, require_think_close: bool = False) -> Optional[str]:
+    """The part of ``response`` that may hold the final answer, or None for unfinished reasoning."""
+    close = response.rfind(THINK_CLOSE)
+    if close >= 0:
+        return response[close + len(THINK_CLOSE):]
+    if THINK_OPEN in response or require_think_close:
+        return None
+    return response
+
+
+def final_answer(response: str, require_think_close: bool = False) -> FinalAnswer:
+    """Apply the final-answer policy (module docstring) to one response.
+
+    Args:
+      response: decoded model output (str).
+      require_think_close: the run uses a thinking template; no ``</think>`` means no answer.
+    Returns:
+      :class:`FinalAnswer` (``text`` is the raw, un-normalised answer string or None).
+    """
+    region = answer_region(response, require_think_close)
+    if region is None:
+        return FinalAnswer(None, "unfinished_think")
+    boxes = []  # (start, content_start, end) of complete boxes
+    for m in _BOX_RE.finditer(region):
+        end = _closing_brace(region, m.end() - 1)
+        if end < 0:
+            if not boxes or m.start() > boxes[-1][2]:
+                return FinalAnswer(None, "unterminated_box")
+            continue
+        if boxes and m.start() < boxes[-1][2]:
+            continue  # a box nested inside the previous one
+        boxes.append((m.start(), m.end(), end))
+    if boxes:
+        group = [boxes[-1]]
+        for prev in reversed(boxes[:-1]):
+            gap = region[prev[2] + 1:group[0][0]]
+            if _CONNECTOR_RE.match(gap):
+                group.insert(0, prev)
+                continue
+            if _HEDGE_RE.search(gap) and region[prev[1]:prev[2]].strip() != region[group[0][1]:group[0][2]].strip():
+                return FinalAnswer(None, "hedge")
+            break
+        parts = []
+        for _, cs, ce in group:
+            part = region[cs:ce].strip()
+            if part not in parts:
+                parts.append(part)
+        if len(parts) == 1:
+            return FinalAnswer(parts[0], "boxed")
+        return FinalAnswer(", ".join(parts), "boxed_multi")
+    anchors = list(_ANCHOR_RE.finditer(region))
+    if anchors:
+        tail = region[anchors[-1].end():]
+        tail = re.split(r"(?<!\\)\.(?:\s|$)|\n\s*\n|(?<=\$)\.", tail.strip(), maxsplit=1)[0]
+        if _HEDGE_OR_RE.search(tail) or _HEDGE_RE.search(tail):
+            return FinalAnswer(None, "hedge")
+        return FinalAnswer(tail.strip(), "anchored") if tail.strip() else FinalAnswer(None, "no_answer")
+    if THINK_CLOSE in response:
+        short = region.strip()
+        if short and "\n" not in short and len(short) <= 80:
+            return FinalAnswer(short.rstrip("."), "short_final")
+    return FinalAnswer(None, "no_answer")
+
+
+# ------------------------------------------------------------------------------------------ normalisation
+
+# thin spaces and braced commas always separate thousands; a plain comma only in an answer that is nothing but
+# the number ("1,000"), since "[1,100]" and "1,234" elsewhere are lists
+_SEP = r"(?:\{,\}|\\,|\\;|\\!|\\thinspace|\\ |\u2009|\u202f|\u00a0)"
+_THOUSANDS_RE = re.compile(r"(?<![\d.,])(-?\d{1,3})((?:" + _SEP + r"\d{3})+)(?![\d])(?!" + _SEP + r"\d)")
+_SEP_RE = re.compile(_SEP)
+_COMMA_NUMBER_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree\b|\^\s*\{\s*\\text\{\s*o\s*\}\s*\}")
+_PERCENT_RE = re.compile(r"\s*(?:\\%|%|\\text\{\s*\\?%\s*\}|\\text\{\s*percent\s*\}|\bpercent\b)\s*$")
+_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|textrm)\s*\{\s*([-+]?[\d.,\s/]+)\s*\}")
+_UNIT_RE = re.compile(r"(?<=[\d}.)])\s*(?:\\[,;! ]\s*)*\\(?:text|mbox|mathrm|textrm)\s*\{\s*[a-zA-Z][a-zA-Z .]*\}"
+                      r"(?:\s*\^\s*\{?\d\}?)?\s*$")
+_SCI_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\w.])")
+_MIXED_RE = re.compile(r"^(-?)(\d+)\s+(\d+)\s*/\s*(\d+)$")
+_IN_RE = re.compile(r"^\s*[a-zA-Z](?:_\{?\w+\}?)?\s*\\in\s+")
+_STRIP_RE = re.compile(r"\\displaystyle|\*\*|\\!")
+
+
+class Normalized(NamedTuple):
+    """A normalised answer string and whether it was written as a percentage."""
+
+    text: str
+    percent: bool
+
+
+def normalize(answer: str) -> Normalized:
+    """Normalise one answer string (gold or prediction) for parsing; see the module docstring.
+
+    Examples: ``"1{,}000{,}000"`` -> ``"1000000"``; ``"5\\text{ cm}^2"`` -> ``"5"``; ``"30^\\circ"`` ->
+    ``"30"``; ``"12.5\\%"`` -> ``("12.5", percent=True)``; ``"3.2e-5"`` -> ``"3.2\\times10^{-5}"``;
+    ``"2 1/2"`` -> ``"(2+\\frac{1}{2})"``; ``"x \\in [2, 5]"`` -> ``"[2, 5]"``.
+    """
+    s = answer.strip()
+    s = s.replace("\\$", "").replace("$", "")
+    s = _STRIP_RE.sub("", s).strip()
+    s = _THOUSANDS_RE.sub(lambda m: m.group(1) + _SEP_RE.sub("", m.group(2)), s)
+    s = _WRAP_RE.sub(lambda m: m.group(1).strip(), s)
+    s = _DEGREE_RE.sub("", s).strip()
+    percent = False
+    m = _PERCENT_RE.search(s)
+    if m and m.start() > 0:
+        percent, s = True, s[:m.start()].strip()
+    s = _UNIT_RE.sub("", s).strip() or s
+    if _COMMA_NUMBER_RE.match(s):
+        s = s.replace(",", "")
+    s = _SCI_RE.sub(lambda m: f"{m.group(1)}\\times10^{{{m.group(2)}}}", s)
+    m = _MIXED_RE.match(s)
+    if m and int(m.group(3)) < int(m.group(4)):
+        s = f"{m.group(1)}({m.group(2)}+\\frac{{{m.group(3)}}}{{{m.group(4)}}})"
+    s = _IN_RE.sub("", s)
+    return Normalized(s.strip().rstrip(".").strip(), percent)

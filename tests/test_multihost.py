@@ -1,0 +1,277 @@
+"""Multi-host runs end to end on one machine (issue 10). A 2-process ``stapo-jax sft`` warm-up (HF export
+gathered tensor by tensor) gives the starting model; from it ``stapo-jax train`` (held-out evaluation, 3 RL steps,
+checkpoints, HF export) as 2 processes x 2 CPU devices and 4 x 1 must equal 1 process x 4 devices: the same
+prompts, sampled tokens and rewards, parameters within 1e-5. SIGTERM to both processes saves the same step and
+exits 0; kill -9 of a process makes the other exit non-zero within the heartbeat bound; restarting resumes to the
+uninterrupted run's parameters; ``stapo-jax eval`` in 2 processes writes the results of 1.
+
+Why the warm-up is shared rather than repeated per layout: tens of Adam steps amplify the float rounding of the
+gradient all-reduce, whose summation order differs between one process (XLA's in-process reduction) and several
+(gloo), to ~5e-5 after 20 SFT steps; the RL part is then compared from identical weights.
+
+The runs happen once per module (each costs one compile per process on the CI's 2 cores)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import portpicker
+import pytest
+from safetensors.numpy import load_file
+
+from stapo_jax import distributed
+from stapo_jax.launch import process_env
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+STEPS = 3
+DATA = ["data.gym.size=64", "data.gym.val_size=6", "reward.num_workers=1"]
+SFT = ["sft.steps=40", "sft.lr=1.0e-2", "sft.batch_size=16", *DATA]
+OVERRIDES = ["sft.steps=0", f"trainer.total_steps={STEPS}", "trainer.train_batch_size=4", "rollout.n=4",
+             "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2", "trainer.eval_every=0",
+             "trainer.save_every=1", "rollout.max_concurrent_decodes=16", *DATA]
+LAYOUTS = ((1, 4), (2, 2), (4, 1))
+
+
+def _base_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", STAPO_DISTRIBUTED="auto", **extra)
+    return env
+
+
+def _launch(n: int, devices: int, args: list[str], **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "stapo_jax", "launch", "--local", str(n), "--devices-per-process", str(devices),
+           "--timeout", "1500", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_base_env(**env), capture_output=True, text=True, timeout=1700)
+
+
+def _from(model_dir: Path) -> list[str]:
+    """Overrides that start from an HF export (its config.json defines the model)."""
+    from stapo_jax.config import MODEL_SIZE_KEYS
+
+    return [f"model.path={model_dir}", "model.preset=null", *(f"model.{k}=null" for k in MODEL_SIZE_KEYS)]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("layouts")
+    r = _launch(2, 2, ["--command", "sft", "--config", CONFIG, *SFT, f"trainer.run_dir={base / 'sft'}"])
+    assert r.returncode == 0, f"2-process SFT failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    start = base / "sft" / "sft_hf"
+    out = {"sft": start}
+    for n, d in LAYOUTS:
+        run_dir = base / f"{n}x{d}"
+        t0 = time.perf_counter()
+        r = _launch(n, d, ["--config", CONFIG, *OVERRIDES, *_from(start), f"trainer.run_dir={run_dir}"],
+                    STAPO_DUMP_EXPERIENCE_DIR=str(run_dir / "dump"))
+        assert r.returncode == 0, f"{n}x{d} failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+        out[(n, d)] = {"dir": run_dir, "wall_s": time.perf_counter() - t0, "log": r.stdout}
+        print(f"layout {n} process(es) x {d} device(s): {out[(n, d)]['wall_s']:.1f} s wall")
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_same_prompts_tokens_rewards(layouts):
+    ref = layouts[(1, 4)]["dir"] / "dump"
+    n_rewarded = 0
+    for step in range(1, STEPS + 1):
+        one = np.load(ref / f"step_{step}.npz")
+        n_rewarded += int((one["rewards"] > 0).sum())
+        assert one["response_mask"].sum(-1).std() > 0 or step > 1  # varied responses, not a degenerate batch
+        for layout in ((2, 2), (4, 1)):
+            other = np.load(layouts[layout]["dir"] / "dump" / f"step_{step}.npz")
+            assert sorted(other.files) == sorted(one.files)
+            for k in ("input_ids", "attention_mask", "response_mask", "rewards"):
+                np.testing.assert_array_equal(other[k], one[k], err_msg=f"{layout} step {step} {k}")
+            np.testing.assert_allclose(other["advantages"], one["advantages"], atol=1e-6, err_msg=f"{layout} {step}")
+            np.testing.assert_allclose(other["rollout_log_probs"], one["rollout_log_probs"], atol=1e-5,
+                                       err_msg=f"{layout} step {step} rollout_log_probs")
+    assert n_rewarded > 0  # some sampled answers were correct: advantages and updates are not all zero
+
+
+def test_parameters_and_hf_exports_equal(layouts):
+    ref_dir = layouts[(1, 4)]["dir"] / "hf"
+    ref = load_file(str(ref_dir / "model.safetensors"))
+    assert len(ref) >= 10
+    losses = [row["loss"] for row in _metrics(layouts[(1, 4)]["dir"])]
+    assert len(losses) == STEPS and any(abs(x) > 1e-7 for x in losses)  # RL moved the parameters
+    for layout in ((2, 2), (4, 1)):
+        d = layouts[layout]["dir"] / "hf"
+        other = load_file(str(d / "model.safetensors"))
+        assert sorted(other) == sorted(ref)
+        for k in ref:
+            assert other[k].dtype == ref[k].dtype and other[k].shape == ref[k].shape, k
+            np.testing.assert_allclose(other[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{layout} {k}")
+        assert json.loads((d / "config.json").read_text()) == json.loads((ref_dir / "config.json").read_text())
+        s_ref = json.loads((layouts[(1, 4)]["dir"] / "summary.json").read_text())
+        s = json.loads((layouts[layout]["dir"] / "summary.json").read_text())
+        for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "optimizer_steps"):
+            assert s[key] == s_ref[key], (layout, key)
+        for row, row_ref in zip(_metrics(layouts[layout]["dir"]), _metrics(layouts[(1, 4)]["dir"])):
+            for key in ("reward/mean", "acc/mean", "response_length/mean", "sampling/prompts"):
+                assert row[key] == row_ref[key], (layout, key)
+            for key in ("loss", "grad_norm", "entropy"):
+                np.testing.assert_allclose(row[key], row_ref[key], rtol=1e-4, atol=1e-6, err_msg=f"{layout} {key}")
+            assert row["time/coordination"] > 0  # the cross-process gathers are timed
+
+
+def test_export_loads_in_transformers(layouts):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    d = layouts[(2, 2)]["dir"] / "hf"
+    model = Qwen3ForCausalLM.from_pretrained(str(d), torch_dtype=torch.float32)
+    ours = load_file(str(d / "model.safetensors"))
+    theirs = model.state_dict()
+    name = "model.layers.1.mlp.down_proj.weight"
+    np.testing.assert_array_equal(theirs[name].numpy(), ours[name])
+
+
+def test_who_writes_what(layouts):
+    run = layouts[(2, 2)]["dir"]
+    assert len(_metrics(run)) == STEPS and (run / "tb").is_dir() and (run / "summary.json").is_file()
+    assert len(_metrics(run / "process_1")) == STEPS  # process 1 logs into its own file
+    assert sorted(p.name for p in (run / "process_1").iterdir()) == ["metrics.jsonl"]  # nothing else
+    log = layouts[(2, 2)]["log"]
+    lines = [x for x in log.splitlines() if x.strip()]
+    assert all(x.startswith(("[p0] ", "[p1] ", "[launch]")) for x in lines), [x for x in lines if x[:2] != "[p"][:3]
+    assert any(x.startswith("[p1] ") and "held-out accuracy before RL" in x for x in lines)
+    assert sum("train: 100%" in x for x in lines if x.startswith("[p1]")) == 0  # progress bar on process 0 only
+
+
+def _start_pair(run_dir: Path, start: Path, port: int, **env) -> list[subprocess.Popen]:
+    args = [sys.executable, "-m", "stapo_jax", "train", "--config", CONFIG, *OVERRIDES, *_from(start),
+            f"trainer.run_dir={run_dir}"]
+    return [subprocess.Popen(args, cwd=REPO, env=process_env(i, 2, port, 2, _base_env(**env)),
+                             stdout=open(run_dir.parent / f"{run_dir.name}.p{i}.log", "a"), stderr=subprocess.STDOUT)
+            for i in range(2)]
+
+
+def _wait_for(pred, procs, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            pytest.fail(f"{what}: not reached (exit codes {[p.poll() for p in procs]})")
+        time.sleep(0.02)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    d = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def test_sigterm_kill_and_resume(layouts, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    logs = [tmp_path / f"run.p{i}.log" for i in range(2)]
+    heartbeat = 10
+    env = dict(STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S=str(heartbeat))
+    # 1. SIGTERM to both after the first checkpoint: both save the same step and exit 0
+    procs = _start_pair(run, layouts["sft"], portpicker.pick_unused_port(), **env)
+    _wait_for(lambda: 1 in _steps(run), procs, 900, "first checkpoint")
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], "\n".join(x.read_text()[-3000:] for x in logs)
+    stopped = [[line for line in x.read_text().splitlines() if line.startswith("final_step:")] for x in logs]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+    k = int(stopped[0][0].split(":")[1])
+    assert 1 <= k < STEPS and _steps(run)[-1] == k, (k, _steps(run))
+    # 2. restart; after its next checkpoint kill -9 process 1: process 0 must stop, non-zero, within the bound
+    procs = _start_pair(run, layouts["sft"], portpicker.pick_unused_port(), **env)
+    _wait_for(lambda: _steps(run)[-1] > k, procs, 900, "a checkpoint after the restart")
+    procs[1].kill()
+    t0 = time.monotonic()
+    try:
+        rc = procs[0].wait(timeout=heartbeat + 60)
+    finally:
+        procs[0].kill()
+    assert rc != 0 and time.monotonic() - t0 < heartbeat + 60, rc
+    assert f"resumed from step {k}" in logs[0].read_text()
+    # 3. restart with the same command: it ends with the uninterrupted run's parameters
+    procs = _start_pair(run, layouts["sft"], portpicker.pick_unused_port(), **env)
+    assert [p.wait(timeout=900) for p in procs] == [0, 0], "\n".join(x.read_text()[-3000:] for x in logs)
+    ref = load_file(str(layouts[(2, 2)]["dir"] / "hf" / "model.safetensors"))
+    got = load_file(str(run / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_eval_two_processes_equal_one(layouts, tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"problem": f"Calculate {a} + {b} - 1.", "answer": str(a + b - 1)}) + "\n"
+                             for a, b in ((3, 4), (5, 2), (1, 1))))
+    model = layouts[(1, 4)]["dir"] / "hf"
+    results = {}
+    for n, d in ((1, 4), (2, 2)):
+        out = tmp_path / f"eval{n}"
+        r = _launch(n, d, ["--command", "eval", "--config", CONFIG, "--model", str(model), "--benchmarks",
+                           str(bench), "--limit", "2", "--n-samples", "2", "--max-new-tokens", "6", "--out", str(out)])
+        assert r.returncode == 0, r.stdout[-5000:]
+        results[n] = json.loads((out / "results.json").read_text())
+        assert not (tmp_path / f"eval{n}" / "process_1").exists()
+    assert _drop_clock(results[1]) == _drop_clock(results[2])
+    assert results[1]["meta"]["limit"] == 2
+
+
+def _drop_clock(obj):
+    """``obj`` without the fields that name the machine or the clock (date, devices, wall seconds)."""
+    if isinstance(obj, dict):
+        return {k: _drop_clock(v) for k, v in obj.items() if k not in ("date", "devices", "seconds", "time_s")}
+    if isinstance(obj, list):
+        return [_drop_clock(v) for v in obj]
+    return obj
+
+
+def _run_snippet(code: str, n: int = 2, **env) -> list[subprocess.CompletedProcess]:
+    port = portpicker.pick_unused_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=process_env(i, n, port, 1, _base_env(**env)))
+             for i in range(n)]
+    return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
+
+
+def test_different_configs_are_named():
+    code = ("import sys; from stapo_jax import distributed as d; d.initialize(); i = int(sys.argv[1]);\n"
+            "cfg = {'trainer': {'seed': 1, 'total_steps': 3 + i}, 'actor': {'optim': {'lr': 0.1}},"
+            " 'rollout': {'n': 8 if i else 4}}\n"
+            "try:\n    d.check_same_config(cfg)\nexcept d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
+    out = _run_snippet(code)
+    assert [rc for _, rc in out] == [3, 3], out
+    for text, _ in out:
+        err = next(x for x in text.splitlines() if x.startswith("ERR"))
+        assert "'rollout.n'" in err and "'trainer.total_steps'" in err and "actor.optim.lr" not in err, err
+        assert "processes [1]" in err
+
+
+def test_unreachable_coordinator_fails_clearly():
+    port = portpicker.pick_unused_port()
+    t0 = time.monotonic()
+    with pytest.raises(distributed.DistributedError, match=rf"127\.0\.0\.1:{port}.*after 2s.*INIT_TIMEOUT"):
+        distributed.initialize(f"127.0.0.1:{port}", 2, 1, initialization_timeout_s=2)
+    assert time.monotonic() - t0 < 15
+
+
+def test_batch_that_does_not_split_names_the_keys(tmp_path):
+    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.trainer import train
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(CONFIG, ["rollout.n=3", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1",
+                               "trainer.train_batch_size=2", f"trainer.run_dir={run_dir}"])
+    with pytest.raises(ConfigError, match=r"3 sequences .* 8 data-parallel shards .*actor\.ppo_mini_batch_size, "
+                                          r"trainer\.train_batch_size, actor\.ppo_micro_batch_size or mesh\.\*"):
+        train(cfg)  # 8 CPU devices in the test process (conftest)
+    assert not run_dir.exists()

@@ -1,0 +1,99 @@
+"""Plots (issue 12): held-out accuracy starts with the before-RL point at step 0; ``stapo-jax plot A B`` /
+``stapo-jax compare A B`` overlay runs, one figure per metric with one line per run, labelled by run name and
+recipe."""
+import json
+
+import pytest
+import yaml
+
+from stapo_jax.cli import main as cli_main
+from stapo_jax.plots import CURVES, compare_runs, plot_run, run_series
+
+
+def make_run(path, recipe, rows, summary=None):
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"recipe": recipe}}))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def rows_for(scale, clip=True):
+    rows = []
+    for s in range(1, 5):
+        r = {"step": s, "reward/mean": scale * s, "entropy": 1.0 / s, "s2t/masked_frac": 1e-3 * s,
+             "response_length/mean": 4.0 + s, "acc/mean": scale * s}
+        if clip:
+            r.update({"pg_clipfrac": 0.01 * s, "pg_clipfrac_lower": 0.0})
+        if s % 2 == 0:
+            r["val/acc"] = 0.2 + scale * s
+        rows.append(r)
+    return rows
+
+
+def test_heldout_accuracy_starts_with_the_before_rl_point(tmp_path):
+    run = make_run(tmp_path / "r", "stapo", rows_for(0.1),
+                   {"heldout_acc_before": 0.175, "heldout_acc_after": 0.61, "final_step": 5})
+    assert run_series(str(run))["val/acc"] == [(0, 0.175), (2, pytest.approx(0.4)), (4, pytest.approx(0.6)),
+                                               (5, 0.61)]
+    # the trainer passes its in-memory summary (written to summary.json only after the plots)
+    bare = make_run(tmp_path / "bare", "stapo", rows_for(0.1))
+    assert run_series(str(bare), {"heldout_acc_before": 0.1})["val/acc"][0] == (0, 0.1)
+    written = plot_run(str(run))
+    assert str(run / "plots" / "val_acc.png") in written and str(run / "plots" / "pg_clipfrac.png") in written
+
+
+def test_compare_overlays_one_line_per_run_per_metric(tmp_path, capsys):
+    a = make_run(tmp_path / "runs" / "tiny_stapo", "stapo", rows_for(0.1), {"heldout_acc_before": 0.2})
+    b = make_run(tmp_path / "runs" / "tiny_grpo", "grpo", rows_for(0.05, clip=False), {"heldout_acc_before": 0.2})
+    assert cli_main(["compare", str(a), str(b)]) == 0
+    out = tmp_path / "runs" / "compare"                      # default: beside the runs
+    printed = capsys.readouterr().out.split()
+    lines = json.loads((out / "comparison.json").read_text())
+    assert [k for k, _ in CURVES if k in lines] == list(lines) == [k for k, _ in CURVES]
+    for key, runs in lines.items():
+        assert (out / (key.replace("/", "_") + ".png")).stat().st_size > 1000
+        assert str(out / (key.replace("/", "_") + ".png")) in printed
+        want = ["tiny_stapo (stapo)", "tiny_grpo (grpo)"] if not key.startswith("pg_clip") else ["tiny_stapo (stapo)"]
+        assert [r["label"] for r in runs] == want, key
+    assert lines["reward/mean"][1]["steps"] == [1, 2, 3, 4]
+    assert lines["reward/mean"][1]["values"] == pytest.approx([0.05, 0.1, 0.15, 0.2])
+    assert lines["val/acc"][0]["steps"] == [0, 2, 4] and lines["val/acc"][0]["values"][0] == 0.2
+    assert (out / "comparison.png").stat().st_size > 1000
+    # `plot` with several runs is the same command; labels and the output directory can be given
+    assert cli_main(["plot", str(a), str(b), "--out", str(tmp_path / "o"), "--labels", "S,G"]) == 0
+    assert [r["label"] for r in json.loads((tmp_path / "o" / "comparison.json").read_text())["entropy"]] == ["S", "G"]
+
+
+def test_compare_errors(tmp_path):
+    a = make_run(tmp_path / "x" / "run", "stapo", rows_for(0.1))
+    b = make_run(tmp_path / "y" / "run", "stapo", rows_for(0.1))
+    with pytest.raises(ValueError, match="at least two runs"):
+        compare_runs([str(a)])
+    with pytest.raises(ValueError, match="share a label"):
+        compare_runs([str(a), str(b)])
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        compare_runs([str(a), str(b)], labels=["one"])
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        compare_runs([str(a), str(tmp_path / "missing")], labels=["a", "m"])
+
+
+def test_compare_config_pair_is_the_main_job_with_two_recipes():
+    """configs/compare/tiny_{stapo,grpo}.yaml: the main job (configs/tiny_cpu.yaml) with only the recipe and
+    the run directory changed, so the comparison isolates the algorithm."""
+    from pathlib import Path
+
+    from stapo_jax.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    main = load_config(repo / "configs" / "tiny_cpu.yaml").to_dict()
+    for recipe in ("stapo", "grpo"):
+        cfg = load_config(repo / "configs" / "compare" / f"tiny_{recipe}.yaml")
+        assert cfg.algorithm.recipe == recipe and cfg.trainer.run_dir == f"runs/compare/tiny_{recipe}"
+        want = load_config(repo / "configs" / "tiny_cpu.yaml",
+                           [f"algorithm.recipe={recipe}", f"trainer.run_dir=runs/compare/tiny_{recipe}"]).to_dict()
+        assert cfg.to_dict() == want
+    assert main["algorithm"]["recipe"] == "stapo"
+    grpo = load_config(repo / "configs" / "compare" / "tiny_grpo.yaml")
+    assert not grpo.s2t.enabled and grpo.actor.clip_ratio_high == grpo.actor.clip_ratio_low
