@@ -49,10 +49,13 @@ def machine_line() -> str:
     return "machine: " + "; ".join(parts) + "\n" + load_line("at start")
 
 
-def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Wall seconds of each side over ``repeats`` interleaved rounds (every side once per round, in order),
     after ``warmup`` untimed calls of each side. Each callable must block until its work is done
-    (``jax.block_until_ready``, ``.item()``, ...). Returns ``{label: [seconds] * repeats}``.
+    (``jax.block_until_ready``, ``.item()``, ...). Returns ``{label: [seconds] * repeats}``; when ``cpu`` is a
+    dict it is filled with the process CPU seconds (all threads) of the same calls, the steadier measure of work
+    on a shared machine.
 
     Raises ``ValueError`` when ``repeats < 1`` or ``sides`` is empty."""
     if repeats < 1 or not sides:
@@ -64,9 +67,11 @@ def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: in
     times: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(repeats):
         for k, f in sides.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             f()
             times[k].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(k, []).append(time.process_time() - c0)
     return times
 
 
