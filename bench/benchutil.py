@@ -82,9 +82,9 @@ def median(ts: list[float]) -> float:
 
 def summary(ts: list[float], unit: str = "ms") -> str:
     """``"median [min..max] unit (n=k)"`` of a list of seconds, in ``ms`` or ``s``."""
-    scale = {"ms": 1e3, "s": 1.0}[unit]
-    return (f"{median(ts) * scale:.1f} [{min(ts) * scale:.1f}..{max(ts) * scale:.1f}] {unit} (median [min..max], "
-            f"n={len(ts)})")
+    scale, digits = {"ms": (1e3, 1), "s": (1.0, 3)}[unit]
+    return (f"{median(ts) * scale:.{digits}f} [{min(ts) * scale:.{digits}f}..{max(ts) * scale:.{digits}f}] {unit} "
+            f"(median [min..max], n={len(ts)})")
 
 
 def ratio(a: list[float], b: list[float]) -> str:
