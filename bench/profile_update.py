@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--decode-context", type=int, default=256)
     ap.add_argument("--skip-remat", action="store_true")
+    ap.add_argument("--remat-layers", type=int, default=6,
+                    help="layers of the remat memory run, compared with 2 layers (a 1-layer scan is compiled "
+                         "differently); FLOPs are taken at 1 layer")
     ap.add_argument("--skip-decode", action="store_true")
     a = ap.parse_args()
     print(machine_line(), flush=True)
@@ -200,15 +203,19 @@ def main() -> int:
               f"check, accumulation) {rest / tot:6.1%} ({rest / 1e9:.3f} GFLOP, {rest / n_all:.0f} flop/param)")
 
     if not a.skip_remat:
-        print("\n| remat policy | update GFLOP (1 layer) | temporaries MiB | compile s |")
+        print(f"\n| remat policy | justrl update GFLOP (1 layer) | temporaries MiB at 2 / {a.remat_layers} layers | "
+              f"per layer MiB |")
         print("|---|---|---|---|")
         for pol in ("none", "dots_no_batch", "dots", "full"):
-            c2 = dataclasses.replace(cfg, remat=pol)
-            st = jax.eval_shape(lambda c2=c2: TrainState.create(Qwen3(c2, rngs=nnx.Rngs(0)), opt))
-            cc = cost(make_train_step(get_recipe("justrl"), opt, num_micro_batches=1, seq_chunk=r,
-                                      vocab_chunk=None), st, batch)
-            print(f"| {pol} | {(cc['flops'] + loop_fix) / 1e9:.2f} | {cc['temp'] / 2**20:.0f} | {cc['compile_s']:.1f} |",
-                  flush=True)
+            got = []
+            for n in (1, 2, a.remat_layers):
+                c2 = dataclasses.replace(cfg, remat=pol, num_hidden_layers=n)
+                st = jax.eval_shape(lambda c2=c2: TrainState.create(Qwen3(c2, rngs=nnx.Rngs(0)), opt))
+                got.append(cost(make_train_step(get_recipe("justrl"), opt, num_micro_batches=1, seq_chunk=r,
+                                                vocab_chunk=None), st, batch))
+            per = (got[2]["temp"] - got[1]["temp"]) / max(a.remat_layers - 2, 1)
+            print(f"| {pol} | {(got[0]['flops'] + loop_fix) / 1e9:.2f} | {got[1]['temp'] / 2**20:.0f} / "
+                  f"{got[2]['temp'] / 2**20:.0f} | {per / 2**20:.1f} |", flush=True)
 
     if not a.skip_decode:
         from stapo_jax.rollout.decode_fns import step_fn
