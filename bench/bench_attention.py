@@ -20,18 +20,17 @@ compile stays fast. fp32 by default.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from benchutil import interleaved, load_line, machine_line, median  # noqa: E402
 
 from models.attention import dot_product_attention  # noqa: E402
 
@@ -64,19 +63,6 @@ def temp_bytes(impl: str, block: int, args) -> int:
     return int(fwd_bwd(impl, block).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def timed_pair(fa, fb, repeats: int):
-    """Lists of seconds of ``fa`` and ``fb`` over ``repeats`` interleaved calls after one warm-up each."""
-    jax.block_until_ready(fa())
-    jax.block_until_ready(fb())
-    ta, tb = [], []
-    for _ in range(repeats):
-        for f, acc in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            acc.append(time.perf_counter() - t0)
-    return ta, tb
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -89,9 +75,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
-    dev = jax.devices()[0]
-    print(f"machine: {platform.machine()} {platform.node()}, backend {jax.default_backend()}, device "
-          f"{dev.device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; load(1m) {os.getloadavg()[0]:.2f}")
+    print(machine_line())
     print(f"shapes: B=1 N={a.heads} Nkv={a.kv_heads} H={a.head_dim} {dtype.name}, block {a.block}, causal, "
           f"64 left-padding tokens + 2 packed sequences")
     rows = {}
@@ -109,14 +93,16 @@ def main(argv=None) -> dict:
         fx, fb = fwd_bwd("xla", a.block), fwd_bwd("blockwise", a.block)
         ref, got = fx(*args), fb(*args)
         err = max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(got[1], ref[1]))
-        tb, tx = timed_pair(lambda: fb(*args), lambda: fx(*args), a.repeats)
-        mb, mx = statistics.median(tb), statistics.median(tx)
+        times = interleaved({"blockwise": lambda: jax.block_until_ready(fb(*args)),
+                             "xla": lambda: jax.block_until_ready(fx(*args))}, a.repeats)
+        tb, tx = times["blockwise"], times["xla"]
+        mb, mx = median(tb), median(tx)
         print(f"time fwd+bwd at T={a.time_t} ({a.repeats} interleaved repeats): blockwise median {mb * 1e3:.1f} ms "
               f"[{min(tb) * 1e3:.1f}..{max(tb) * 1e3:.1f}], xla median {mx * 1e3:.1f} ms "
               f"[{min(tx) * 1e3:.1f}..{max(tx) * 1e3:.1f}]; blockwise/xla = {mb / mx:.2f}; "
               f"max rel grad diff {err:.1e}")
         out["time"] = (mb, mx)
-    print(f"load(1m) after: {os.getloadavg()[0]:.2f}")
+    print(load_line("at end"))
     return out
 
 

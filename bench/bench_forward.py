@@ -18,13 +18,12 @@ after because the CPU may be shared.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,6 +31,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
+
+from benchutil import interleaved, load_line, machine_line, median, summary  # noqa: E402
 
 from models.hf import iter_hf_tensors  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
@@ -54,19 +55,6 @@ def hf_copy(model: Qwen3, cfg) -> transformers.Qwen3ForCausalLM:
     return hf.eval()
 
 
-def timed_pair(fa, fb, repeats: int) -> tuple[float, float]:
-    """Median seconds of ``fa`` and ``fb`` over ``repeats`` interleaved calls (a, b, a, b, ...) after one
-    warm-up call each, so that load from other processes hits both sides alike."""
-    fa(), fb()
-    ta, tb = [], []
-    for _ in range(repeats):
-        for f, acc in ((fa, ta), (fb, tb)):
-            t0 = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=512)
@@ -77,9 +65,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    print(f"load average (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+    print(machine_line())
+    print(f"transformers {transformers.__version__}")
     cfg = from_hf_config(args.config, dtype=args.dtype, param_dtype=args.dtype)
     print(f"config {args.config}: D={cfg.hidden_size} F={cfg.intermediate_size} L={cfg.num_hidden_layers} "
           f"Nh={cfg.num_attention_heads} Nkv={cfg.num_key_value_heads} V={cfg.vocab_size} dtype={args.dtype}")
@@ -114,7 +101,9 @@ def main(argv=None) -> int:
                 return hf(input_ids=ids_t, attention_mask=mask_t).logits
 
         diff = float(np.abs(np.asarray(ours(), np.float32) - theirs().float().numpy()).max())
-        t_ours, t_torch = timed_pair(ours, theirs, args.repeats)
+        times = interleaved({"ours": ours, "torch": theirs}, args.repeats)
+        t_ours, t_torch = median(times["ours"]), median(times["torch"])
+        print(f"  ours {summary(times['ours'], 's')}, torch {summary(times['torch'], 's')}")
         tok = b * args.seq
         rows.append((b, tok / t_ours, tok / t_torch, compile_s, diff))
         print(f"batch {b} x seq {args.seq}: ours {tok / t_ours:8.1f} tok/s ({t_ours:.2f}s)  torch "
@@ -125,7 +114,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for b, o, t, c, d in rows:
         print(f"| {b} | {args.seq} | {o:.1f} | {t:.1f} | {o / t:.2f}x | {c:.1f} | {d:.1e} |")
-    print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}")
+    print(load_line("at end"))
     return 0
 
 

@@ -9,12 +9,16 @@ Goals (issue 3): chunked peak memory <= 1/8 of naive, time <= 1.3x naive.
 """
 
 import argparse
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from stapo_jax.logprobs import (
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
+
+from stapo_jax.logprobs import (  # noqa: E402
     chunked_log_probs_and_entropy,
     logits_to_log_probs_and_entropy,
 )
@@ -44,22 +48,6 @@ def peak_bytes(fn, args):
     return ma.temp_size_in_bytes, ma.temp_size_in_bytes + ma.output_size_in_bytes + ma.argument_size_in_bytes
 
 
-def timeit_pair(fn_a, fn_b, args, reps):
-    """Best-of-``reps`` (wall, process CPU) times in seconds of two jitted functions, alternating a, b each
-    repeat so that load from other processes on a shared machine hits both sides alike. CPU time (all threads)
-    is the steadier measure of work when the machine is shared."""
-    fa, fb = jax.jit(fn_a), jax.jit(fn_b)
-    jax.block_until_ready(fa(*args))
-    jax.block_until_ready(fb(*args))
-    best = [[float("inf")] * 2, [float("inf")] * 2]
-    for _ in range(reps):
-        for i, f in enumerate((fa, fb)):
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(f(*args))
-            best[i] = [min(best[i][0], time.perf_counter() - t0), min(best[i][1], time.process_time() - c0)]
-    return best
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--V", type=int, default=151936)
@@ -71,7 +59,9 @@ def main():
     ap.add_argument("--time-T", type=int, default=256, help="sequence length of the timing run (CPU: small; 0 skips timing)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    print(f"backend={jax.default_backend()} devices={jax.device_count()}")
+    if a.reps < 3:
+        raise SystemExit(f"--reps must be >= 3 for a median with spread (got {a.reps})")
+    print(machine_line(), flush=True)
     a.vocab_chunk = a.vocab_chunk or None
     chunked = make(a.seq_chunk, a.vocab_chunk)
     spec = lambda t: (jax.ShapeDtypeStruct((a.B, t, a.D), jnp.bfloat16),
@@ -83,6 +73,7 @@ def main():
               f"(goal <= 0.125); with args+outputs naive {n / 2**30:.2f} GiB, chunked {c / 2**30:.2f} GiB, ratio "
               f"{c / n:.3f}; fits 24 GB: {c < 24e9}")
     if a.time_T <= 0:
+        print(load_line("at end"))
         return
     k = jax.random.split(jax.random.PRNGKey(0), 3)
     t = a.time_T
@@ -90,10 +81,14 @@ def main():
             (jax.random.normal(k[1], (a.D, a.V), jnp.float32) * 0.03).astype(jnp.bfloat16),
             jax.random.randint(k[2], (a.B, t), 0, a.V))
     for label, n_fn, c_fn in (("forward", naive, chunked), ("fwd+bwd", with_grad(naive), with_grad(chunked))):
-        (tn, cn), (tc, cc) = timeit_pair(n_fn, c_fn, args, a.reps)
-        print(f"time   {label:8s} B={a.B} T={t} (best of {a.reps}): naive {tn * 1e3:.1f} ms, chunked {tc * 1e3:.1f} ms, "
-              f"ratio chunked/naive = {tc / tn:.2f} (goal <= 1.3); process CPU time naive {cn * 1e3:.1f} ms, "
-              f"chunked {cc * 1e3:.1f} ms, ratio {cc / cn:.2f}")
+        fn, fc = jax.jit(n_fn), jax.jit(c_fn)
+        cpu = {}
+        ts = interleaved({"naive": lambda: jax.block_until_ready(fn(*args)),
+                          "chunked": lambda: jax.block_until_ready(fc(*args))}, a.reps, cpu=cpu)
+        print(f"time   {label:8s} B={a.B} T={t} ({a.reps} interleaved rounds): naive {summary(ts['naive'])}, chunked "
+              f"{summary(ts['chunked'])}; ratio chunked/naive = {ratio(ts['chunked'], ts['naive'])} (goal <= 1.3); "
+              f"process CPU time ratio {median(cpu['chunked']) / median(cpu['naive']):.2f}", flush=True)
+    print(load_line("at end"))
 
 
 if __name__ == "__main__":

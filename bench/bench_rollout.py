@@ -3,7 +3,7 @@ CPU, KV cache) on the same weights, in one process; plus the weight-sync time of
 
 Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
 exactly B*128 tokens). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
-tiny, 1 for 0.6b; ours and HF alternate), after a warm-up call (ours: the same compiled shapes via a 2-token
+tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: the same compiled shapes via a 2-token
 run; HF: 2-token runs). Ours includes prefill,
 per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
 log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
@@ -29,8 +29,6 @@ trainer's case: validation plus one device copy of the layer weights into the en
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +42,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_forward import hf_copy  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, pick_torch_threads, ratio, summary  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
@@ -88,38 +87,38 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: 
     ids = torch.from_numpy(prompts.astype(np.int64)).to(torch_device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True, eos_token_id=None,
               pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    last = {}
+
+    def ours_side(k, d):
+        def run():
+            last["ours"] = d.generate(list(prompts), max_new_tokens=new_tokens)
+            assert last["ours"].response_lengths.min() == new_tokens
+
+        return run
+
+    def hf_side():
+        last["hf"] = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw).cpu()  # syncs
+
     with torch.inference_mode():
-        probe = {}
-        for threads in sorted({1, os.cpu_count() or 1}):  # OpenMP spinning can make 2 threads slower on a busy host
-            torch.set_num_threads(threads)
-            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=6, min_new_tokens=6, **kw)
-            probe[threads] = time.perf_counter() - t0
-        torch_threads = min(probe, key=probe.get)
-        torch.set_num_threads(torch_threads)
-        ours_times, hf_times = {k: [] for k in drivers}, []
-        for _ in range(repeats):  # alternate the sides so load changes hit all alike
-            for k, d in drivers.items():
-                t0 = time.perf_counter()
-                ours = d.generate(list(prompts), max_new_tokens=new_tokens)
-                ours_times[k].append(time.perf_counter() - t0)
-                assert ours.response_lengths.min() == new_tokens
-            t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw).cpu()  # synchronises
-            hf_times.append(time.perf_counter() - t0)
-        hf_s = statistics.median(hf_times)
-        ours_s = {k: statistics.median(v) for k, v in ours_times.items()}
+        torch_threads = pick_torch_threads(
+            lambda: hf.generate(ids, max_new_tokens=6, min_new_tokens=6, **kw), repeats=1)
+        sides = {f"ours steps_per_sync={k}": ours_side(k, d) for k, d in drivers.items()}
+        sides["HF generate"] = hf_side
+        times = interleaved(sides, repeats, warmup=0)  # ours compiled above; HF warmed by the thread probe
+    ours, out = last["ours"], last["hf"]
+    hf_times = times.pop("HF generate")
+    hf_s = median(hf_times)
     hf_tokens = out[:, prompt_len:].numpy()
     same_rows = float(np.mean(np.all(hf_tokens == ours.responses, axis=1)))
     n = batch * new_tokens
 
     state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(1)))[1]
-    device_s = statistics.median(driver.sync_weights(state) for _ in range(3))
+    device_s = median(driver.sync_weights(state) for _ in range(3))
     host_state = jax.tree.map(np.asarray, state)
-    host_s = statistics.median(driver.sync_weights(host_state) for _ in range(3))
+    host_s = median(driver.sync_weights(host_state) for _ in range(3))
     mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
-    return dict(model=name, repeats=repeats, torch_threads=torch_threads, ours_s=ours_s, hf_tok_s=n / hf_s,
+    return dict(model=name, repeats=repeats, torch_threads=torch_threads, times=times, hf_times=hf_times,
+                hf_tok_s=n / hf_s,
                 n=n, hf_s=hf_s, compile_s=compile_s, same_rows=same_rows, sync_device_s=device_s, sync_host_s=host_s,
                 param_mib=mib)
 
@@ -131,27 +130,30 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per side, alternating, median reported (default: 5 for tiny, 1 for 0.6b)")
+                   help="timed runs per side, interleaved, median reported (default: 5 for tiny, 3 for 0.6b)")
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
     args = p.parse_args(argv)
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), torch "
-          f"{torch.__version__} ({torch.get_num_threads()} threads), load avg {os.getloadavg()[0]:.2f}", flush=True)
+    print(machine_line(), flush=True)
     print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
     for name in args.models.split(","):
         name = name.strip()
-        repeats = args.repeats or (5 if name == "tiny" else 1)
+        repeats = args.repeats or (5 if name == "tiny" else 3)
+        if repeats < 3:
+            raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {repeats})")
         k = tuple(int(x) for x in (args.steps_per_sync or ("1,8" if name == "tiny" else "1")).split(","))
         r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device)
-        print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s (median of {r['repeats']}: {r['hf_s']:.2f} s, "
+        print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s ({summary(r['hf_times'], 's')}, "
               f"{args.torch_device}, {r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
-        for k, sec in r["ours_s"].items():
-            print(f"[{r['model']}] ours steps_per_sync={k}: {r['n'] / sec:.1f} tok/s ({sec:.2f} s) | ratio ours/HF = "
-                  f"{r['hf_s'] / sec:.2f}x | identical greedy rows {r['same_rows']:.2f}", flush=True)
+        for label, ts in r["times"].items():
+            print(f"[{r['model']}] {label}: {r['n'] / median(ts):.1f} tok/s ({summary(ts, 's')}) | ratio ours/HF = "
+                  f"{ratio(r['hf_times'], ts)}x (throughput, median [per-round min..max]) | identical greedy rows "
+                  f"{r['same_rows']:.2f}", flush=True)
         print(f"[{r['model']}] compile + warm-up of ours: {r['compile_s']:.1f} s", flush=True)
         print(f"[{r['model']}] weight sync ({r['param_mib']:.0f} MiB): device-resident {r['sync_device_s'] * 1e3:.1f} ms,"
-              f" from host numpy {r['sync_host_s'] * 1e3:.1f} ms; load avg {os.getloadavg()[0]:.2f}", flush=True)
+              f" from host numpy {r['sync_host_s'] * 1e3:.1f} ms (medians of 3)", flush=True)
+    print(load_line("at end"))
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from benchutil import load_line, machine_line, median, ratio
 from stapo_jax.rewards import RewardScorer
 
 # gold / wrong-answer templates over a group index g (each RL prompt has its own gold; a group of rollouts
@@ -89,13 +90,14 @@ def main():
     ap.add_argument("--forms", choices=("mixed", "integer"), default="mixed", help="answer forms (see ordinary)")
     ap.add_argument("--corpus", action="store_true", help="also print the corpus table of both kinds")
     a = ap.parse_args()
+    print(machine_line())
     kinds = ("math_verify_01", "math_verify_strict")
     scorers = {k: RewardScorer(k, timeout_s=a.timeout, num_workers=a.workers) for k in kinds}
     try:
         warm_r, warm_g = ordinary(100, a.forms, first_group=10**6)
         for k in kinds:  # warm-up: workers started and imported
             scorers[k].score(warm_r, warm_g)
-        best = {k: float("inf") for k in kinds}
+        times = {k: [] for k in kinds}
         acc = {}
         for rnd in range(a.rounds):
             # a fresh batch per round (nothing cached from an earlier round), the same one for both kinds (their
@@ -104,18 +106,19 @@ def main():
             for k in kinds:
                 t0 = time.perf_counter()
                 scores, stats = scorers[k].score(responses, golds)
-                best[k] = min(best[k], time.perf_counter() - t0)
+                times[k].append(time.perf_counter() - t0)
                 acc[k] = (float((scores[0::2] > 0).mean()), float((scores[1::2] > 0).mean()), stats["n_timeout"])
     finally:
         for s in scorers.values():
             s.close()
-    print(f"{a.n} ordinary responses ({a.forms} answer forms), {a.workers} workers, best of {a.rounds} interleaved "
-          f"rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{a.n} ordinary responses ({a.forms} answer forms), {a.workers} workers, median of {a.rounds} "
+          f"interleaved rounds [slowest..fastest round]")
     for k in kinds:
         right, wrong, to = acc[k]
-        print(f"  {k:<20} {a.n / best[k]:8.1f} verdicts/s   right answers accepted {right:.1%}, "
-              f"wrong accepted {wrong:.1%}, timeouts {int(to)}")
-    print(f"  ratio strict / plain throughput: {best['math_verify_01'] / best['math_verify_strict']:.2f}")
+        print(f"  {k:<20} {a.n / median(times[k]):8.1f} verdicts/s [{a.n / max(times[k]):.1f}..{a.n / min(times[k]):.1f}]"
+              f"   right answers accepted {right:.1%}, wrong accepted {wrong:.1%}, timeouts {int(to)}")
+    print(f"  ratio strict / plain throughput: {ratio(times['math_verify_01'], times['math_verify_strict'])}")
+    print(load_line("at end"))
     if a.corpus:
         for k in kinds:
             print(corpus_table(k, a.workers, a.timeout))

@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stapo_jax.registry import register_into
+
 __all__ = [
+    "register_adv_est",
     "grpo_advantages",
     "dr_grpo_advantages",
     "rloo_advantages",
@@ -29,6 +32,16 @@ __all__ = [
     "overlong_reward_penalty",
     "ADVANTAGE_ESTIMATORS",
 ]
+
+
+ADVANTAGE_ESTIMATORS: dict = {}
+
+
+def register_adv_est(name: str):
+    """Decorator registering an outcome-advantage estimator ``fn(rewards [N], group_ids [N], **kw) -> [N]`` under
+    ``name`` (the recipe's ``adv_estimator``). Raises ValueError if the name is taken.
+    Source: verl ``core_algos.register_adv_est``."""
+    return register_into(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def _check(rewards: jax.Array, group_ids: jax.Array) -> None:
@@ -88,6 +101,7 @@ def _float(rewards):
     return rewards if jnp.issubdtype(rewards.dtype, jnp.floating) else rewards.astype(jnp.float32)
 
 
+@register_adv_est("grpo")
 def grpo_advantages(
     rewards: jax.Array,
     group_ids: jax.Array,
@@ -142,6 +156,7 @@ def _zero_groups(adv, constant, single, single_sample):
     return jnp.where(zero, jnp.zeros_like(adv), adv)
 
 
+@register_adv_est("dr_grpo")
 def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero", **_unused) -> jax.Array:
     """Dr.GRPO advantage ``R - mean_group(R)`` (no std normalisation).
 
@@ -152,6 +167,7 @@ def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, single_sample="ze
                            single_sample=single_sample)
 
 
+@register_adv_est("rloo")
 def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero", **_unused) -> jax.Array:
     """RLOO leave-one-out advantage ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean)``.
 
@@ -165,9 +181,6 @@ def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero"
     single = count <= 1
     adv = jnp.where(single, r, (r - mean) * count / jnp.maximum(count - 1, 1))
     return _zero_groups(adv, constant, single, single_sample)
-
-
-ADVANTAGE_ESTIMATORS = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
 
 
 def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:

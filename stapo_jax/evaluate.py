@@ -410,7 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     label = args.label or cfg.model.path or cfg.model.preset or "from-scratch"
     from importlib.metadata import version
 
-    meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset, "model_name": _paper_size(cfg) or Path(str(label)).name,
+    meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset,
+            "model_name": _paper_size(cfg) or Path(str(label)).name,
             "config_file": args.config, "overrides": overrides, "recipe": cfg.algorithm.recipe,
             "max_new_tokens": max_new, "limit": args.limit, "seed": args.seed,
             "prompt_suffix": cfg.data.prompt_suffix, "apply_chat_template": cfg.data.apply_chat_template,

@@ -34,6 +34,7 @@ from stapo_jax.mask_settings import (  # noqa: F401  (re-exported: part of this 
     S2TConfig,
     TopEntropyConfig,
 )
+from stapo_jax.registry import register_into
 
 __all__ = [
     "TokenMask",
@@ -88,14 +89,7 @@ def register_token_mask(name: str, **spec) -> Callable:
     """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
 
     Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
-
-    def deco(fn):
-        if name in TOKEN_MASKS:
-            raise ValueError(f"token mask {name!r} is already registered")
-        TOKEN_MASKS[name] = TokenMask(name=name, fn=fn, **spec)
-        return fn
-
-    return deco
+    return register_into(TOKEN_MASKS, "token mask", name, lambda fn: TokenMask(name=name, fn=fn, **spec))
 
 
 def get_token_mask(name: str) -> TokenMask:

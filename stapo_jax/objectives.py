@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.registry import register_into
+
 __all__ = [
     "PolicyLossConfig",
     "LOSS_AGG_MODES",
@@ -36,6 +38,8 @@ __all__ = [
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
+    "POLICY_LOSSES",
+    "register_policy_loss",
     "safe_divide",
     "finalize_metrics",
     "add_metrics",
@@ -384,6 +388,18 @@ def kl_loss(
     dt = log_probs.dtype
     return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
                      loss_scale_factor)
+
+
+# Policy losses by name, as verl's ``core_algos.register_policy_loss``: every loss has the signature and
+# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss`. One surrogate serves every recipe
+# (the mask and the KL-Cov selection are its arguments), so the registry holds ``vanilla`` only.
+POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
+    Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    return register_into(POLICY_LOSSES, "policy loss", name)
 
 
 def add_metrics(a: dict, b: dict) -> dict:

@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from stapo_jax import masks
+from stapo_jax.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.config import RECIPES as CONFIG_RECIPES
 from stapo_jax.config import from_dict
 from stapo_jax.masks import CovConfig, S2TConfig, TopEntropyConfig
@@ -34,7 +35,6 @@ __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask
            "recipe_from_config"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
-_ADV = ("grpo", "dr_grpo", "rloo")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ class Recipe:
     def __post_init__(self):
         if self.token_mask not in TOKEN_MASKS:
             raise ValueError(f"token_mask must be one of {TOKEN_MASKS}, got {self.token_mask!r}")
-        if self.adv_estimator not in _ADV:
-            raise ValueError(f"adv_estimator must be one of {_ADV}, got {self.adv_estimator!r}")
+        if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"adv_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.adv_estimator!r}")
         if self.adv_ddof not in (0, 1):
             raise ValueError(f"adv_ddof must be 0 or 1, got {self.adv_ddof}")
         if self.max_gen_batches < 1:

@@ -111,3 +111,16 @@ def test_never_nan_and_constant_groups_zero(rows):
             sel = g == grp
             if sel.sum() > 1 and np.all(r[sel] == r[sel][0]):
                 assert np.all(a[sel] == 0.0)
+
+
+def test_estimators_and_losses_are_registered_by_name():
+    from stapo_jax.advantages import ADVANTAGE_ESTIMATORS, register_adv_est
+    from stapo_jax.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "grpo", "rloo"] and POLICY_LOSSES["vanilla"] is compute_policy_loss
+    with pytest.raises(ValueError, match="already registered"):
+        register_adv_est("grpo")(lambda r, g: r)
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("vanilla")(compute_policy_loss)
+    r, g = jnp.array([1.0, 0.0, 1.0, 1.0]), jnp.array([7, 7, -3, -3])  # any integer uids
+    np.testing.assert_allclose(np.asarray(compute_advantages("rloo", r, g)), [1.0, -1.0, 0.0, 0.0])

@@ -162,15 +162,20 @@ def _verl_clip_cov_priority(lp, old, adv, mask, seed, clip_ratio_low, clip_ratio
     return priority, len(cand)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_clip_cov_matches_verl_replaying_its_draw(mode):
-    rng = np.random.default_rng(5)
-    b, t = 8, 40
+def _cov_inputs(seed, short_row, short_from, b=8, t=40):
+    """Wider-spread log-probs and advantages than :func:`_inputs`, so covariances reach the Cov bounds."""
+    rng = np.random.default_rng(seed)
     mask = np.ones((b, t))
-    mask[3, 25:] = 0
+    mask[short_row, short_from:] = 0
     lp = rng.normal(size=(b, t)) * 1.5 - 2.0
     old = lp + rng.normal(size=(b, t)) * 0.1
     adv = np.repeat(rng.normal(size=(b, 1)) * 2, t, axis=1)
+    return lp, old, adv, mask
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_clip_cov_matches_verl_replaying_its_draw(mode):
+    lp, old, adv, mask = _cov_inputs(5, 3, 25)
     ratio_c, lb, ub = 0.05, 0.5, 5.0
     cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=VerlPolicyLossConfig(
         loss_mode="clip_cov", clip_cov_ratio=ratio_c, clip_cov_lb=lb, clip_cov_ub=ub))
@@ -190,13 +195,7 @@ def test_clip_cov_matches_verl_replaying_its_draw(mode):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_kl_cov_matches_verl(mode):
-    rng = np.random.default_rng(6)
-    b, t = 8, 40
-    mask = np.ones((b, t))
-    mask[5, 10:] = 0
-    lp = rng.normal(size=(b, t)) * 1.5 - 2.0
-    old = lp + rng.normal(size=(b, t)) * 0.1
-    adv = np.repeat(rng.normal(size=(b, 1)) * 2, t, axis=1)
+    lp, old, adv, mask = _cov_inputs(6, 5, 10)
     cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28,
                         policy_loss=VerlPolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.02))
     v_t, g_t, _ = _verl_loss_and_grad(core_algos.compute_policy_loss_kl_cov, lp, old, adv, mask, mode, cfg)

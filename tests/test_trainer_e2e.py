@@ -32,7 +32,7 @@ REQUIRED_KEYS = (
     "time/reward", "time/update", "time/sync", "time/step", "perf/tokens_per_s",
     "sampler_trainer/logp_diff_mean", "sampler_trainer/logp_diff_max")
 PLOTS = ("reward_mean.png", "entropy.png", "s2t_masked_frac.png", "response_length_mean.png", "acc_mean.png",
-         "curves.png")
+         "pg_clipfrac.png", "pg_clipfrac_lower.png", "val_acc.png", "curves.png")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,11 @@ def test_plots_written_at_end(run):
         img = mpimg.imread(run["run_dir"] / "plots" / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert img[..., :3].std() > 0.01                    # not a blank canvas
+    # held-out accuracy: the before-RL point at step 0, the after-RL point at the final step
+    from stapo_jax.plots import run_series
+
+    assert run_series(str(run["run_dir"]))["val/acc"] == [(0, summary["heldout_acc_before"]),
+                                                          (summary["final_step"], summary["heldout_acc_after"])]
 
 
 def test_plot_command(run, tmp_path):

@@ -1,0 +1,62 @@
+"""stapo_jax.dump writes what `stapo-jax check` reads, from a real verl DataProto and a real TRL GRPO loss step;
+check then agrees with the numbers verl / TRL computed (and flags a tampered one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from test_peer_parity import _actor_config, _inputs, _trl_loss_and_grad, _trl_trainer_view
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+
+from stapo_jax.check import main as check_main
+from stapo_jax.dump import dump_trl_step, dump_verl_batch, group_ids_from_uids
+
+
+def test_group_ids_from_uids_keeps_first_appearance_order():
+    assert group_ids_from_uids(np.array(["b", "a", "b", "c"], dtype=object)).tolist() == [0, 1, 0, 2]
+
+
+def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
+    lp, old, _, mask = _inputs(12, empty_row=False)
+    uids = np.array(["p0", "p1", "p0", "p1", "p2", "p2"], dtype=object)
+    rewards = np.zeros_like(mask)
+    rewards[:, -1] = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    adv, _ = core_algos.compute_grpo_outcome_advantage(torch.tensor(rewards), torch.tensor(mask), uids)
+    data = DataProto.from_dict(tensors={"old_log_probs": torch.tensor(old), "advantages": adv,
+                                        "response_mask": torch.tensor(mask), "token_level_rewards": torch.tensor(rewards)},
+                               non_tensors={"uid": uids})
+    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(torch.tensor(old), torch.tensor(lp), adv,
+                                                                 torch.tensor(mask), loss_agg_mode="token-mean",
+                                                                 config=cfg)
+    path = str(tmp_path / "verl.safetensors")
+    dump_verl_batch(data, path, log_probs=torch.tensor(lp), metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics})
+    fields = load_file(path)
+    assert {"old_log_probs", "log_probs", "advantages", "response_mask", "rewards", "group_ids",
+            "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac"} <= set(fields)
+    args = [path, "--recipe", "grpo", "--clip-ratio-high", "0.28", "--clip-ratio-c", "3", "--atol", "1e-5"]
+    assert check_main(args) == 0
+    out = capsys.readouterr().out
+    assert "pg_loss" in out and "advantages" in out and "pg_clipfrac" in out
+    fields["actor/pg_loss"] = np.asarray(fields["actor/pg_loss"] + 1e-3, np.float32)  # a wrong report is caught
+    save_file(fields, path)
+    assert check_main(args) == 1
+
+
+def test_trl_step_dump_is_checked(tmp_path):
+    lp, old, adv, mask = _inputs(13, empty_row=False)
+    ent = np.abs(np.random.default_rng(14).normal(size=lp.shape))
+    loss, _ = _trl_loss_and_grad(_trl_trainer_view("bnpo"), lp, old, adv, mask, ent)
+    inputs = {"completion_mask": torch.tensor(mask), "advantages": torch.tensor(adv[:, 0]),
+              "old_per_token_logps": torch.tensor(old)}
+    path = str(tmp_path / "trl.safetensors")
+    dump_trl_step(inputs, torch.tensor(lp), path, entropy=torch.tensor(ent), metrics={"loss": loss})
+    args = [path, "--recipe", "grpo", "--loss-agg-mode", "token-mean", "--clip-ratio-high", "0.28",
+            "--clip-ratio-c", "none", "--atol", "1e-5"]
+    assert check_main(args) == 0
+    fields = load_file(path)
+    fields["loss"] = np.asarray(fields["loss"] * 1.01, np.float32)
+    save_file(fields, path)
+    assert check_main(args) == 1
