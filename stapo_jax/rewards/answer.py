@@ -33,6 +33,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Optional
 
+from stapo_jax.rewards.boxed import closing_brace
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
@@ -52,21 +54,6 @@ class FinalAnswer(NamedTuple):
 
     text: Optional[str]
     reason: str
-
-
-def _closing_brace(text: str, open_pos: int) -> int:
-    """Index of the ``}`` matching the ``{`` at ``open_pos`` (escaped braces counted, as DAPO does); -1 if
-    the brace never closes."""
-    depth = 0
-    for i in range(open_pos, len(text)):
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
 
 
 def answer_region(response: str, require_think_close: bool = False) -> Optional[str]:
@@ -93,7 +80,7 @@ def final_answer(response: str, require_think_close: bool = False) -> FinalAnswe
         return FinalAnswer(None, "unfinished_think")
     boxes = []  # (start, content_start, end) of complete boxes
     for m in _BOX_RE.finditer(region):
-        end = _closing_brace(region, m.end() - 1)
+        end = closing_brace(region, m.end() - 1)
         if end < 0:
             if not boxes or m.start() > boxes[-1][2]:
                 return FinalAnswer(None, "unterminated_box")

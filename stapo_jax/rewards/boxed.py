@@ -25,16 +25,23 @@ def last_boxed_only_string(text: str) -> Optional[str]:
     start = text.rfind(BOXED_OPEN)
     if start < 0:
         return None
+    end = closing_brace(text, start + len(BOXED_OPEN) - 1)
+    return text[start:end + 1] if end >= 0 else None
+
+
+def closing_brace(text: str, open_pos: int) -> int:
+    """Index of the ``}`` that closes the ``{`` at ``open_pos`` of ``text`` (nesting counted; escaped braces
+    count too, as in DAPO's ``last_boxed_only_string``); -1 when it never closes."""
     depth = 0
-    for i in range(start + len(BOXED_OPEN) - 1, len(text)):
+    for i in range(open_pos, len(text)):
         c = text[i]
         if c == "{":
             depth += 1
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i + 1]
-    return None
+                return i
+    return -1
 
 
 def remove_boxed(span: str) -> str:
