@@ -250,4 +250,4 @@ def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: i
     stats["accuracy"] = stats["n_correct"] / max(stats["n"], 1.0)
     out = np.ascontiguousarray(allrows[:, 0]).view(np.float32)
     stats["score_mean"] = float(out.mean()) if out.size else 0.0
-    return np.ascontiguousarray(allrows[:, 0]).view(np.float32), stats
+    return out, stats
