@@ -13,13 +13,13 @@ percent, degrees), a different gold for every group.
 """
 
 import argparse
-import collections
 import json
 import os
 import time
 
 from benchutil import load_line, machine_line, median, ratio
 from stapo_jax.rewards import RewardScorer
+from stapo_jax.rewards.corpus import verdict_rates
 
 # gold / wrong-answer templates over a group index g (each RL prompt has its own gold; a group of rollouts
 # shares it)
@@ -62,23 +62,9 @@ def corpus_table(kind: str, workers: int, timeout_s: float) -> str:
     rows = [json.loads(line) for line in open(CORPUS) if line.strip()]
     with RewardScorer(kind, timeout_s=timeout_s, num_workers=workers) as s:
         scores, stats = s.score([r["prediction"] for r in rows], [r["gold"] for r in rows])
-    per = collections.defaultdict(collections.Counter)
-    for r, sc in zip(rows, scores):
-        ok = bool(sc > 0)
-        c = per[r["category"]]
-        c["n"] += 1
-        c["right"] += r["expected"]
-        c["fa"] += ok and not r["expected"]
-        c["fr"] += r["expected"] and not ok
-    lines = [f"{kind}: {len(rows)} cases, {int(stats['n_timeout'])} timeouts, {int(stats['n_error'])} errors",
-             f"  {'category':<22}{'n':>4}{'right':>7}{'false accepts':>15}{'false rejects':>15}"]
-    for cat in sorted(per):
-        c = per[cat]
-        lines.append(f"  {cat:<22}{c['n']:>4}{c['right']:>7}{c['fa']:>15}{c['fr']:>15}")
-    t = sum(per.values(), collections.Counter())
-    lines.append(f"  {'total':<22}{t['n']:>4}{t['right']:>7}{t['fa']:>15}{t['fr']:>15}"
-                 f"   false-reject rate {t['fr'] / t['right']:.1%}")
-    return "\n".join(lines)
+    _, table = verdict_rates(rows, scores > 0)
+    return (f"{kind}: {len(rows)} cases, {int(stats['n_timeout'])} timeouts, {int(stats['n_error'])} errors\n"
+            + table)
 
 
 def main():

@@ -16,6 +16,7 @@ import sympy
 from stapo_jax.config import load_config
 from stapo_jax.rewards import RewardScorer, VerifierPool, make_scorer
 from stapo_jax.rewards.answer import final_answer, normalize
+from stapo_jax.rewards.corpus import verdict_rates
 from stapo_jax.rewards.math_strict import numbers_equal, verify_one, verify_strict
 
 CORPUS = Path(__file__).resolve().parent / "data" / "reward_adversarial.jsonl"
@@ -32,25 +33,6 @@ TIMEOUT_S = 5.0  # per item; the slowest legitimate corpus verdict takes ~1 s al
 
 def load_corpus() -> list[dict]:
     return [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
-
-
-def rates_table(rows: list[dict], accepted: np.ndarray) -> tuple[dict, str]:
-    """Per-category counts ``{cat: {"n", "should_accept", "false_accept", "false_reject"}}`` and the table."""
-    per = collections.defaultdict(lambda: collections.Counter())
-    for r, ok in zip(rows, accepted):
-        c = per[r["category"]]
-        c["n"] += 1
-        c["should_accept"] += bool(r["expected"])
-        c["false_accept"] += bool(ok and not r["expected"])
-        c["false_reject"] += bool(r["expected"] and not ok)
-    lines = [f"{'category':<22}{'n':>4}{'accept':>8}{'false acc':>11}{'false rej':>11}"]
-    for cat in sorted(per):
-        c = per[cat]
-        lines.append(f"{cat:<22}{c['n']:>4}{c['should_accept']:>8}{c['false_accept']:>11}{c['false_reject']:>11}")
-    tot = sum(per.values(), collections.Counter())
-    lines.append(f"{'total':<22}{tot['n']:>4}{tot['should_accept']:>8}{tot['false_accept']:>11}"
-                 f"{tot['false_reject']:>11}  (false-reject rate {tot['false_reject'] / tot['should_accept']:.1%})")
-    return dict(per), "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- corpus
@@ -77,7 +59,7 @@ def test_corpus_no_false_accepts_few_false_rejects():
     with RewardScorer("math_verify_strict", timeout_s=TIMEOUT_S, num_workers=2) as scorer:
         scores, stats = scorer.score([r["prediction"] for r in rows], [r["gold"] for r in rows])
     wall = time.perf_counter() - t0
-    per, table = rates_table(rows, scores > 0)
+    per, table = verdict_rates(rows, scores > 0)
     print("\nmath_verify_strict on the adversarial corpus\n" + table)
     assert sum(c["false_accept"] for c in per.values()) == 0, table
     n_right = sum(c["should_accept"] for c in per.values())
