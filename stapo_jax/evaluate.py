@@ -407,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bar = progress_bar(len(settings) * sum(len(ps) for ps, _ in benches.values()), "eval", unit="problem")
     generate = engine_generator(driver, tokenizer, batch_prompts=args.batch_prompts, on_progress=bar.update)
     graders = make_graders(grader_names, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
-    label = args.label or cfg.model.path or cfg.model.preset or "from-scratch"
+    label = args.label or cfg.model.path or f"{cfg.model.preset or 'from-scratch'} (random init)"
     from importlib.metadata import version
 
     meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset,
