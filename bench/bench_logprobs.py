@@ -18,7 +18,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
 
-from stapo_jax.logprobs import (  # noqa: E402
+from stapo_jax.algo.logprobs import (  # noqa: E402
     chunked_log_probs_and_entropy,
     logits_to_log_probs_and_entropy,
 )

@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch_reference as ref  # noqa: E402
 from benchutil import interleaved, load_line, machine_line, pick_torch_threads, ratio, summary  # noqa: E402
 
-from stapo_jax.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
-from stapo_jax.objectives import compute_policy_loss, safe_divide  # noqa: E402
-from stapo_jax.recipes import compute_token_mask, get_recipe  # noqa: E402
+from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
+from stapo_jax.algo.objectives import compute_policy_loss, safe_divide  # noqa: E402
+from stapo_jax.algo.recipes import compute_token_mask, get_recipe  # noqa: E402
 
 
 def torch_pg_loss(z, ids, old, adv, resp, c, with_entropy: bool):

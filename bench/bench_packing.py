@@ -7,8 +7,8 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
 ``--mini-batch`` sequences (seeded).
 
 1. Tokens computed per useful (real) token of one mini-batch, at full scale (numpy only): padded = every
-   sequence padded to the mini-batch's longest prompt + longest response (``stapo_jax.batching`` layout, rounded
-   to 8); packed = ``stapo_jax.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
+   sequence padded to the mini-batch's longest prompt + longest response (``stapo_jax.train.batching`` layout, rounded
+   to 8); packed = ``stapo_jax.train.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
    ``--micro-batch`` sequences and over the whole mini-batch.
 2. Update time, scaled down to run on CPU (lengths / ``--scale-down``, a small Qwen3 with blockwise attention):
    ``value_and_grad`` of ``sum(log_probs * response_mask)`` through ``response_log_probs_and_entropy``, padded
@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
-from stapo_jax.batching import round_up  # noqa: E402
-from stapo_jax.packing import pack_sequences  # noqa: E402
-from stapo_jax.policy import response_log_probs_and_entropy  # noqa: E402
+from stapo_jax.train.batching import round_up  # noqa: E402
+from stapo_jax.train.packing import pack_sequences  # noqa: E402
+from stapo_jax.train.policy import response_log_probs_and_entropy  # noqa: E402
 
 LENGTHS = Path(__file__).resolve().parent / "data" / "math500_lengths.json"
 MAX_PROMPT, MAX_RESPONSE = 1024, 15360

@@ -1,4 +1,4 @@
-"""S2T overhead over the same loss without a mask (JustRL) in a full update step (stapo_jax.train_step) on a tiny
+"""S2T overhead over the same loss without a mask (JustRL) in a full update step (stapo_jax.train.train_step) on a tiny
 Qwen3, all variants in one process, interleaved, median [min..max] of ``--reps`` rounds.
 
 The responses are sampled from the model (temperature 1), so token probabilities look like a rollout's rather
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
 
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.recipes import get_recipe
-from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 
 def sample_responses(model, prompts, r, seed):

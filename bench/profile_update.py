@@ -19,7 +19,7 @@ Pieces (shape: Qwen3-0.6B widths, B x (P + R) tokens, float32):
 * the log-prob/entropy head over the R response positions: forward, and forward + the custom backward
   (gradient of sum(log_probs * g) w.r.t. hidden and the tied head);
 * the optimizer (AdamW update + apply) over all parameters;
-* the full update step ``stapo_jax.train_step.make_train_step``: justrl (no mask) and stapo (correction,
+* the full update step ``stapo_jax.train.train_step.make_train_step``: justrl (no mask) and stapo (correction,
   prepass); the rest (S2T statistics and correction, diagnostics, gradient norm) is the difference;
 * the old-log-prob pass ``make_log_prob_fn``;
 * remat policies (``Qwen3Config.remat``): FLOPs and temporaries of the justrl update;
@@ -52,9 +52,9 @@ from flax import nnx  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
-from stapo_jax.logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
-from stapo_jax.recipes import get_recipe  # noqa: E402
-from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
+from stapo_jax.algo.logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
+from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
 
 
 def cost(jitted, *args) -> dict:

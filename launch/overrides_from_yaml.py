@@ -2,7 +2,7 @@
 line, for ``stapo-jax train --config BASE.yaml $(python launch/overrides_from_yaml.py PRESET.yaml)``.
 
 The config loader reads one YAML file; presets that only set some keys (mesh presets) are applied as
-command-line overrides, which come after the file in the resolution order (stapo_jax/config.py). Values are
+command-line overrides, which come after the file in the resolution order (stapo_jax/config/schema.py). Values are
 printed as compact YAML flow scalars / lists, so they round-trip through ``yaml.safe_load``.
 
 Exit status 2 with a message naming the file when it is missing, not YAML, or not a mapping.

@@ -48,7 +48,7 @@ def answer_text(row: dict):
 
 
 def read_rows(src: str):
-    from stapo_jax.data import BadRow, read_file, resolve_hf_files
+    from stapo_jax.data.prompts import BadRow, read_file, resolve_hf_files
 
     p = Path(src)
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in (".parquet", ".jsonl")) \

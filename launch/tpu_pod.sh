@@ -2,7 +2,7 @@
 # Multi-host TPU pod slice (e.g. v5p-64 = 8 hosts, v6e-64 = 16 hosts): one command from your workstation copies
 # this working tree to every worker, sets up the environment there, and starts the same program on all workers
 # (`gcloud compute tpus tpu-vm ssh --worker=all`). Each process calls jax.distributed.initialize() through
-# stapo_jax.distributed (STAPO_DISTRIBUTED=on: JAX reads the slice topology from the TPU metadata).
+# stapo_jax.runtime.distributed (STAPO_DISTRIBUTED=on: JAX reads the slice topology from the TPU metadata).
 # Every worker logs to REMOTE_DIR/logs/worker-<n>.log on its own VM; `logs` tails one of them.
 #
 # usage:  launch/tpu_pod.sh ACTION TPU_NAME ZONE [CONFIG [key=value ...]]

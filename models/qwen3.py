@@ -513,7 +513,7 @@ class Qwen3(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Logits [..., vocab_size] float32 from hidden [..., hidden_size] (f32 accumulation).
 
-        Materialises the full vocabulary; loss code should use ``stapo_jax.logprobs`` (chunked) instead.
+        Materialises the full vocabulary; loss code should use ``stapo_jax.algo.logprobs`` (chunked) instead.
         """
         w = self.lm_head_weight()
         return jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))

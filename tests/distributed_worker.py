@@ -1,6 +1,6 @@
-"""Worker program of tests/test_distributed.py: a few STAPO updates (``stapo_jax.train_step.make_train_step``:
+"""Worker program of tests/test_distributed.py: a few STAPO updates (``stapo_jax.train.train_step.make_train_step``:
 S2T pre-pass with the global entropy quantile, 2 micro-batches, AdamW) of a tiny Qwen3 on a (data, fsdp) mesh over
-all devices of all processes, started through ``stapo_jax.distributed.initialize``.
+all devices of all processes, started through ``stapo_jax.runtime.distributed.initialize``.
 
 Usage: ``python tests/distributed_worker.py OUT.npz`` with ``JAX_COORDINATOR_ADDRESS`` /
 ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` set (or none of them for a single process) and
@@ -30,9 +30,9 @@ def main(out_path: str) -> int:
     info = distributed.initialize()
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
-    from stapo_jax.optim import make_optimizer
-    from stapo_jax.recipes import get_recipe
-    from stapo_jax.train_step import Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
+    from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
     mesh = make_mesh(data=2, fsdp=-1, tensor=1)  # all devices of all processes
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

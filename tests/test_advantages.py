@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref  # noqa: E402
 
-from stapo_jax.advantages import (
+from stapo_jax.algo.advantages import (
     dr_grpo_advantages,  # noqa: E402
     compute_advantages,
     grpo_advantages,
@@ -114,8 +114,8 @@ def test_never_nan_and_constant_groups_zero(rows):
 
 
 def test_estimators_and_losses_are_registered_by_name():
-    from stapo_jax.advantages import ADVANTAGE_ESTIMATORS, register_adv_est
-    from stapo_jax.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+    from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, register_adv_est
+    from stapo_jax.algo.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
 
     assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "grpo", "rloo"] and POLICY_LOSSES["vanilla"] is compute_policy_loss
     with pytest.raises(ValueError, match="already registered"):

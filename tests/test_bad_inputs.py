@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stapo_jax.objectives import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss
+from stapo_jax.algo.objectives import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -34,7 +34,7 @@ def test_nan_in_padding_never_reaches_loss_or_gradient(mode):
 def test_check_rejects_corrupt_empty_and_non_finite_dumps(tmp_path, capsys):
     from safetensors.numpy import save_file
 
-    from stapo_jax.check import main as check_main
+    from stapo_jax.tools.check import main as check_main
 
     (tmp_path / "text.safetensors").write_text("not a safetensors file")
     assert check_main([str(tmp_path / "text.safetensors")]) == 2
@@ -59,14 +59,14 @@ def test_check_rejects_corrupt_empty_and_non_finite_dumps(tmp_path, capsys):
     ("trainer.run_dir=", "trainer.run_dir is empty"),
 ])
 def test_config_rejects_non_finite_numbers_and_empty_run_dir(override, message):
-    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("configs/tiny_cpu.yaml", [override])
 
 
 def test_pack_rejects_zero_lengths():
-    from stapo_jax.batching import pack_prompt_response
+    from stapo_jax.train.batching import pack_prompt_response
 
     for kw in (dict(prompt_length=0), dict(response_length=0), dict(pad_multiple=0)):
         with pytest.raises(ValueError, match="must be >= 1"):
@@ -74,7 +74,7 @@ def test_pack_rejects_zero_lengths():
 
 
 def test_demo_checks_the_context_limit(capsys):
-    from stapo_jax.demo import main as demo_main
+    from stapo_jax.tools.demo import main as demo_main
 
     assert demo_main(["--max-new-tokens", "100000"]) == 2
     assert "exceeds the model's max_position_embeddings (40960)" in capsys.readouterr().err
@@ -89,7 +89,7 @@ def test_demo_checks_the_context_limit(capsys):
     ([[1, 2.5]], [[4]], {}, r"prompt 0 must be a flat list of integer token ids"),
 ])
 def test_pack_rejects_out_of_range_token_ids(prompts, responses, kw, message):
-    from stapo_jax.batching import pack_prompt_response
+    from stapo_jax.train.batching import pack_prompt_response
 
     with pytest.raises(ValueError, match=message):
         pack_prompt_response(prompts, responses, pad_id=0, **kw)
@@ -105,7 +105,7 @@ def test_pack_rejects_out_of_range_token_ids(prompts, responses, kw, message):
     ([0, 2, 1, 1], 2, r"group_ids\[1\] = 2 is outside \[0, num_groups=2\)"),
 ])
 def test_advantages_reject_concrete_group_ids_out_of_range(name, ids, num_groups, message):
-    from stapo_jax.advantages import compute_advantages, nonzero_variance_groups
+    from stapo_jax.algo.advantages import compute_advantages, nonzero_variance_groups
 
     def run(r, g):
         if name == "nonzero_variance":
@@ -125,9 +125,9 @@ def test_advantages_reject_concrete_group_ids_out_of_range(name, ids, num_groups
 
 
 def test_jsonl_with_a_bad_utf8_byte_names_file_and_line(tmp_path):
-    from stapo_jax.config import load_config
-    from stapo_jax.data import DataError, load_prompt_dataset
-    from stapo_jax.tokenizer import build_builtin_tokenizer
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.data.prompts import DataError, load_prompt_dataset
+    from stapo_jax.data.tokenizer import build_builtin_tokenizer
 
     p = tmp_path / "latin1.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"problem": "ok 1", "answer": "1"}\n'  # a UTF-8 BOM on line 1 is fine
@@ -158,8 +158,8 @@ _ROW = lambda s: json.dumps({"step": s, "reward/mean": 0.1 * s, "entropy": 1.0 -
     (b'{"reward/mean": 0.5}', r"metrics\.jsonl:2: the row has no integer 'step'"),
 ])
 def test_plot_names_file_and_line_of_a_bad_middle_line(tmp_path, capsys, bad, message):
-    from stapo_jax.cli import main as cli_main
-    from stapo_jax.metrics import read_metrics
+    from stapo_jax.tools.cli import main as cli_main
+    from stapo_jax.train.metrics import read_metrics
 
     run = _metrics_file(tmp_path, [_ROW(1) + b"\n", bad + b"\n", _ROW(3) + b"\n"])
     with pytest.raises(ValueError, match=message):
@@ -170,10 +170,10 @@ def test_plot_names_file_and_line_of_a_bad_middle_line(tmp_path, capsys, bad, me
 
 
 def test_metrics_truncated_last_line_is_skipped_with_a_warning(tmp_path, caplog):
-    from stapo_jax.metrics import MetricsLogger, read_metrics
+    from stapo_jax.train.metrics import MetricsLogger, read_metrics
 
     run = _metrics_file(tmp_path, [_ROW(1) + b"\n", _ROW(2) + b"\n", _ROW(3)[:15]])  # killed mid-write
-    with caplog.at_level("WARNING", logger="stapo_jax.metrics"):
+    with caplog.at_level("WARNING", logger="stapo_jax.train.metrics"):
         rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["reward/mean"] == pytest.approx(0.2)
@@ -187,14 +187,14 @@ def test_metrics_truncated_last_line_is_skipped_with_a_warning(tmp_path, caplog)
     log.log(3, {"reward/mean": 0.3})
     log.close()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="stapo_jax.metrics"):
+    with caplog.at_level("WARNING", logger="stapo_jax.train.metrics"):
         assert [r["step"] for r in read_metrics(str(run))] == [1, 2, 3]
     assert caplog.text == ""
     assert (run / "metrics.jsonl").read_bytes().endswith(b'"reward/mean": 0.3}\n')
 
 
 def test_plot_accepts_the_metrics_file_path_and_rejects_a_file_as_out_dir(tmp_path, capsys):
-    from stapo_jax.cli import main as cli_main
+    from stapo_jax.tools.cli import main as cli_main
 
     run = _metrics_file(tmp_path, [_ROW(1) + b"\n", _ROW(2) + b"\n"])
     assert cli_main(["plot", str(run / "metrics.jsonl")]) == 0
@@ -209,7 +209,7 @@ def test_plot_accepts_the_metrics_file_path_and_rejects_a_file_as_out_dir(tmp_pa
 
 
 def test_config_reports_every_unknown_key_at_once(tmp_path):
-    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.config.schema import ConfigError, load_config
 
     p = tmp_path / "typos.yaml"
     p.write_text("rolout:\n  n: 4\nactor:\n  clip_ratio_hi: 0.3\n  optim:\n    weight_decy: 0.0\n"
@@ -236,8 +236,8 @@ def test_config_reports_every_unknown_key_at_once(tmp_path):
      r"data.train_files is empty \(data.source=jsonl\)"),
 ])
 def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message):
-    from stapo_jax.config import ConfigError, load_config
-    from stapo_jax.trainer import train
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.trainer import train
 
     assert jax.device_count() == 8  # tests/conftest.py
     run_dir = tmp_path / "run"

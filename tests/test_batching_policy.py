@@ -6,10 +6,10 @@ import pytest
 from flax import nnx
 
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.batching import pack_prompt_response
-from stapo_jax.logprobs import logits_to_log_probs_and_entropy
-from stapo_jax.optim import make_optimizer
-from stapo_jax.policy import response_log_probs_and_entropy
+from stapo_jax.train.batching import pack_prompt_response
+from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
+from stapo_jax.train.optim import make_optimizer
+from stapo_jax.train.policy import response_log_probs_and_entropy
 
 
 def test_pack_layout_and_errors():

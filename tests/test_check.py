@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref  # noqa: E402
 
-from stapo_jax.check import main  # noqa: E402
+from stapo_jax.tools.check import main  # noqa: E402
 
 
 def torch_dump(recipe_kw, seed=0):

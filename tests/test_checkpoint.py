@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stapo_jax.checkpoint import CheckpointError, Checkpointer
+from stapo_jax.runtime.checkpoint import CheckpointError, Checkpointer
 
 
 def _state(seed):

@@ -12,7 +12,7 @@ SCRIPT = """
 import logging, sys
 sys.modules["torch"] = None                 # as in a `make run` install: no PyTorch
 if {quiet}:
-    from stapo_jax.cli import quiet_third_party_startup
+    from stapo_jax.tools.cli import quiet_third_party_startup
     quiet_third_party_startup()
 logging.basicConfig(level=logging.INFO)     # what train / eval / sft configure
 import jax

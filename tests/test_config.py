@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stapo_jax.config import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
+from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
                               valid_keys)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,8 +133,8 @@ def test_cross_field_errors_name_the_keys(overrides, match):
 def test_every_objective_kl_type_is_a_valid_config_value(kl_type):
     import typing
 
-    from stapo_jax.config import ActorConfig
-    from stapo_jax.objectives import KL_TYPES, LOSS_AGG_MODES
+    from stapo_jax.config.schema import ActorConfig
+    from stapo_jax.algo.objectives import KL_TYPES, LOSS_AGG_MODES
 
     assert load_config(None, [f"actor.kl_loss_type={kl_type}"]).actor.kl_loss_type == kl_type
     hints = typing.get_type_hints(ActorConfig)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from stapo_jax.assets import asset_path, qwen3_tokenizer_dir
-from stapo_jax.config import ConfigError, load_config
-from stapo_jax.data import DataError, format_prompt, load_prompt_dataset, make_iterator
-from stapo_jax.tokenizer import build_builtin_tokenizer, load_tokenizer, pad_token_id, stop_token_ids
+from stapo_jax.config.schema import ConfigError, load_config
+from stapo_jax.data.prompts import DataError, format_prompt, load_prompt_dataset, make_iterator
+from stapo_jax.data.tokenizer import build_builtin_tokenizer, load_tokenizer, pad_token_id, stop_token_ids
 
 GSM8K = asset_path("samples", "gsm8k_test.jsonl")
 QWEN_TOK = qwen3_tokenizer_dir()

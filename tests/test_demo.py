@@ -1,4 +1,4 @@
-"""stapo_jax/demo.py with the real Qwen3 tokenizer (shipped in stapo_jax/assets): the greedy continuation of
+"""stapo_jax/tools/demo.py with the real Qwen3 tokenizer (shipped in stapo_jax/assets): the greedy continuation of
 an HF checkpoint equals transformers' ``generate`` on the same tokens, and the printed text is the tokenizer's
 decoding of the printed ids."""
 import json
@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from fixtures_hf import make_hf_model
 from stapo_jax.assets import qwen3_tokenizer_dir
-from stapo_jax.demo import main
+from stapo_jax.tools.demo import main
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = qwen3_tokenizer_dir()
@@ -49,7 +49,7 @@ def test_demo_on_hf_checkpoint_equals_hf_generate(full_vocab_checkpoint, tokeniz
     """A checkpoint without tokenizer files: the shipped Qwen3 tokenizer, with a warning that says so."""
     hf_model, path = full_vocab_checkpoint
     prompt = "Solve 2 + 3 = "
-    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.tools.demo"):
         assert main(["--model", str(path), "--prompt", prompt, "--max-new-tokens", "10"]) == 0
     assert any("holds no tokenizer" in r.message and "Qwen3 tokenizer" in r.message for r in caplog.records)
     rec = _parse(capsys.readouterr().out)
@@ -80,7 +80,7 @@ def test_default_tiny_random_model_runs_with_chat_template(tokenizer, capsys):
 def char_vocab_export(tmp_path_factory):
     """An HF export the way the trainer writes one for configs/tiny_cpu.yaml: a small model over the builtin
     character tokenizer's 103 ids, with that tokenizer saved beside the weights; and the same weights alone."""
-    from stapo_jax.tokenizer import build_builtin_tokenizer
+    from stapo_jax.data.tokenizer import build_builtin_tokenizer
 
     tok = build_builtin_tokenizer()
     model = make_hf_model(tied=True, seed=5, vocab_size=len(tok), bos_token_id=0, eos_token_id=2, pad_token_id=0)
@@ -94,7 +94,7 @@ def char_vocab_export(tmp_path_factory):
 def test_demo_uses_the_tokenizer_saved_with_the_model(char_vocab_export, capsys, caplog):
     tok, with_tok, bare = char_vocab_export
     prompt = "Calculate 3 - 7 + 5."
-    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.tools.demo"):
         assert main(["--model", str(with_tok), "--prompt", prompt, "--max-new-tokens", "4", "--chat"]) == 0
     assert not [r for r in caplog.records if "holds no tokenizer" in r.message]
     rec = _parse(capsys.readouterr().out)
@@ -107,7 +107,7 @@ def test_demo_uses_the_tokenizer_saved_with_the_model(char_vocab_export, capsys,
     # the same weights without tokenizer files: the vocabulary (103) cannot hold Qwen3's, so the builtin
     # character tokenizer is used, with a warning
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="stapo_jax.demo"):
+    with caplog.at_level(logging.WARNING, logger="stapo_jax.tools.demo"):
         assert main(["--model", str(bare), "--prompt", prompt, "--max-new-tokens", "4"]) == 0
     assert any("character tokenizer" in r.message for r in caplog.records)
     assert json.loads(_parse(capsys.readouterr().out)["prompt_ids"]) == tok(prompt)["input_ids"]

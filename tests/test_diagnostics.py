@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stapo_jax.diagnostics import (
+from stapo_jax.algo.diagnostics import (
     PHASE_CELLS,
     collision_probability,
     gradient_norm_bounds,
@@ -17,8 +17,8 @@ from stapo_jax.diagnostics import (
     token_diagnostics,
     vocab_constant,
 )
-from stapo_jax.logprobs import chunked_log_probs_and_entropy, logits_to_log_probs_and_entropy
-from stapo_jax.objectives import PolicyLossConfig, compute_policy_loss
+from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy, logits_to_log_probs_and_entropy
+from stapo_jax.algo.objectives import PolicyLossConfig, compute_policy_loss
 
 
 def test_vocab_constant_for_qwen3():

@@ -1,5 +1,5 @@
-"""stapo_jax.distributed: settings validation, cluster detection, and a 2-process ``jax.distributed`` run on
-127.0.0.1 (CPU, 2 devices per process) of three STAPO updates of a tiny Qwen3 (``stapo_jax.train_step``) that
+"""stapo_jax.runtime.distributed: settings validation, cluster detection, and a 2-process ``jax.distributed`` run on
+127.0.0.1 (CPU, 2 devices per process) of three STAPO updates of a tiny Qwen3 (``stapo_jax.train.train_step``) that
 must equal the single-process run on the same 4-device mesh (parameters within 1e-6, metrics within 1e-5)."""
 import os
 import subprocess
@@ -10,7 +10,7 @@ import numpy as np
 import portpicker
 import pytest
 
-from stapo_jax import distributed
+from stapo_jax.runtime import distributed
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed_worker.py"

@@ -122,7 +122,7 @@ def test_bad_driver_settings():
 
 
 def test_build_rollout_takes_steps_per_sync_from_the_config():
-    from stapo_jax.config import Config
+    from stapo_jax.config.schema import Config
     from stapo_jax.rollout import build_rollout
 
     cfg = Config()

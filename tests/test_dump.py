@@ -1,4 +1,4 @@
-"""stapo_jax.dump writes what `stapo-jax check` reads, from a real verl DataProto and a real TRL GRPO loss step;
+"""stapo_jax.tools.dump writes what `stapo-jax check` reads, from a real verl DataProto and a real TRL GRPO loss step;
 check then agrees with the numbers verl / TRL computed (and flags a tampered one)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from test_peer_parity import _actor_config, _inputs, _trl_loss_and_grad, _trl_tr
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
-from stapo_jax.check import main as check_main
-from stapo_jax.dump import dump_trl_step, dump_verl_batch, group_ids_from_uids
+from stapo_jax.tools.check import main as check_main
+from stapo_jax.tools.dump import dump_trl_step, dump_verl_batch, group_ids_from_uids
 
 
 def test_group_ids_from_uids_keeps_first_appearance_order():

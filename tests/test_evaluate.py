@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stapo_jax import evaluate as ev
+from stapo_jax.tools import evaluate as ev
 from stapo_jax.assets import benchmark_dir, qwen3_tokenizer_dir
-from stapo_jax.passk import pass_at_k
+from stapo_jax.tools.passk import pass_at_k
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = benchmark_dir()
@@ -176,8 +176,8 @@ def test_generator_contract_errors(graders):
 
 
 def test_format_prompts_uses_chat_template_and_suffix():
-    from stapo_jax.config import JUSTRL_PROMPT_SUFFIX, DataConfig
-    from stapo_jax.tokenizer import build_builtin_tokenizer
+    from stapo_jax.config.schema import JUSTRL_PROMPT_SUFFIX, DataConfig
+    from stapo_jax.data.tokenizer import build_builtin_tokenizer
 
     tok = build_builtin_tokenizer()
     p = ev.load_problems("aime25", data_dir=str(DATA), limit=1)

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from stapo_jax.experience import collect_experience
-from stapo_jax.recipes import get_recipe
+from stapo_jax.train.experience import collect_experience
+from stapo_jax.algo.recipes import get_recipe
 from stapo_jax.rollout.driver import RolloutBatch
 
 

@@ -3,7 +3,7 @@ process stops the others within the grace period and the launcher returns its ex
 import io
 import time
 
-from stapo_jax import launch
+from stapo_jax.runtime import launch
 
 
 def test_process_env_sets_coordinates_and_devices():

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref
 
-import stapo_jax.logprobs as logprobs_module
-from stapo_jax.logprobs import (
+import stapo_jax.algo.logprobs as logprobs_module
+from stapo_jax.algo.logprobs import (
     chunked_log_probs_and_entropy,
     logits_to_log_probs,
     logits_to_log_probs_and_entropy,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref  # noqa: E402
 
-from stapo_jax.masks import (  # noqa: E402
+from stapo_jax.algo.masks import (  # noqa: E402
     S2TConfig,
     TopEntropyConfig,
     clip_cov_mask,
@@ -123,7 +123,7 @@ def test_cov_masks():
 def test_every_mask_has_one_return_style_and_nan_for_an_empty_population():
     """Each registered mask returns (mask, threshold); with no valid token the threshold is NaN and the mask
     all False, and the registry names what each mask reads."""
-    from stapo_jax.masks import TOKEN_MASKS
+    from stapo_jax.algo.masks import TOKEN_MASKS
 
     assert set(TOKEN_MASKS) == {"s2t", "top_entropy", "clip_cov", "kl_cov"}
     stats = dict(log_probs=jnp.full((2, 3), -1.0), entropy=jnp.ones((2, 3)), advantages=jnp.array([1.0, -1.0]),
@@ -188,7 +188,7 @@ SHARDED_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P, NamedSharding
-    from stapo_jax.masks import s2t_mask, top_entropy_mask
+    from stapo_jax.algo.masks import s2t_mask, top_entropy_mask
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)
     b, t = 16, 11

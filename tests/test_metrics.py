@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from stapo_jax.metrics import MetricsLogger, read_metrics
-from stapo_jax.plots import main as plot_main
+from stapo_jax.train.metrics import MetricsLogger, read_metrics
+from stapo_jax.tools.plots import main as plot_main
 
 
 def test_logger_writes_jsonl_tb_and_plots(tmp_path):
@@ -83,7 +83,7 @@ def test_trainer_logger_wandb_offline(tmp_path, monkeypatch):
     TensorBoard files appear (not chosen)."""
     import glob
 
-    from stapo_jax.config import load_config
+    from stapo_jax.config.schema import load_config
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -113,7 +113,7 @@ def test_trainer_logger_wandb_offline(tmp_path, monkeypatch):
 
 
 def test_trainer_logger_names_an_unknown_logger():
-    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"trainer.logger: unknown logger\(s\) \['mlflow'\]"):
         load_config(None, ["trainer.logger=[console,mlflow]"])

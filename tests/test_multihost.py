@@ -25,8 +25,8 @@ import portpicker
 import pytest
 from safetensors.numpy import load_file
 
-from stapo_jax import distributed
-from stapo_jax.launch import process_env
+from stapo_jax.runtime import distributed
+from stapo_jax.runtime.launch import process_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -53,7 +53,7 @@ def _launch(n: int, devices: int, args: list[str], **env) -> subprocess.Complete
 
 def _from(model_dir: Path) -> list[str]:
     """Overrides that start from an HF export (its config.json defines the model)."""
-    from stapo_jax.config import MODEL_SIZE_KEYS
+    from stapo_jax.config.schema import MODEL_SIZE_KEYS
 
     return [f"model.path={model_dir}", "model.preset=null", *(f"model.{k}=null" for k in MODEL_SIZE_KEYS)]
 
@@ -260,7 +260,7 @@ def test_eval_graders_split_rows_over_processes():
     """``stapo-jax eval`` graders (evaluate.make_graders) with 2 processes: each grades its own share of the rows
     (3 + 2 of 5) and both get the one-process scores and counts."""
     code = ("import sys, json; from stapo_jax import distributed as d; d.initialize(); import jax\n"
-            "from stapo_jax.evaluate import make_graders\n"
+            "from stapo_jax.tools.evaluate import make_graders\n"
             "texts = ['\\\\boxed{6}', 'so \\\\boxed{7}', 'no answer', '\\\\boxed{1/2}', '\\\\boxed{0.5}']\n"
             "golds = ['6', '6', '3', '1/2', '1/2']\n"
             "out = {}\n"
@@ -292,8 +292,8 @@ def test_unreachable_coordinator_fails_clearly():
 
 
 def test_batch_that_does_not_split_names_the_keys(tmp_path):
-    from stapo_jax.config import ConfigError, load_config
-    from stapo_jax.trainer import train
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.trainer import train
 
     run_dir = tmp_path / "run"
     cfg = load_config(CONFIG, ["rollout.n=3", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1",

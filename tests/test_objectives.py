@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import torch_reference as ref  # noqa: E402
 
-from stapo_jax.advantages import grpo_advantages  # noqa: E402
-from stapo_jax.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
-from stapo_jax.objectives import (  # noqa: E402
+from stapo_jax.algo.advantages import grpo_advantages  # noqa: E402
+from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
+from stapo_jax.algo.objectives import (  # noqa: E402
     CONSTANT_DENOMINATOR_MODES,
     LOSS_AGG_MODES,
     PolicyLossConfig,
@@ -33,7 +33,7 @@ from stapo_jax.objectives import (  # noqa: E402
     kl_penalty,
     safe_divide,
 )
-from stapo_jax.recipes import RECIPES, compute_token_mask, get_recipe  # noqa: E402
+from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe  # noqa: E402
 
 B, T, V, G = 6, 9, 11, 3
 TEMP = 0.9

@@ -1,4 +1,4 @@
-"""stapo_jax/packing.py: packed rows (segment ids, per-sequence positions) give the padded batch's log-probs,
+"""stapo_jax/train/packing.py: packed rows (segment ids, per-sequence positions) give the padded batch's log-probs,
 entropies and gradients (fp32, 1e-5), and a packed update equals the padded one for every aggregation mode with
 S2T (mini-batch threshold) and for every other recipe."""
 import dataclasses
@@ -11,15 +11,15 @@ import optax
 import pytest
 from flax import nnx
 
-import stapo_jax.train_step as train_step_module
+import stapo_jax.train.train_step as train_step_module
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.advantages import grpo_advantages
-from stapo_jax.batching import pack_prompt_response
-from stapo_jax.objectives import LOSS_AGG_MODES
-from stapo_jax.packing import PackedLayout, gather_response_hidden, pack_sequences
-from stapo_jax.policy import response_log_probs_and_entropy
-from stapo_jax.recipes import get_recipe
-from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+from stapo_jax.algo.advantages import grpo_advantages
+from stapo_jax.train.batching import pack_prompt_response
+from stapo_jax.algo.objectives import LOSS_AGG_MODES
+from stapo_jax.train.packing import PackedLayout, gather_response_hidden, pack_sequences
+from stapo_jax.train.policy import response_log_probs_and_entropy
+from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.5,

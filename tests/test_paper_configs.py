@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from stapo_jax.assets import qwen3_config_dir
-from stapo_jax.config import ConfigError, load_config
+from stapo_jax.config.schema import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CONFIGS = qwen3_config_dir()
@@ -35,7 +35,7 @@ def test_paper_config_matches_the_paper(path):
     cfg = load_config(path)
     hf = json.loads((SHARED_CONFIGS / f"{SIZES[size]}.json").read_text())
     assert cfg.model.path == f"Qwen/{SIZES[size]}" and cfg.algorithm.recipe == recipe
-    from stapo_jax.plan import _model_config
+    from stapo_jax.tools.plan import _model_config
     q = _model_config(cfg)  # resolves the hub id by preset name, no download
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
@@ -149,8 +149,8 @@ def test_prepare_dapo_math(tmp_path):
     assert [(g["problem"], g["answer"]) for g in got] == [("What is $1+1$?", "2"), ("Answer: find x.", "5")]
     cfg = load_config(REPO / "configs/paper/qwen3-1.7b-base-stapo.yaml",
                       [f"data.train_files=[{out}]", "trainer.total_steps=1"])
-    from stapo_jax.data import load_prompt_dataset
-    from stapo_jax.tokenizer import build_builtin_tokenizer
+    from stapo_jax.data.prompts import load_prompt_dataset
+    from stapo_jax.data.tokenizer import build_builtin_tokenizer
     ds = load_prompt_dataset(cfg, build_builtin_tokenizer())
     assert len(ds) == 2 and ds.examples[0]["answer"] == "2"
     assert prep.convert(str(tmp_path / "train.parquet"), out, keep_duplicates=True)["written"] == 4

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stapo_jax.passk import PassKError, avg_at_n, default_ks, mean_pass_at_k, pass_at_k
+from stapo_jax.tools.passk import PassKError, avg_at_n, default_ks, mean_pass_at_k, pass_at_k
 
 
 def exact_pass_at_k(n: int, c: int, k: int) -> Fraction:

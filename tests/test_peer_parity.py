@@ -27,9 +27,9 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config.actor import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
 
-from stapo_jax.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
-from stapo_jax.masks import clip_cov_mask, kl_cov_mask, top_entropy_mask
-from stapo_jax.objectives import KL_TYPES, PolicyLossConfig, aggregate, compute_policy_loss, kl_penalty, safe_divide
+from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from stapo_jax.algo.masks import clip_cov_mask, kl_cov_mask, top_entropy_mask
+from stapo_jax.algo.objectives import KL_TYPES, PolicyLossConfig, aggregate, compute_policy_loss, kl_penalty, safe_divide
 
 B, T = 6, 7
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

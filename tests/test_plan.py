@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from stapo_jax import plan
-from stapo_jax.config import load_config
+from stapo_jax.tools import plan
+from stapo_jax.config.schema import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = """
@@ -42,12 +42,12 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
 
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
-    from stapo_jax.optim import make_optimizer
-    from stapo_jax.recipes import get_recipe
+    from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.algo.recipes import get_recipe
     from stapo_jax.rollout import engine as eng
     from stapo_jax.rollout.decode_fns import step_fn
     from stapo_jax.rollout.sampling import SamplingParams
-    from stapo_jax.train_step import Batch, TrainState, batch_sharding, make_train_step
+    from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_train_step
 
     cfg, _ = tiny_cfg(tmp_path)
     spec = plan.make_spec(cfg, mesh="data=2,fsdp=4,tensor=1", opt_state=opt_state)

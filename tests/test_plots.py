@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 
-from stapo_jax.cli import main as cli_main
-from stapo_jax.plots import CURVES, compare_runs, plot_run, run_series
+from stapo_jax.tools.cli import main as cli_main
+from stapo_jax.tools.plots import CURVES, compare_runs, plot_run, run_series
 
 
 def make_run(path, recipe, rows, summary=None):
@@ -84,7 +84,7 @@ def test_compare_config_pair_is_the_main_job_with_two_recipes():
     the run directory changed, so the comparison isolates the algorithm."""
     from pathlib import Path
 
-    from stapo_jax.config import load_config
+    from stapo_jax.config.schema import load_config
 
     repo = Path(__file__).resolve().parents[1]
     main = load_config(repo / "configs" / "tiny_cpu.yaml").to_dict()

@@ -27,7 +27,7 @@ BAD_ROWS = [json.dumps({"problem": "What is 2 + 2?"}),                 # missing
 
 @pytest.fixture(scope="module")
 def cfg():
-    from stapo_jax.config import load_config
+    from stapo_jax.config.schema import load_config
 
     return load_config(CONFIG)
 
@@ -44,8 +44,8 @@ def run(tmp_path_factory):
 
 
 def test_config_is_the_real_setup(cfg):
-    from stapo_jax.build import model_config
-    from stapo_jax.tokenizer import load_tokenizer
+    from stapo_jax.config.build import model_config
+    from stapo_jax.data.tokenizer import load_tokenizer
 
     assert cfg.data.train_files == [GSM8K] and (REPO / GSM8K).is_file()
     assert cfg.tokenizer.path == "stapo_jax/assets/qwen3_tokenizer" and cfg.reward.kind == "math_verify_01"
@@ -101,10 +101,10 @@ def test_bad_rows_and_length_filter_reported(run, cfg):
 def test_trainer_reward_path_scores_real_gold_answers(cfg):
     """The trainer's scoring (token ids -> decode -> math-verify pool) on GSM8K gold answers written as a model
     would: every one correct; the same answers plus one: none correct."""
-    from stapo_jax.experience import score_rollout
+    from stapo_jax.train.experience import score_rollout
     from stapo_jax.rewards import make_scorer
     from stapo_jax.rollout.driver import RolloutBatch
-    from stapo_jax.tokenizer import load_tokenizer
+    from stapo_jax.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg)
     rows = [json.loads(line) for line in (REPO / GSM8K).read_text().split("\n")[:24]]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from stapo_jax.config import load_config
+from stapo_jax.config.schema import load_config
 from stapo_jax.rewards import RewardScorer, VerifierPool, make_scorer, score, shutdown
 from stapo_jax.rewards import gym as rgym
 from stapo_jax.rewards.boxed import extract_last_boxed, last_boxed_only_string, remove_boxed

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import sympy
 
-from stapo_jax.config import load_config
+from stapo_jax.config.schema import load_config
 from stapo_jax.rewards import RewardScorer, VerifierPool, make_scorer
 from stapo_jax.rewards.answer import final_answer, normalize
 from stapo_jax.rewards.corpus import verdict_rates

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from stapo_jax.assets import BENCHMARK_NAMES, asset_path, benchmark_dir, qwen3_config_dir, qwen3_tokenizer_dir
-from stapo_jax.evaluate import BENCHMARKS
+from stapo_jax.tools.evaluate import BENCHMARKS
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("stapo_jax", "models", "configs", "tests", "bench", "launch", "scripts")

@@ -33,7 +33,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
         env["JAX_PLATFORMS"] = "cpu"
         self.log = open(tmp / f"serve_{self.port}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "stapo_jax.cli", "serve", "--config", str(cfg),
+        self.proc = subprocess.Popen([sys.executable, "-m", "stapo_jax.tools.cli", "serve", "--config", str(cfg),
                                       "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, cwd=os.getcwd())
         self.address = f"127.0.0.1:{self.port}"

@@ -8,8 +8,8 @@ from flax import nnx
 
 from models.decode import greedy_generate
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.optim import make_optimizer
-from stapo_jax.sft import run_sft, sft_step
+from stapo_jax.train.optim import make_optimizer
+from stapo_jax.train.sft import run_sft, sft_step
 
 CFG = Qwen3Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, eos_token_id=1, pad_token_id=0)

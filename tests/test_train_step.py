@@ -11,10 +11,10 @@ from flax import nnx
 
 from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import make_mesh
-from stapo_jax.advantages import grpo_advantages
-from stapo_jax.batching import pack_prompt_response
-from stapo_jax.recipes import get_recipe
-from stapo_jax.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
+from stapo_jax.algo.advantages import grpo_advantages
+from stapo_jax.train.batching import pack_prompt_response
+from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, max_position_embeddings=64, initializer_range=0.5)
@@ -181,9 +181,9 @@ def test_cov_recipes_end_to_end(model, token_mask):
     """Clip-Cov / KL-Cov through the jitted update equal the loss written out directly: log-probs of the model,
     the selection on stop-gradient inputs (Clip-Cov with the step's PRNG key), verl's surrogate, one division;
     and the selection changes the update (it is not silently dropped)."""
-    from stapo_jax.objectives import compute_policy_loss
-    from stapo_jax.policy import response_log_probs_and_entropy
-    from stapo_jax.recipes import compute_token_mask
+    from stapo_jax.algo.objectives import compute_policy_loss
+    from stapo_jax.train.policy import response_log_probs_and_entropy
+    from stapo_jax.algo.recipes import compute_token_mask
 
     recipe = get_recipe("justrl").replace(token_mask=token_mask, cov={"clip_cov_ratio": 0.3, "clip_cov_lb": -5.0,
                                                                       "clip_cov_ub": 50.0, "kl_cov_ratio": 0.3})

@@ -160,7 +160,7 @@ def test_plots_written_at_end(run):
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert img[..., :3].std() > 0.01                    # not a blank canvas
     # held-out accuracy: the before-RL point at step 0, the after-RL point at the final step
-    from stapo_jax.plots import run_series
+    from stapo_jax.tools.plots import run_series
 
     assert run_series(str(run["run_dir"]))["val/acc"] == [(0, summary["heldout_acc_before"]),
                                                           (summary["final_step"], summary["heldout_acc_after"])]
@@ -180,7 +180,7 @@ def test_plot_command(run, tmp_path):
 
 
 def test_resolved_config_saved(run):
-    from stapo_jax.config import load_config
+    from stapo_jax.config.schema import load_config
 
     saved = load_config(run["run_dir"] / "config.yaml")
     assert saved == load_config(run["cfg"], [OVERRIDE])
@@ -194,12 +194,12 @@ def test_sft_command_writes_loadable_model(runs):
 
     from models.hf import load_hf_checkpoint
     from models.qwen3 import Qwen3
-    from stapo_jax import build
-    from stapo_jax.batching import pack_prompt_response
-    from stapo_jax.config import load_config
-    from stapo_jax.data import load_prompt_dataset
-    from stapo_jax.policy import response_log_probs_and_entropy
-    from stapo_jax.sft import gold_response_ids
+    from stapo_jax.config import build
+    from stapo_jax.train.batching import pack_prompt_response
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.data.prompts import load_prompt_dataset
+    from stapo_jax.train.policy import response_log_probs_and_entropy
+    from stapo_jax.train.sft import gold_response_ids
     from flax import nnx
 
     assert runs["sft_rc"] == 0, runs["sft_log"][-4000:]

@@ -221,7 +221,7 @@ class RewardScorer:
 
 
 def make_scorer(cfg) -> RewardScorer:
-    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.Config` (``reward.*``, ``data.gym.task``)."""
+    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``)."""
     r = cfg.reward
     return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
                         gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format)

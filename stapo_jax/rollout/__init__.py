@@ -19,12 +19,12 @@ from typing import Any, Optional
 
 def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Optional[int] = None,
                   seed: Optional[int] = None):
-    """``EngineConfig`` from a run config (:class:`stapo_jax.config.Config`).
+    """``EngineConfig`` from a run config (:class:`stapo_jax.config.schema.Config`).
 
     Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens``;
     ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
     ``rollout.temperature/top_p/top_k`` (top_k null = off); stop ids from the tokenizer
-    (``stapo_jax.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
+    (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
     ``trainer.seed`` unless given.
     """
     from stapo_jax.rollout.engine import EngineConfig
@@ -33,7 +33,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     r = cfg.rollout
     eos = None
     if tokenizer is not None:
-        from stapo_jax.tokenizer import stop_token_ids
+        from stapo_jax.data.tokenizer import stop_token_ids
 
         eos = tuple(stop_token_ids(tokenizer))
     return EngineConfig(
@@ -107,7 +107,7 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
 
         kw = {}
         if tokenizer is not None:
-            from stapo_jax.tokenizer import pad_token_id, stop_token_ids
+            from stapo_jax.data.tokenizer import pad_token_id, stop_token_ids
 
             kw = dict(eos_token_ids=stop_token_ids(tokenizer), pad_token_id=pad_token_id(tokenizer))
         return GrpcRolloutClient(

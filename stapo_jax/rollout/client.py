@@ -27,7 +27,7 @@ import grpc
 from stapo_jax.rollout import compat
 from stapo_jax.rollout.driver import RolloutBatch, assemble_batch, check_generation_args, validate_prompts
 from stapo_jax.rollout.sampling import SamplingParams
-from stapo_jax.tokenizer import QWEN3_PAD_ID, QWEN3_STOP_IDS
+from stapo_jax.data.tokenizer import QWEN3_PAD_ID, QWEN3_STOP_IDS
 
 compat.install()
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402

@@ -1,6 +1,6 @@
 """The engine's pure, jitted decode functions and their pytrees (split from ``engine.py``): ``prefill_fn``,
 ``insert_fn``, ``init_fn``, ``step_fn``, keyed on a hashable static :class:`DecodeSpec`, so engines over the same
-model structure and settings share compiled code, and ``stapo_jax.plan`` lowers the very functions the engine
+model structure and settings share compiled code, and ``stapo_jax.tools.plan`` lowers the very functions the engine
 runs from abstract arguments (:func:`abstract_decode_spec`). See :mod:`stapo_jax.rollout.engine` for the
 slot / step layout.
 """
@@ -153,7 +153,7 @@ class DecodeJit:
     """A jitted engine function whose second argument is the parameters.
 
     Calls pass the engine's :class:`DecodeParams`. ``lower`` also accepts parameters in the trainer's stacked
-    layout, concrete or abstract (``jax.ShapeDtypeStruct`` with ``NamedSharding``, as ``stapo_jax.plan``
+    layout, concrete or abstract (``jax.ShapeDtypeStruct`` with ``NamedSharding``, as ``stapo_jax.tools.plan``
     passes them), and converts them to the engine's per-layer layout first, so what is lowered is the
     program the engine runs.
     """
@@ -275,6 +275,6 @@ step_fn = DecodeJit(step_jit)
 def abstract_decode_spec(graphdef, model_config: Qwen3Config, config: EngineConfig, mesh,
                          eos_token_ids: Sequence[int]) -> DecodeSpec:
     """The :class:`DecodeSpec` an engine over ``graphdef`` / ``model_config`` with ``config`` on ``mesh`` uses,
-    built without placing any weight (for ``stapo_jax.plan``: ``step_fn.lower(spec, abstract_params, ...)``)."""
+    built without placing any weight (for ``stapo_jax.tools.plan``: ``step_fn.lower(spec, abstract_params, ...)``)."""
     return DecodeSpec(graphdef, model_config, config, tuple(eos_token_ids),
                       decode_state_shardings(mesh, model_config, config))

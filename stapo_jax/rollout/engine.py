@@ -61,7 +61,7 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
     step_fn,
 )
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
-from stapo_jax.tokenizer import QWEN3_STOP_IDS  # noqa: E402
+from stapo_jax.data.tokenizer import QWEN3_STOP_IDS  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class EngineConfig:
 
 def engine_stop_ids(model_config: Qwen3Config, config: EngineConfig) -> tuple[int, ...]:
     """The stop ids an engine uses: ``config.eos_token_ids``, or the model config's EOS ids plus Qwen3's
-    (``stapo_jax.tokenizer.QWEN3_STOP_IDS``) that lie inside its vocabulary, sorted."""
+    (``stapo_jax.data.tokenizer.QWEN3_STOP_IDS``) that lie inside its vocabulary, sorted."""
     if config.eos_token_ids is not None:
         return tuple(config.eos_token_ids)
     vocab = model_config.vocab_size

@@ -2,7 +2,7 @@
 
 The returned log-prob of each chosen token is the **trainer's** quantity: the full-vocabulary,
 temperature-scaled log-softmax, computed before any top-k/top-p truncation (conventions.md §5; the Tunix
-vanilla sampler does the same). It is computed by :func:`stapo_jax.logprobs.logits_to_log_probs`, the very
+vanilla sampler does the same). It is computed by :func:`stapo_jax.algo.logprobs.logits_to_log_probs`, the very
 function the trainer uses, so the two share one definition.
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from stapo_jax.logprobs import logits_to_log_probs
+from stapo_jax.algo.logprobs import logits_to_log_probs
 
 __all__ = ["SamplingParams", "SamplingParamsError", "truncate_logits", "sample_tokens"]
 

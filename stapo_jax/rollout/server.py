@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from stapo_jax.config import ConfigError, load_config
+    from stapo_jax.config.schema import ConfigError, load_config
     from stapo_jax.rollout import engine_config
 
     try:
@@ -106,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         host = args.host or default_host or compat.DEFAULT_HOST
         port = args.port if args.port is not None else int(default_port)
         seed = cfg.trainer.seed if args.seed is None else args.seed
-        from stapo_jax.build import build_mesh, build_model, build_tokenizer
+        from stapo_jax.config.build import build_mesh, build_model, build_tokenizer
 
         tokenizer = build_tokenizer(cfg)
         mesh = build_mesh(cfg)

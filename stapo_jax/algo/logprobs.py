@@ -1,0 +1,407 @@
+"""Token log-probabilities and entropies: one definition for the sampler and the trainer.
+
+Every function here computes, in float32 (or float64 when given float64 inputs and x64 is on),
+
+    z       = logits / temperature                      (full vocabulary, no top-p/top-k truncation)
+    log_p   = z[y] - logsumexp(z)                        (nats)
+    entropy = logsumexp(z) - sum_v softmax(z)_v * z_v    (nats; verl ``entropy_from_logits``)
+
+which is the trainer definition of conventions.md §5 (verl ``logprobs_from_logits`` /
+``entropy_from_logits``; Tunix vanilla sampler). The rollout engine imports ``logits_to_log_probs`` so the
+sampler and the trainer share it, which makes the first ratio of an on-policy update exactly 1.
+
+``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head without
+materialising the ``[B, T, V]`` logits: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
+logits (EasyDeL ``_logprob_utils.py``; Tunix ``compute_chunked_logps`` chunks the sequence the same way) with
+entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that recomputes each tile once and
+keeps only a ``[D, vocab_chunk]`` float32 head-gradient accumulator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "BACKWARD_VOCAB_CHUNK",
+    "chunked_log_probs_and_entropy",
+    "logits_to_log_probs",
+    "logits_to_log_probs_and_entropy",
+]
+
+# Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32
+# head-gradient accumulator is [D, BACKWARD_VOCAB_CHUNK] instead of [D, V] (1024 x 8192 x 4 B = 32 MiB for Qwen3-0.6B).
+BACKWARD_VOCAB_CHUNK = 8192
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _acc_of(*xs: jax.Array):
+    """float32 accumulation unless an operand is float64 (the callers' parity tests)."""
+    return jnp.float64 if any(x.dtype == jnp.float64 for x in xs) else jnp.float32
+
+
+def _check_token_ids(logits_shape, token_ids: jax.Array, name: str = "logits") -> None:
+    if tuple(token_ids.shape) != tuple(logits_shape[:-1]):
+        raise ValueError(
+            f"token_ids shape {tuple(token_ids.shape)} must equal {name}.shape[:-1] = {tuple(logits_shape[:-1])}"
+        )
+    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be an integer array, got dtype {token_ids.dtype}")
+
+
+def logits_to_log_probs_and_entropy(
+    logits: jax.Array, token_ids: jax.Array, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probability of ``token_ids`` and the Shannon entropy of the full-vocabulary softmax.
+
+    Args:
+      logits: ``[..., V]`` any float dtype (cast to float32; float64 stays float64).
+      token_ids: ``[...]`` integer ids in ``[0, V)``; its shape equals ``logits.shape[:-1]``.
+      temperature: positive float; logits are divided by it before the softmax, as the sampler does.
+
+    Returns:
+      ``(log_probs, entropy)``, both ``[...]`` float32 (float64 for float64 logits), in nats.
+
+    Raises:
+      ValueError: if ``token_ids`` does not match ``logits.shape[:-1]``, is not integer, or temperature <= 0.
+
+    Source: conventions.md §5 (trainer definition), verl ``logprobs_from_logits`` and
+    ``entropy_from_logits`` (``verl/utils/torch_functional.py``).
+    """
+    _check_temperature(temperature)
+    _check_token_ids(logits.shape, token_ids)
+    z = logits.astype(_acc_of(logits)) / temperature
+    log_z = jax.nn.logsumexp(z, axis=-1)
+    z_y = jnp.take_along_axis(z, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    probs = jax.nn.softmax(z, axis=-1)
+    entropy = log_z - jnp.sum(probs * z, axis=-1)
+    return z_y - log_z, entropy
+
+
+def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Log-probability of ``token_ids`` under ``softmax(logits / temperature)`` over the full vocabulary.
+
+    Args:
+      logits: ``[..., V]`` any float dtype (computed in float32; float64 stays float64).
+      token_ids: ``[...]`` integer ids in ``[0, V)``; shape ``logits.shape[:-1]``.
+      temperature: positive float, the sampling temperature.
+
+    Returns:
+      ``log_probs`` ``[...]`` float32 (nats, <= 0).
+
+    Raises:
+      ValueError: shape/dtype mismatch of ``token_ids`` or temperature <= 0.
+
+    Source: conventions.md §5; verl ``logprobs_from_logits``.
+    """
+    _check_temperature(temperature)
+    _check_token_ids(logits.shape, token_ids)
+    z = logits.astype(_acc_of(logits)) / temperature
+    z_y = jnp.take_along_axis(z, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return z_y - jax.nn.logsumexp(z, axis=-1)
+
+
+def _tile(k, width: int, total: int, ragged: bool):
+    """Start of tile ``k`` of ``width`` along an axis of length ``total`` and its mask of fresh positions.
+
+    Tiles start at ``k * width`` except the last one of a ragged axis (``width`` does not divide ``total``),
+    which is shifted back to ``total - width`` so that every tile has the same static width and no operand is
+    padded; its positions already covered by the previous tile are marked stale (``fresh`` False) and ignored.
+    """
+    nominal = k * width
+    if not ragged:
+        return nominal, None
+    start = jnp.minimum(nominal, total - width)
+    return start, start + jnp.arange(width) >= nominal
+
+
+def _slice(x, start, width: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, width, axis=axis)
+
+
+def _put(x, update, start, axis: int):
+    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis=axis)
+
+
+def _fenced_slice(x, start, width: int, axis: int):
+    """``_slice`` behind an optimization barrier on (operand, start), numerically a no-op. Without it the CPU
+    compiler moves the float32 upcast of a bf16 matmul operand in front of the slice and hoists it out of the
+    loop, i.e. materialises a float32 copy of the whole operand (``[D, V]`` for the head weight)."""
+    x, start = jax.lax.optimization_barrier((x, start))
+    return _slice(x, start, width, axis)
+
+
+def _to_storage(x):
+    """16-bit floats as their raw bits (uint16) for the head-gradient buffer; other dtypes unchanged. The
+    CPU compiler has no 16-bit-float dynamic-update-slice: it would convert the whole ``[D, V]`` buffer to
+    float32 and back on every vocabulary tile. An integer update is done in place on every backend."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
+
+
+def _from_storage(x, dtype):
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _neg(acc):
+    return jnp.asarray(-1e30 if acc == jnp.float32 else -1e300, acc)
+
+
+def _tile_logits(h_c, w_c, temperature, acc):
+    """z = (h_c @ w_c) / temperature, ``[B, c, vc]`` in ``acc`` (``h_c [B, c, D]``, ``w_c [D, vc]``)."""
+    return jnp.einsum("bcd,dv->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
+
+
+def _per_token_seq_loop(t: int, c: int, names, init, step):
+    """``fori_loop`` over sequence tiles updating per-token ``[B, T]`` arrays ``init`` (named ``names``):
+    ``step(k, start, old)`` gets tile k's slice of each array and returns its new values; rows of a shifted
+    last tile that an earlier tile already visited keep their values."""
+    ragged = t % c != 0
+
+    def body(k, carry):
+        start, row_fresh = _tile(k, c, t, ragged)
+        old = {n: _slice(a, start, c, 1) for n, a in zip(names, carry)}
+        new = step(k, start, old)
+        if row_fresh is not None:
+            new = {n: jnp.where(row_fresh, new[n], old[n]) for n in names}
+        return tuple(_put(a, new[n], start, 1) for n, a in zip(names, carry))
+
+    return dict(zip(names, jax.lax.fori_loop(0, -(-t // c), body, tuple(init))))
+
+
+def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
+    """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile.
+
+    With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
+    ``logits_to_log_probs_and_entropy`` does (``jax.nn.logsumexp``, ``jax.nn.softmax``), so the trainer's
+    log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles outermost
+    carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
+    z_y, so the weight is read once and no tile outlives its step.
+    """
+    acc = _acc_of(h, w)
+    _, t, _ = h.shape
+    v = w.shape[1]
+    c, vc = seq_chunk, vocab_chunk
+    neg = _neg(acc)
+    zeros = jnp.zeros(ids.shape, acc)
+
+    def logits(start, w_c):
+        return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc)
+
+    if vc == v:
+        names = ("log_z", "e_z", "q", "z_y") if with_collision else ("log_z", "e_z", "z_y")
+
+        def whole_vocab(k, start, old):
+            z = logits(start, w)
+            probs = jax.nn.softmax(z, axis=-1)
+            new = {"log_z": jax.nn.logsumexp(z, axis=-1), "e_z": jnp.sum(probs * z, axis=-1),
+                   "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
+            if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
+                label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
+                new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
+            return new
+
+        out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab)
+        return out["log_z"], out["e_z"], out.get("q"), out["z_y"]
+
+    ragged_v = v % vc != 0
+    names = ("m", "s", "t", "q", "z_y") if with_collision else ("m", "s", "t", "z_y")
+
+    def vocab_step(j, carry):
+        vs, col_fresh = _tile(j, vc, v, ragged_v)
+        w_c = _fenced_slice(w, vs, vc, 1)
+
+        def streaming(k, start, old):
+            z = logits(start, w_c)
+            if col_fresh is not None:
+                z = jnp.where(col_fresh, z, neg)  # stale columns: exp underflows to exactly 0
+            m = jnp.maximum(old["m"], jnp.max(z, axis=-1))
+            scale = jnp.exp(old["m"] - m)
+            e = jnp.exp(z - m[..., None])
+            new = {"m": m, "s": old["s"] * scale + jnp.sum(e, axis=-1),
+                   "t": old["t"] * scale + jnp.sum(e * z, axis=-1)}
+            i_c = _slice(ids, start, c, 1)
+            if with_collision:
+                label = i_c[..., None] == vs + jnp.arange(vc)
+                new["q"] = old["q"] * scale * scale + jnp.sum(jnp.where(label, 0.0, e * e), axis=-1)
+            hit = (i_c >= j * vc) & (i_c < vs + vc)
+            picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
+            new["z_y"] = jnp.where(hit, picked, old["z_y"])
+            return new
+
+        out = _per_token_seq_loop(t, c, names, carry, streaming)
+        return tuple(out[n] for n in names)
+
+    init = tuple(jnp.full(ids.shape, neg, acc) if n == "m" else zeros for n in names)
+    out = dict(zip(names, jax.lax.fori_loop(0, -(-v // vc), vocab_step, init)))
+    log_z = out["m"] + jnp.log(out["s"])
+    collision = out["q"] / (out["s"] * out["s"]) if with_collision else None
+    return log_z, out["t"] / out["s"], collision, out["z_y"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
+    """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``."""
+    return _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision)[0]
+
+
+def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
+    log_z, e_z, collision, z_y = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision)
+    outs = (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
+    # residuals: the inputs and three [B, T] statistics; no logits are kept
+    return outs, (h, w, ids, temperature, log_z, e_z, collision)
+
+
+def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
+    """Hand-written backward over the same tiles, recomputing each logits tile once.
+
+    With p = softmax(z), E = E_p[z], C' = sum_{v != y} p_v^2 and cotangents (g_lp, g_H, g_C') per token:
+      dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C' p_v (p_v 1[v != y] - C')
+    then d logits = dz / temperature, dh = d logits @ w^T, dw = h^T @ d logits, d temperature = -sum dz z / T.
+    Vocabulary tiles (``bwd_vocab_chunk`` wide) are outermost, so the float32 head-gradient accumulator is one tile
+    (written once into the ``[D, V]`` result in the weight's dtype) while dh ``[B, T, D]`` (small) accumulates.
+    """
+    h, w, ids, temperature, log_z, e_z, collision = res
+    g_lp, g_h = cts[0], cts[1]
+    g_c = cts[2] if with_collision else None
+    acc = _acc_of(h, w)
+    _, t, d = h.shape
+    v = w.shape[1]
+    c, vc = seq_chunk, vocab_chunk
+    ragged_t, ragged_v = t % c != 0, v % vc != 0
+    g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
+    per_token = (ids, log_z, e_z, g_lp, g_h) + ((collision, g_c.astype(acc)) if with_collision else ())
+
+    n_v = -(-v // vc)
+
+    def vocab_step(i, carry):
+        # last tile first: when it is shifted back (ragged V), its stale columns are written as zeros and then
+        # overwritten by the previous tile, so dw is only ever written, never read (XLA updates it in place)
+        j = n_v - 1 - i
+        dh, dw, dtemp = carry
+        vs, col_fresh = _tile(j, vc, v, ragged_v)
+        w_c = _fenced_slice(w, vs, vc, 1)
+
+        def seq_step(k, carry):
+            dh, dw_c, dtemp = carry
+            ss, row_fresh = _tile(k, c, t, ragged_t)
+            h_c = _fenced_slice(h, ss, c, 1)
+            i_c, lz, ez, glp, gh, *coll = (_slice(a, ss, c, 1)[..., None] for a in per_token)
+            z = _tile_logits(h_c, w_c, temperature, acc)
+            p = jnp.exp(z - lz)
+            onehot = i_c == vs + jnp.arange(vc)
+            dz = glp * (onehot - p) - gh * p * (z - ez)
+            if with_collision:
+                cc, gc = coll
+                dz = dz + 2.0 * gc * p * (jnp.where(onehot, 0.0, p) - cc)
+            if col_fresh is not None or row_fresh is not None:
+                fresh = jnp.ones((c, vc), bool)
+                fresh = fresh if col_fresh is None else fresh & col_fresh
+                fresh = fresh if row_fresh is None else fresh & row_fresh[:, None]
+                dz = jnp.where(fresh, dz, 0.0)
+            dtemp = dtemp - jnp.sum(dz * z) / temperature
+            dlogits = dz / temperature
+            dh_c = jnp.einsum("bcv,dv->bcd", dlogits, w_c, preferred_element_type=acc)
+            dh = _put(dh, _slice(dh, ss, c, 1) + dh_c, ss, 1)
+            dw_c = dw_c + jnp.einsum("bcd,bcv->dv", h_c, dlogits, preferred_element_type=acc)
+            return dh, dw_c, dtemp
+
+        dh, dw_c, dtemp = jax.lax.fori_loop(0, -(-t // c), seq_step, (dh, jnp.zeros((d, vc), acc), dtemp))
+        return dh, _put(dw, _to_storage(dw_c.astype(w.dtype)), vs, 1), dtemp
+
+    init = (jnp.zeros(h.shape, acc), _to_storage(jnp.zeros(w.shape, w.dtype)), jnp.zeros((), acc))
+    dh, dw, dtemp = jax.lax.fori_loop(0, n_v, vocab_step, init)
+    return dh.astype(h.dtype), _from_storage(dw, w.dtype), None, dtemp.astype(temperature.dtype)
+
+
+_lm_head_stats.defvjp(_lm_head_stats_fwd, _lm_head_stats_bwd)
+
+
+def chunked_log_probs_and_entropy(
+    hidden: jax.Array,
+    lm_head_weight: jax.Array,
+    token_ids: jax.Array,
+    *,
+    temperature: float = 1.0,
+    seq_chunk: int = 512,
+    vocab_chunk: int | None = None,
+    with_collision: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Per-token log-probability and entropy from hidden states, never materialising ``[B, T, V]`` logits.
+
+    ``logits[b, t] = hidden[b, t] @ lm_head_weight`` (accumulated in float32), divided by ``temperature``;
+    ``log_probs[b, t] = log softmax(logits[b, t])[token_ids[b, t]]`` and
+    ``entropy[b, t] = logsumexp(logits[b, t]) - E_softmax[logits[b, t]]``, identical (to float rounding)
+    to ``logits_to_log_probs_and_entropy(hidden @ lm_head_weight, token_ids, temperature)``.
+
+    The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
+    tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
+    exponentials, their z-weighted sum (and sum of squares of the other tokens' probabilities), so the largest
+    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile. The backward is hand-written (``jax.custom_vjp``): it
+    saves only the inputs and logZ, E_p[z] (and C') per token, recomputes each tile once, accumulates the
+    hidden-state gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32
+    ``[D, vocab_chunk]`` tile at a time, written into the ``[D, V]`` result in the weight's dtype. Gradients
+    w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
+    differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
+    its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so
+    no operand is padded or copied.
+
+    Args:
+      hidden: ``[B, T, D]`` float (bf16/f32/f64), the model's final-norm hidden states at the positions that
+        predict ``token_ids`` (i.e. already shifted by the caller).
+      lm_head_weight: ``[D, V]`` float (``embedding.T`` for tied models).
+      token_ids: ``[B, T]`` integer ids of the tokens whose probability is wanted.
+      temperature: positive float, the sampling temperature.
+      seq_chunk: positive int, sequence positions per tile (capped at T).
+      vocab_chunk: positive int or None, vocabulary entries per tile (capped at V). None: the forward takes the
+        whole vocabulary per tile (one ``[B, seq_chunk, V]`` tile) and the backward tiles it at
+        ``BACKWARD_VOCAB_CHUNK`` (8192) entries, so its float32 head-gradient accumulator never is ``[D, V]``.
+      with_collision: also return the collision probability of the *other* tokens
+        ``C' = sum_{v != y} softmax(z)_v^2`` ``[B, T]``, summed without the sampled token so that it keeps its
+        relative precision as ``p_y -> 1`` (the collision probability is ``C = C' + exp(2 log_probs)``; the Lemma
+        A.1 gradient norm is ``(1 - p)^2 + C'``, ``stapo_jax.algo.diagnostics.gradient_norm_sq``).
+
+    Returns:
+      ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision_others)``), each ``[B, T]`` float32
+      (float64 for float64 inputs); log-probs and entropy in nats.
+
+    Raises:
+      ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, or
+        non-positive ``seq_chunk`` / ``vocab_chunk`` / ``temperature``.
+
+    Source: conventions.md §5 (EasyDeL streaming log-sum-exp; Tunix ``compute_chunked_logps``); the entropy
+    identity is verl ``entropy_from_logits``.
+    """
+    _check_temperature(temperature)
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[0] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [D, V] with D = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got shape {tuple(lm_head_weight.shape)}"
+        )
+    if tuple(token_ids.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"token_ids shape {tuple(token_ids.shape)} must equal hidden.shape[:2] = {hidden.shape[:2]}")
+    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be an integer array, got dtype {token_ids.dtype}")
+    if int(seq_chunk) <= 0:
+        raise ValueError(f"seq_chunk must be > 0, got {seq_chunk}")
+    if vocab_chunk is not None and int(vocab_chunk) <= 0:
+        raise ValueError(f"vocab_chunk must be > 0 or None, got {vocab_chunk}")
+
+    acc = _acc_of(hidden, lm_head_weight)
+    b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1]
+    if t == 0:
+        empty = jnp.zeros((b, 0), acc)
+        return (empty,) * (3 if with_collision else 2)
+    c = min(int(seq_chunk), t)
+    vc = v if vocab_chunk is None else min(int(vocab_chunk), v)
+    vc_bwd = min(BACKWARD_VOCAB_CHUNK if vocab_chunk is None else int(vocab_chunk), v)
+    temp = jnp.asarray(temperature, acc)
+    return _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
+                          bool(with_collision))

@@ -1,0 +1,425 @@
+"""One clipped policy-gradient surrogate with a token mask, four aggregation modes, KL and entropy terms.
+
+Pure functions on ``[B, T]`` arrays. Every loss returns ``(loss_sum, loss_denominator, metrics)``: the
+mini-batch loss is ``sum_k loss_sum_k / D`` where ``D`` is the *global* denominator of the whole mini-batch
+(:func:`global_loss_denominator`, or the sum of the returned denominators over micro-batches and shards for
+every mode except those in ``CONSTANT_DENOMINATOR_MODES``, whose denominator is a constant).
+Dividing once makes micro-batch accumulation and data parallelism exact (conventions.md §2, Tunix
+``aggregate_loss``); see :func:`safe_divide`.
+
+Per-token loss (verl ``compute_policy_loss_vanilla``, conventions.md §1.2):
+``delta = clip(log_probs - old_log_probs, -20, 20)``, ``r = exp(delta)``,
+``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` with dual clip
+``l = min(l, -clip_ratio_c A)``; optionally times a truncated importance weight
+``min(exp(old_log_probs - rollout_log_probs), rollout_is_threshold)``; plus ``kl_loss_coef * KL`` and minus
+``entropy_coeff * entropy``. Numerator mask ``k = response_mask * token_mask``; denominator mask ``k`` (or
+``response_mask`` when ``renormalize=False``).
+
+Metrics are ``{name: (sum, weight)}`` pairs of scalars, so they also accumulate exactly by addition;
+:func:`finalize_metrics` turns them into means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from stapo_jax.algo.registry import register_into
+
+__all__ = [
+    "PolicyLossConfig",
+    "LOSS_AGG_MODES",
+    "CONSTANT_DENOMINATOR_MODES",
+    "KL_TYPES",
+    "kl_penalty",
+    "kl_loss",
+    "aggregate",
+    "global_loss_denominator",
+    "compute_policy_loss",
+    "POLICY_LOSSES",
+    "register_policy_loss",
+    "safe_divide",
+    "finalize_metrics",
+    "add_metrics",
+]
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                  "token-sum-norm")
+# modes whose denominator is a constant (not a sum over micro-batches / shards): accumulate it once, not K times
+CONSTANT_DENOMINATOR_MODES = ("token-sum", "token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
+            "low_var_kl+", "k3+")
+_SEQ_EPS = 1e-8  # verl agg_loss: s_b / (n_b + 1e-8)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Loss settings, verl actor key names (``verl/trainer/config/actor/actor.yaml``).
+
+    clip_ratio_low / clip_ratio_high: epsilon_low / epsilon_high of the ratio clip.
+    clip_ratio_c: dual-clip constant (> 1) for ``A < 0``, or None to disable (verl always applies 3.0).
+    loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl 0.9.1 ``agg_loss`` semantics; ``token-sum-norm`` is the
+    pre-0.9.1 ``seq-mean-token-sum-norm``, kept as an explicit option). loss_scale_factor: the per-sequence
+    horizon of ``seq-mean-token-sum-norm`` / ``token-sum-norm`` (None: the mask's last dimension, verl's default).
+    log_ratio_clamp: |log ratio| clamp before exp (verl 20). entropy_coeff: entropy bonus coefficient.
+    use_kl_loss / kl_loss_coef / kl_loss_type: KL-to-reference term (``KL_TYPES``).
+    rollout_is_threshold: cap of the truncated importance weight ``exp(old - rollout)`` (None: off).
+    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``; verl
+    ``policy_loss.ppo_kl_coef`` default 0.1; this project used 1.0 before verl 0.9.1 parity).
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    log_ratio_clamp: float = 20.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    rollout_is_threshold: float | None = None
+    ppo_kl_coef: float = 0.1
+
+    def __post_init__(self):
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if self.kl_loss_type not in KL_TYPES:
+            raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
+            raise ValueError(
+                f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {self.clip_ratio_low}, "
+                f"{self.clip_ratio_high}"
+            )
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip PPO) or None, got {self.clip_ratio_c}")
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            raise ValueError(f"loss_scale_factor must be > 0 or None, got {self.loss_scale_factor}")
+        if self.rollout_is_threshold is not None and not self.rollout_is_threshold > 0:
+            raise ValueError(f"rollout_is_threshold must be > 0 or None, got {self.rollout_is_threshold}")
+
+
+def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
+    """``num / den`` with 0 (value and gradient) where ``den == 0``; never NaN. Any broadcastable shapes."""
+    ok = den != 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1), jnp.zeros_like(num))
+
+
+def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array, kl_type: str) -> jax.Array:
+    """Per-token KL estimator between the policy and a reference, ``Delta = log_probs - ref_log_probs``.
+
+    ``kl``/``k1``: Delta; ``abs``: |Delta|; ``mse``/``k2``: Delta^2 / 2; ``low_var_kl``/``k3``:
+    ``u = clip(-Delta, -20, 20)``, ``clip(exp(u) - u - 1, -10, 10)``; a ``+`` suffix keeps the named
+    estimator's value with the gradient of k2 (straight-through).
+
+    Args: ``[...]`` float arrays of equal shape; kl_type in ``KL_TYPES``.
+    Returns: ``[...]`` float. Raises: ValueError for an unknown type or a shape mismatch.
+    Source: verl ``kl_penalty_forward`` / ``kl_penalty`` (conventions.md §1.5); Schulman's k1/k2/k3.
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if tuple(log_probs.shape) != tuple(ref_log_probs.shape):
+        raise ValueError(f"ref_log_probs shape {tuple(ref_log_probs.shape)} != log_probs {tuple(log_probs.shape)}")
+    base = kl_type.rstrip("+")
+    delta = log_probs - ref_log_probs
+    if base in ("kl", "k1"):
+        value = delta
+    elif base == "abs":
+        value = jnp.abs(delta)
+    elif base in ("mse", "k2"):
+        value = 0.5 * delta**2
+    else:
+        u = jnp.clip(-delta, -20.0, 20.0)
+        value = jnp.clip(jnp.exp(u) - u - 1.0, -10.0, 10.0)
+    if kl_type.endswith("+"):
+        k2 = 0.5 * delta**2
+        value = k2 + jax.lax.stop_gradient(value - k2)
+    return value
+
+
+def _masks(response_mask, token_mask, renormalize):
+    v = response_mask.astype(jnp.float32) if not jnp.issubdtype(response_mask.dtype, jnp.floating) else response_mask
+    k = v if token_mask is None else v * token_mask.astype(v.dtype)
+    return k, (k if renormalize else v)
+
+
+def aggregate(
+    loss_mat: jax.Array,
+    num_mask: jax.Array,
+    den_mask: jax.Array,
+    loss_agg_mode: str,
+    loss_scale_factor: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """verl ``agg_loss`` as an exact ``(sum, denominator)`` pair for one micro-batch.
+
+    With ``s_b = sum_t L num``, ``n_b = sum_t den``:
+
+    * ``token-mean``: ``(sum_b s_b, sum_b n_b)``
+    * ``seq-mean-token-mean``: ``(sum_b s_b / (n_b + 1e-8) [n_b > 0], #{b: n_b > 0})``
+    * ``seq-mean-token-sum``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0})``
+    * ``token-sum``: ``(sum_b s_b, 1)`` (a constant, not additive)
+    * ``seq-mean-token-sum-norm``: ``(sum_b s_b [n_b > 0], #{b: n_b > 0} * (loss_scale_factor or T))``
+      (verl >= 0.9.1, PR #4510: the sequence mean of token sums, divided by the horizon; Dr.GRPO)
+    * ``token-sum-norm``: ``(sum_b s_b, loss_scale_factor or T)`` (a constant, not additive; verl < 0.9.1's
+      ``seq-mean-token-sum-norm``)
+
+    Args:
+      loss_mat: ``[B, T]`` float per-token loss. num_mask / den_mask: ``[B, T]`` float 0/1 masks of the
+        numerator and the denominator (equal unless masked tokens stay in the count).
+      loss_agg_mode: one of ``LOSS_AGG_MODES``. loss_scale_factor: see :class:`PolicyLossConfig`.
+
+    Returns: ``(loss_sum, loss_denominator)`` float scalars.
+    Raises: ValueError for an unknown mode or non-2-D inputs.
+    Source: verl ``agg_loss`` (conventions.md §1.1) in Tunix's deferred-normalisation form (§2).
+    """
+    if loss_mat.ndim != 2:
+        raise ValueError(f"loss_mat must be [B, T], got shape {tuple(loss_mat.shape)}")
+    dt = loss_mat.dtype
+    s_b = jnp.sum(loss_mat * num_mask.astype(dt), axis=-1)
+    n_b = jnp.sum(den_mask.astype(dt), axis=-1)
+    nonempty = n_b > 0
+    if loss_agg_mode == "token-mean":
+        return jnp.sum(s_b), jnp.sum(n_b)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return jnp.sum(jnp.where(nonempty, s_b / (n_b + _SEQ_EPS), 0.0)), jnp.sum(nonempty.astype(dt))
+    if loss_agg_mode == "seq-mean-token-sum":
+        return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt))
+    if loss_agg_mode == "token-sum":
+        return jnp.sum(s_b), jnp.ones((), dt)
+    factor = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return jnp.sum(jnp.where(nonempty, s_b, 0.0)), jnp.sum(nonempty.astype(dt)) * jnp.asarray(factor, dt)
+    if loss_agg_mode == "token-sum-norm":
+        return jnp.sum(s_b), jnp.asarray(factor, dt)
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def global_loss_denominator(
+    response_mask: jax.Array, token_mask: jax.Array | None, config: PolicyLossConfig, *, renormalize: bool = True
+) -> jax.Array:
+    """The denominator ``D`` of a whole mini-batch (pass the full ``[B, T]`` masks, or call per shard and
+    ``psum``-then-use for the additive modes). Equals the sum of :func:`compute_policy_loss`'s per-micro-batch
+    denominators, except for ``CONSTANT_DENOMINATOR_MODES`` where it is the constant.
+
+    Args: response_mask ``[B, T]``; token_mask ``[B, T]`` bool or None; config; renormalize as the loss.
+    Returns: float32 scalar. Raises: ValueError as :func:`aggregate`.
+    """
+    k, d = _masks(response_mask, token_mask, renormalize)
+    return aggregate(jnp.zeros(k.shape, jnp.float32), k, d, config.loss_agg_mode, config.loss_scale_factor)[1]
+
+
+def metric_pair(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A deferred-mean metric ``(sum(x * w), sum(w))`` (Tunix ``WeightedMetric``); see :func:`finalize_metrics`."""
+    return (jnp.sum(x * w), jnp.sum(w))
+
+
+def compute_policy_loss(
+    log_probs: jax.Array,
+    old_log_probs: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    token_mask: jax.Array | None = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    *,
+    entropy: jax.Array | None = None,
+    ref_log_probs: jax.Array | None = None,
+    rollout_log_probs: jax.Array | None = None,
+    kl_cov_selection: jax.Array | None = None,
+    renormalize: bool = True,
+    return_per_token: bool = False,
+) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+    """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``.
+
+    Args:
+      log_probs: ``[B, T]`` float, current policy (gradient flows through it), nats.
+      old_log_probs: ``[B, T]`` float, the policy that produced the rollouts (constant).
+      advantages: ``[B]`` or ``[B, T]`` float (constant).
+      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens.
+      token_mask: ``[B, T]`` bool keep mask (S2T, top-entropy, ...) or None (keep all valid tokens).
+      config: :class:`PolicyLossConfig`.
+      entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
+        (token-mean over valid tokens).
+      ref_log_probs: ``[B, T]``; required if ``config.use_kl_loss``.
+      rollout_log_probs: ``[B, T]`` sampler log-probs; required if ``config.rollout_is_threshold`` is set.
+      kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.algo.masks.kl_cov_mask`; switches to verl's KL-Cov
+        loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
+      renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
+      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
+        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
+        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
+        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
+        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the total per-token loss that is
+        aggregated). Padding positions hold 0 / False.
+
+    Returns:
+      ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
+      and metrics ``{name: (sum, weight)}``: ``pg_loss`` (same aggregation as the loss), ``pg_clipfrac``,
+      ``pg_clipfrac_lower``, ``ppo_kl``, ``ratio_mean`` (over kept tokens), ``entropy`` (valid tokens),
+      ``kl_loss``, ``entropy_loss``, ``rollout_is_weight`` when those terms are active.
+
+    Raises:
+      ValueError: a shape mismatch (naming the array) or a required optional input missing.
+
+    Source: verl ``compute_policy_loss_vanilla`` + ``agg_loss`` + ``kl_penalty`` (conventions.md §1);
+    dual clip Ye et al. 1912.09729; STAPO objective stapo_spec.md §4.
+    """
+    if log_probs.ndim != 2:
+        raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
+    shape = tuple(log_probs.shape)
+    named = dict(old_log_probs=old_log_probs, response_mask=response_mask, token_mask=token_mask, entropy=entropy,
+                 ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
+                 kl_cov_selection=kl_cov_selection)
+    for name, a in named.items():
+        if a is not None and tuple(a.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(a.shape)} must equal log_probs shape {shape}")
+    if advantages.ndim == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages [B] has B={advantages.shape[0]}, log_probs is {shape}")
+        advantages = advantages[:, None]
+    elif tuple(advantages.shape) != shape:
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [B] or equal log_probs {shape}")
+    if config.use_kl_loss and ref_log_probs is None:
+        raise ValueError("config.use_kl_loss is set but ref_log_probs is None")
+    if config.entropy_coeff != 0 and entropy is None:
+        raise ValueError("config.entropy_coeff != 0 but entropy is None")
+    if config.rollout_is_threshold is not None and rollout_log_probs is None:
+        raise ValueError("config.rollout_is_threshold is set but rollout_log_probs is None")
+
+    sg = jax.lax.stop_gradient
+    dt = log_probs.dtype
+    # padding may hold anything (NaN included): zero it *before* any arithmetic, so that neither the value nor
+    # the gradient (0 * exp(NaN) = NaN in a backward pass) can see it (the "double where" rule)
+    valid = response_mask.astype(bool)
+
+    def clean(x):
+        return None if x is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+    log_probs, old_log_probs, entropy = clean(log_probs), clean(old_log_probs), clean(entropy)
+    ref_log_probs, rollout_log_probs = clean(ref_log_probs), clean(rollout_log_probs)
+    if advantages.ndim == 2:
+        advantages = clean(advantages)
+    old = sg(old_log_probs).astype(dt)
+    adv = sg(advantages).astype(dt)
+    k, d = _masks(response_mask, token_mask, renormalize)
+    k, d = k.astype(dt), d.astype(dt)
+    v = response_mask.astype(dt)
+
+    delta = jnp.clip(log_probs - old, -config.log_ratio_clamp, config.log_ratio_clamp)
+    ratio = jnp.exp(delta)
+    metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
+    clipped = clipped_lower = jnp.zeros(shape, bool)
+    if kl_cov_selection is None:
+        l1 = -adv * ratio
+        l2 = -adv * jnp.clip(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        lc = jnp.maximum(l1, l2)
+        clipped = (l2 > l1) & valid
+        metrics["pg_clipfrac"] = metric_pair(clipped.astype(dt), k)
+        if config.clip_ratio_c is not None:
+            l3 = -adv * config.clip_ratio_c
+            pg = jnp.where(adv < 0, jnp.minimum(l3, lc), lc)
+            clipped_lower = (lc > l3) & (adv < 0) & valid
+            metrics["pg_clipfrac_lower"] = metric_pair(clipped_lower.astype(dt), k)
+        else:
+            pg = lc
+    else:
+        sel = kl_cov_selection.astype(dt)
+        pg = -adv * ratio + sel * config.ppo_kl_coef * jnp.abs(delta)
+        metrics["kl_cov_selected_frac"] = metric_pair(sel, k)
+    if config.rollout_is_threshold is not None:
+        w = jnp.minimum(jnp.exp(old - sg(rollout_log_probs).astype(dt)), config.rollout_is_threshold)
+        pg = pg * w
+        metrics["rollout_is_weight"] = metric_pair(w, k)
+    metrics["ppo_kl"] = metric_pair(-delta, k)
+    metrics["ratio_mean"] = metric_pair(ratio, k)
+
+    mode, factor = config.loss_agg_mode, config.loss_scale_factor
+    total = pg
+    pg_sum, den = aggregate(pg, k, d, mode, factor)
+    metrics["pg_loss"] = (pg_sum, den)
+    kl = jnp.zeros_like(pg)
+    if config.use_kl_loss:
+        kl = kl_penalty(log_probs, sg(ref_log_probs).astype(dt), config.kl_loss_type)
+        total = total + config.kl_loss_coef * kl
+        metrics["kl_loss"] = (aggregate(kl, k, d, mode, factor)[0], den)
+    if entropy is not None:
+        metrics["entropy"] = metric_pair(sg(entropy).astype(dt), v)
+        if config.entropy_coeff != 0:
+            total = total - config.entropy_coeff * entropy.astype(dt)
+            metrics["entropy_loss"] = (aggregate(entropy.astype(dt), k, d, mode, factor)[0], den)
+    loss_sum, _ = aggregate(total, k, d, mode, factor)
+    if return_per_token:
+        zero = jnp.zeros((), dt)
+        per_token = {"log_ratio": jnp.where(valid, delta, zero), "ratio": jnp.where(valid, ratio, zero),
+                     "pg_losses": jnp.where(valid, pg, zero), "clipped": clipped, "clipped_lower": clipped_lower,
+                     "kl": jnp.where(valid, kl, zero), "loss": jnp.where(valid, total, zero)}
+        return loss_sum, den, metrics, per_token
+    return loss_sum, den, metrics
+
+
+def kl_loss(
+    log_probs: jax.Array,
+    ref_log_probs: jax.Array,
+    response_mask: jax.Array,
+    *,
+    kl_loss_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    token_mask: jax.Array | None = None,
+    renormalize: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The KL-to-reference term on its own: ``aggregate(kl_penalty(log_probs, ref_log_probs), ...)`` as
+    ``(kl_sum, denominator)`` (the value is ``safe_divide(kl_sum, denominator)``; the loss adds
+    ``kl_loss_coef`` times it). Equals the ``kl_loss`` metric of :func:`compute_policy_loss`.
+
+    Args: log_probs / ref_log_probs ``[B, T]`` float (nats; the gradient flows through ``log_probs``);
+      response_mask ``[B, T]`` 0/1 or bool; token_mask ``[B, T]`` bool or None; kl_loss_type in ``KL_TYPES``;
+      loss_agg_mode / loss_scale_factor / renormalize as :func:`compute_policy_loss`.
+    Returns: float scalars. Raises: ValueError for a shape mismatch, unknown type or mode.
+    Source: verl ``kl_penalty`` + ``agg_loss`` (``actor.use_kl_loss``).
+    """
+    if tuple(response_mask.shape) != tuple(log_probs.shape):
+        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} must equal log_probs {log_probs.shape}")
+    valid = response_mask.astype(bool)
+    log_probs = jnp.where(valid, log_probs, jnp.zeros((), log_probs.dtype))
+    ref = jax.lax.stop_gradient(jnp.where(valid, ref_log_probs, jnp.zeros((), ref_log_probs.dtype)))
+    k, d = _masks(response_mask, token_mask, renormalize)
+    dt = log_probs.dtype
+    return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
+                     loss_scale_factor)
+
+
+# Policy losses by name, as verl's ``core_algos.register_policy_loss``: every loss has the signature and
+# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss`. One surrogate serves every recipe
+# (the mask and the KL-Cov selection are its arguments), so the registry holds ``vanilla`` only.
+POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
+    Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    return register_into(POLICY_LOSSES, "policy loss", name)
+
+
+def add_metrics(a: dict, b: dict) -> dict:
+    """Accumulate two ``{name: (sum, weight)}`` dicts (micro-batches, shards). Keys must match."""
+    if a.keys() != b.keys():
+        raise ValueError(f"metric keys differ: {sorted(a)} vs {sorted(b)}")
+    return jax.tree.map(jnp.add, a, b)
+
+
+LOSS_METRICS = ("pg_loss", "kl_loss", "entropy_loss")
+
+
+def finalize_metrics(metrics: dict, loss_denominator: jax.Array | None = None) -> dict[str, jax.Array]:
+    """``{name: (sum, weight)}`` -> ``{name: sum / weight}`` (0 where the weight is 0).
+
+    ``loss_denominator``: the global denominator to use for the loss-type metrics (``LOSS_METRICS``) after
+    accumulating micro-batches; needed for ``CONSTANT_DENOMINATOR_MODES``, whose per-call denominator is a
+    constant and therefore must not be summed.
+    """
+    out = {}
+    for name, (s, w) in metrics.items():
+        out[name] = safe_divide(s, loss_denominator if (loss_denominator is not None and name in LOSS_METRICS) else w)
+    return out

@@ -1,0 +1,191 @@
+"""Named presets: ``grpo``, ``dapo``, ``entropy20``, ``justrl``, ``stapo`` (stapo_spec.md §4, §5, §10).
+
+A recipe is a frozen :class:`Recipe`: the loss settings (:class:`~stapo_jax.algo.objectives.PolicyLossConfig`,
+verl key names), the token mask and its settings (:class:`~stapo_jax.algo.masks.S2TConfig`,
+:class:`~stapo_jax.algo.masks.TopEntropyConfig`), the advantage estimator, and DAPO's sampling/reward hooks.
+Every method shares one clipped surrogate; they differ only in the fields below (stapo_spec.md §5 table):
+
+========== ============ ============== =========== ===== ===== ============ =========
+recipe     clip low/hi  mask           aggregation KL    H bon dyn sampling overlong
+========== ============ ============== =========== ===== ===== ============ =========
+grpo       0.2 / 0.2    none           token-mean  0     0     no           no
+entropy20  0.2 / 0.28   top 20% H      token-mean  0     0     no           no
+justrl     0.2 / 0.28   none           token-mean  0     0     no           no
+dapo       0.2 / 0.28   none           token-mean  0     0     yes          4096, 1.0
+stapo      0.2 / 0.28   S2T            token-mean  0     0     no           no
+========== ============ ============== =========== ===== ===== ============ =========
+
+All use dual clip ``clip_ratio_c = 10`` (JustRL script; stapo_spec.md §10 item 7; verl's default is 3) and
+GRPO advantages (ddof 1, epsilon 1e-6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from stapo_jax.algo import masks
+from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
+from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
+from stapo_jax.config.schema import from_dict
+from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
+from stapo_jax.algo.objectives import PolicyLossConfig
+
+__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
+           "recipe_from_config"]
+
+TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One RL method's settings.
+
+    name: recipe name. loss: surrogate settings (verl names). token_mask: one of ``TOKEN_MASKS``.
+    s2t / top_entropy / cov: settings of the corresponding masks. adv_estimator: ``grpo``, ``dr_grpo`` or
+    ``rloo``; adv_epsilon, adv_ddof: GRPO std epsilon and ddof. dynamic_sampling / max_gen_batches: DAPO's
+    drop-constant-groups resampling. overlong_buffer_len / overlong_penalty_factor: DAPO overlong reward
+    shaping (0 = off). drop_truncated: give truncated responses an all-zero response mask.
+    """
+
+    name: str
+    loss: PolicyLossConfig
+    token_mask: str = "none"
+    s2t: S2TConfig = field(default_factory=S2TConfig)
+    top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
+    cov: CovConfig = field(default_factory=CovConfig)
+    adv_estimator: str = "grpo"
+    adv_epsilon: float = 1e-6
+    adv_ddof: int = 1
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 10
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    drop_truncated: bool = False
+
+    def __post_init__(self):
+        if self.token_mask not in TOKEN_MASKS:
+            raise ValueError(f"token_mask must be one of {TOKEN_MASKS}, got {self.token_mask!r}")
+        if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"adv_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.adv_estimator!r}")
+        if self.adv_ddof not in (0, 1):
+            raise ValueError(f"adv_ddof must be 0 or 1, got {self.adv_ddof}")
+        if self.max_gen_batches < 1:
+            raise ValueError(f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}")
+
+    @property
+    def renormalize(self) -> bool:
+        """Whether masked tokens leave the denominator (the mask's registered rule: False only for S2T with
+        renormalize=false and Clip-Cov)."""
+        if self.token_mask == "none":
+            return True
+        rule = masks.get_token_mask(self.token_mask).renormalize
+        return recipe_field(self, rule) if isinstance(rule, str) else rule
+
+    @property
+    def mask_scope(self) -> str:
+        """``minibatch`` or ``microbatch``: the population scope of the mask's threshold (``microbatch`` for masks
+        without a scope setting and for ``none``)."""
+        spec = None if self.token_mask == "none" else masks.get_token_mask(self.token_mask)
+        return "microbatch" if spec is None or spec.scope is None else recipe_field(self, spec.scope)
+
+    def replace(self, **changes) -> "Recipe":
+        """``dataclasses.replace``; nested sections accept dicts, e.g. ``replace(loss={"clip_ratio_c": None})``."""
+        for section in ("loss", "s2t", "top_entropy", "cov"):
+            if isinstance(changes.get(section), dict):
+                changes[section] = dataclasses.replace(getattr(self, section), **changes[section])
+        return dataclasses.replace(self, **changes)
+
+
+def recipe_from_config(cfg) -> Recipe:
+    """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
+    loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
+    the recipe's own setting types, used as they are.
+
+    Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
+    """
+    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
+    loss = PolicyLossConfig(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
+    mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
+    return Recipe(
+        cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,
+        adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
+        adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
+        dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,
+        overlong_buffer_len=cfg.reward.overlong_buffer_len, overlong_penalty_factor=cfg.reward.overlong_penalty,
+        drop_truncated=cfg.data.drop_truncated)
+
+
+# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``
+# (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
+RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
+                              for name in CONFIG_RECIPES}
+
+
+def get_recipe(name: str, **changes) -> Recipe:
+    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`).
+
+    Raises: ValueError for an unknown name (lists the known ones) or an invalid changed value.
+    Source: stapo_spec.md §4-5, §10; JustRL ``run_scaling_ssh_distill.sh``; DAPO 2503.14476.
+    """
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    recipe = RECIPES[name]
+    return recipe.replace(**changes) if changes else recipe
+
+
+def recipe_field(recipe: Recipe, dotted: str):
+    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way)."""
+    section, name = dotted.split(".")
+    return getattr(getattr(recipe, section), name)
+
+
+def compute_token_mask(
+    recipe: Recipe,
+    *,
+    response_mask,
+    log_probs=None,
+    entropy=None,
+    advantages=None,
+    old_log_probs=None,
+    key=None,
+    axis_name=None,
+    tau_h=None,
+):
+    """The recipe's token mask on this population (all inputs stop-gradient), by the mask registry.
+
+    Args:
+      recipe: a :class:`Recipe`. response_mask: ``[B, T]``. The statistics the mask declares it needs
+        (``masks.get_token_mask(name).needs``): log_probs / entropy / old_log_probs ``[B, T]`` float, advantages
+        ``[B]`` or ``[B, T]``, key a PRNG key; the others may be omitted. axis_name: mesh axes to gather the
+        threshold population over (inside ``shard_map``; masks with a scope). tau_h: S2T only, a given entropy
+        threshold instead of the population quantile (see :func:`stapo_jax.algo.masks.s2t_mask`).
+
+    Returns:
+      ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for a *selecting* mask such as ``kl_cov`` it
+      is the selection, passed to the objective as ``kl_cov_selection``); ``stats``: the mask's threshold as
+      ``s2t/tau_h`` (S2T) or ``<mask>/threshold`` (scalar; NaN for an empty population).
+
+    Raises: ValueError naming a statistic the mask needs but did not get, or from the mask function.
+    """
+    if recipe.token_mask == "none":
+        return None, {}
+    spec = masks.get_token_mask(recipe.token_mask)
+    given = dict(log_probs=log_probs, entropy=entropy, advantages=advantages, old_log_probs=old_log_probs, key=key)
+    missing = [n for n in spec.needs if given[n] is None]
+    if missing:
+        raise ValueError(f"token_mask={spec.name!r} needs {missing} (it reads {list(spec.needs)})")
+    kwargs = {n: given[n] for n in spec.needs}
+    kwargs.update({d.split(".")[1]: recipe_field(recipe, d) for d in spec.settings})
+    if spec.scope is not None:
+        kwargs["axis_name"] = axis_name
+    if tau_h is not None:
+        kwargs["tau_h"] = tau_h
+    keep, threshold = spec.fn(response_mask=response_mask, **kwargs)
+    return keep, {("s2t/tau_h" if spec.name == "s2t" else f"{spec.name}/threshold"): threshold}

@@ -1,0 +1,230 @@
+"""Typed building of configuration dataclasses from plain YAML mappings: type coercion, unknown keys with
+did-you-mean suggestions, dotted-key helpers. Schema-agnostic: :mod:`stapo_jax.config.schema` holds the schema.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+__all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
+           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override"]
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, a value has the wrong type or range, or two keys contradict each other.
+
+    The message always names the dotted key(s) involved.
+    """
+
+
+def valid_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """All dotted leaf keys of a schema dataclass (dict-valued fields are leaves); None: the run ``Config``."""
+    if cls is None:
+        from stapo_jax.config.schema import Config  # the schema (imported lazily: config imports this module)
+
+        cls = Config
+    out = []
+    for name, tp in get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out.extend(valid_keys(tp, key + "."))
+        else:
+            out.append(key)
+    return out
+
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    """Instantiate schema dataclass ``cls`` from ``raw`` with type checks; unknown keys raise."""
+    where = prefix.rstrip(".") or "<top level>"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {type(raw).__name__} {raw!r}")
+    hints = get_type_hints(cls)
+    for key in raw:
+        if key not in hints:
+            raise ConfigError(unknown_key_message(f"{prefix}{key}", list(hints), prefix))
+    kwargs = {name: coerce(raw[name], hints[name], f"{prefix}{name}") for name in hints if name in raw}
+    return cls(**kwargs)
+
+
+def unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+    """One message (with its did-you-mean) per unknown key anywhere under ``raw``, in file order, so that a
+    config with several typos is fixed in one round; sections that are not mappings are left to ``_build``."""
+    if not isinstance(raw, dict):
+        return []
+    hints = get_type_hints(cls)
+    out = []
+    for key, value in raw.items():
+        if key not in hints:
+            out.append(unknown_key_message(f"{prefix}{key}", list(hints), prefix))
+        elif dataclasses.is_dataclass(hints[key]):
+            out.extend(unknown_keys(hints[key], value, f"{prefix}{key}."))
+    return out
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and convert losslessly (int -> float, list -> tuple, a
+    numeric string such as YAML 1.1's ``1e-6`` -> float)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, key + ".")
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: null is not allowed (expected {type_name(tp)})")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if isinstance(value, bool) and ("off" if not value else "on") in args:
+            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
+        for choice in args:
+            if value == choice and type(value) is type(choice):
+                return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is not None:
+            if not math.isfinite(number):  # nan/inf would train silently into a NaN model
+                raise ConfigError(f"{key}: {value!r} is not a finite number")
+            return number
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            if len(value) == len(args):
+                return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    elif origin is dict:
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigError(f"{key}: keys must be strings, got {k!r}")
+                out[k] = coerce(v, args[1], f"{key}.{k}")
+            return out
+    else:  # pragma: no cover - schema uses only the types above
+        raise TypeError(f"unsupported annotation {tp!r} for {key}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def type_name(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {type_name(args[0])}"
+    if origin is tuple:
+        return f"a list of {len(args)} values" if Ellipsis not in args else f"a list of {type_name(args[0])}"
+    if origin is dict:
+        return f"a mapping of str to {type_name(args[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        suggestion = f"{prefix}{close[0]}"
+    else:  # maybe the key lives in another section (e.g. actor.tau_p -> s2t.tau_p)
+        all_keys = valid_keys()
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys}
+        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        suggestion = by_leaf[close[0]] if close else None
+        if suggestion is None:
+            close = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.5)
+            suggestion = close[0] if close else None
+    msg = f"unknown config key {key!r}"
+    if suggestion:
+        msg += f"; did you mean {suggestion!r}?"
+    else:
+        msg += f"; valid keys here: {sorted(siblings)}"
+    return msg
+
+
+def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        elif not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def plain_copy(x: Any) -> Any:
+    """A copy made of plain dicts and lists (YAML-safe; tuples become lists)."""
+    if isinstance(x, Mapping):
+        return {k: plain_copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain_copy(v) for v in x]
+    return x
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``"a.b.c=value"`` into ``("a.b.c", yaml.safe_load("value"))``.
+
+    Raises:
+      ConfigError: no ``=``, an empty key, or a value that is not valid YAML.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: value {text!r} is not valid YAML: {e}") from e
+    return key, value

@@ -1,0 +1,579 @@
+"""Typed run configuration: dataclass schema, YAML loading, dotted overrides, validation, save/reload.
+
+Every default is the interpretation adopted in the STAPO spec (``stapo_spec.md``) §10 (STAPO on the JustRL
+recipe); key spellings follow verl (``actor.clip_ratio_c``, ``actor.loss_agg_mode``, ``actor.kl_loss_coef``,
+``actor.entropy_coeff``, ``algorithm.norm_adv_by_std_in_grpo``, ``actor.ppo_mini_batch_size`` ...). The spec's
+``loss.*`` names map to ``actor.*``: ``loss.dual_clip_c`` -> ``actor.clip_ratio_c``, ``loss.kl_coef`` ->
+``actor.kl_loss_coef``, ``loss.kl_type`` -> ``actor.kl_loss_type``, ``loss.entropy_coef`` ->
+``actor.entropy_coeff``, ``loss.agg_mode`` -> ``actor.loss_agg_mode``.
+
+Resolution order for a key: command-line override > YAML file > recipe default (:data:`RECIPE_DEFAULTS`,
+applied only to keys neither the file nor an override sets) > schema default below.
+
+Usage::
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["actor.clip_ratio_high=0.28", "trainer.total_steps=10"])
+    cfg.save(run_dir)          # run_dir/config.yaml, reloads to an equal Config
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+import yaml
+
+from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
+from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
+    ConfigError,
+    build_dataclass,
+    has_dotted,
+    parse_override,
+    plain_copy,
+    set_dotted,
+    unknown_keys,
+    valid_keys,
+)
+
+CONFIG_FILENAME = "config.yaml"
+JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+RECIPES = ("grpo", "dapo", "entropy20", "justrl", "stapo")
+
+
+# ----------------------------------------------------------------------------------------------- schema
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. Exactly one source: ``path`` (HF directory or hub id with ``config.json`` and
+    safetensors), ``preset`` (an HF ``config.json`` shipped in ``stapo_jax/assets/qwen3_configs``, e.g.
+    ``"Qwen3-0.6B"``), or, with both unset, the explicit size fields (a from-scratch model). With a
+    preset, explicit size fields override the preset's values (e.g. a 2-layer Qwen3-0.6B for CI)."""
+
+    path: Optional[str] = None
+    preset: Optional[str] = "Qwen3-1.7B-Base"
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
+    rope_theta: Optional[float] = None
+    max_position_embeddings: Optional[int] = None
+    rms_norm_eps: Optional[float] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # self-attention kernel of the forward/update and of prefill (models.attention): xla materialises
+    # [heads, T, T] scores; blockwise is flash-style pure JAX (any backend); cudnn (GPU, bf16/fp16); splash
+    # (TPU); auto picks splash on TPU, cudnn on GPU for 16-bit dtypes, else blockwise.
+    attention: Literal["xla", "blockwise", "cudnn", "splash", "auto"] = "xla"
+
+
+MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
+                   "max_position_embeddings", "rms_norm_eps")
+# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.config.build)
+_REQUIRED_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclass
+class TokenizerConfig:
+    """``kind: hf`` loads a transformers tokenizer from ``path`` (falls back to ``model.path``); ``kind:
+    builtin`` builds the small offline character-level tokenizer of :mod:`stapo_jax.data.tokenizer`."""
+
+    kind: Literal["hf", "builtin"] = "hf"
+    path: Optional[str] = None
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh axis sizes; ``-1`` takes all remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class GymConfig:
+    """A reasoning-gym task as prompt source (``data.source: gym``): ``reasoning_gym.create_dataset(task,
+    size=size, seed=seed, **config)``; the held-out split uses ``val_seed`` (default ``seed + size``:
+    reasoning-gym seeds item i with seed + i) and drops questions that also occur in the training split."""
+
+    task: Optional[str] = None
+    size: int = 1000
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    val_size: int = 0
+    val_seed: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (see :mod:`stapo_jax.data.prompts`)."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    source: Literal["jsonl", "parquet", "hf", "gym"] = "jsonl"
+    hf_split: str = "train"
+    hf_val_split: str = "test"
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    max_prompt_length: int = 1024
+    shuffle: bool = True
+    seed: int = 0
+    apply_chat_template: bool = True
+    enable_thinking: bool = True
+    prompt_suffix: str = JUSTRL_PROMPT_SUFFIX
+    on_bad_row: Literal["skip", "error"] = "skip"
+    drop_truncated: bool = False
+    gym: GymConfig = field(default_factory=GymConfig)
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of ``n`` responses per prompt (the group size G)."""
+
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    max_new_tokens: int = 15360
+    max_concurrent_decodes: int = 64
+    steps_per_sync: int = 8
+    mode: Literal["inprocess", "grpc"] = "inprocess"
+    server_address: str = "127.0.0.1:9000"
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+
+
+@dataclass
+class AlgorithmConfig:
+    """Recipe and advantage estimator (verl ``algorithm.*``). ``strict_recipe: false`` allows a config to
+    deviate from the recipe's invariants (e.g. a KL term under ``stapo``); the deviation is then the user's."""
+
+    recipe: Literal["grpo", "dapo", "entropy20", "justrl", "stapo"] = "stapo"
+    adv_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    std_ddof: int = 1
+    adv_eps: float = 1e-6
+    strict_recipe: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then constant lr, global-norm gradient clipping (``clip_grad``; None = off)."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    clip_grad: Optional[float] = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass
+class ActorConfig:
+    """Clipped-surrogate policy loss (verl ``actor_rollout_ref.actor.*``). Mini-batch size counts prompts
+    (each brings ``rollout.n`` responses); micro-batch size counts sequences per device."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = 10.0
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm", "token-sum-norm"] = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                          "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"] = "low_var_kl"
+    ppo_mini_batch_size: int = 64
+    ppo_micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    logprob_seq_chunk: Optional[int] = 512
+    logprob_vocab_chunk: Optional[int] = None
+    sampler_is: Literal["off", "truncate"] = "off"
+    sampler_is_cap: float = 2.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RewardConfig:
+    """Verifier (stapo_jax.rewards) and DAPO overlong shaping (stapo_spec §5; ``overlong_buffer_len: 0``
+    is off). ``boxed_normalize`` applies DAPO's ``normalize_final_answer`` to both sides before the exact
+    match (JustRL's strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the
+    answer is taken from a response for reasoning-gym scoring."""
+
+    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
+                  "gym"] = "boxed_exact_pm1"
+    timeout_s: float = 10.0
+    num_workers: int = 4
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
+    boxed_normalize: bool = False
+    gym_answer_format: Literal["boxed", "answer_tag", "raw"] = "boxed"
+
+
+@dataclass
+class SamplingConfig:
+    """DAPO dynamic sampling: drop all-equal-reward groups and refill, at most ``max_gen_batches`` rollouts."""
+
+    dynamic: bool = False
+    max_gen_batches: int = 10
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop. ``total_steps`` has no default (stapo_spec §10.15): every RL run must set it."""
+
+    total_steps: Optional[int] = None
+    train_batch_size: int = 256
+    seed: int = 0
+    run_dir: str = "runs/stapo"
+    log_every: int = 1
+    save_every: int = 50
+    keep_checkpoints: int = 3
+    eval_every: int = 0
+    export_hf: bool = True
+    resume: bool = True
+    # verl's trainer.logger: any of console (progress bar), tensorboard, wandb; metrics.jsonl is always written
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
+    experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up (``stapo-jax sft``); ``steps: 0`` skips it."""
+
+    steps: int = 0
+    lr: float = 1e-4
+    batch_size: int = 32
+    warmup_steps: int = 10
+
+
+@dataclass
+class EvalConfig:
+    """Benchmark evaluation (stapo_spec §8): avg@N per benchmark, two decoding settings."""
+
+    benchmarks: list[str] = field(default_factory=lambda: [
+        "aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench"])
+    data_dir: Optional[str] = None      # None: the six benchmarks shipped in stapo_jax/assets/benchmarks
+    n_samples: Union[int, dict[str, int]] = field(default_factory=lambda: {
+        "aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva_math": 4, "olympiadbench": 4})
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 31744
+    grader: Literal["math_verify", "boxed_exact"] = "math_verify"
+
+
+@dataclass
+class Config:
+    """The whole run configuration (one section per dataclass above)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    s2t: S2TConfig = field(default_factory=S2TConfig)
+    top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain YAML/JSON types (tuples become lists)."""
+        return plain_copy(dataclasses.asdict(self))
+
+    def save(self, run_dir: str | os.PathLike) -> Path:
+        """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
+
+        ``load_config(path)`` of that file gives a Config equal to ``self``."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / CONFIG_FILENAME
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, width=120))
+        os.replace(tmp, path)
+        return path
+
+    def grad_accum_steps(self, data_parallel_size: int) -> int:
+        """Micro-batches per mini-batch on each data-parallel shard:
+        ``ppo_mini_batch_size * rollout.n / data_parallel_size / ppo_micro_batch_size`` (always >= 1).
+
+        Raises:
+          ConfigError: the mini-batch's sequences do not split evenly over the shards and micro-batches.
+        """
+        seqs = self.actor.ppo_mini_batch_size * self.rollout.n
+        if data_parallel_size < 1 or seqs % data_parallel_size:
+            raise ConfigError(
+                f"actor.ppo_mini_batch_size * rollout.n = {seqs} sequences do not split over "
+                f"{data_parallel_size} data-parallel shards")
+        per_shard = seqs // data_parallel_size
+        if per_shard % self.actor.ppo_micro_batch_size:
+            raise ConfigError(
+                f"actor.ppo_micro_batch_size={self.actor.ppo_micro_batch_size} does not divide the "
+                f"{per_shard} sequences per data-parallel shard of a mini-batch "
+                f"(actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout.n} "
+                f"/ {data_parallel_size} shards)")
+        return per_shard // self.actor.ppo_micro_batch_size
+
+    def check_rl_ready(self) -> None:
+        """Checks that only an RL run needs (stapo_spec §10.15: ``trainer.total_steps`` is required).
+
+        Raises:
+          ConfigError: ``trainer.total_steps`` unset, or no training prompts configured.
+        """
+        if self.trainer.total_steps is None:
+            raise ConfigError("trainer.total_steps is required for an RL run (the spec sets no default)")
+        if self.data.source == "gym":
+            if not self.data.gym.task:
+                raise ConfigError("data.gym.task is required with data.source=gym")
+        elif not self.data.train_files:
+            raise ConfigError(f"data.train_files is empty (data.source={self.data.source})")
+
+
+# Recipe defaults (stapo_spec §5 table): applied to keys the YAML file and the overrides leave unset.
+RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"actor.clip_ratio_high": 0.2, "s2t.enabled": False},
+    "entropy20": {"s2t.enabled": False, "top_entropy.enabled": True},
+    "justrl": {"s2t.enabled": False},
+    "dapo": {"s2t.enabled": False, "sampling.dynamic": True, "reward.overlong_buffer_len": 4096,
+             "reward.overlong_penalty": 1.0},
+    "stapo": {"s2t.enabled": True},
+}
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config, apply dotted ``key.sub=value`` overrides, recipe defaults, type checks and
+    cross-field validation.
+
+    Args:
+      path: YAML file (a mapping of sections); None gives the schema defaults.
+      overrides: strings ``"section.key=value"``; the value is parsed with ``yaml.safe_load`` (so
+        ``true``, ``3``, ``[a, b]``, ``null`` work). Later overrides win.
+
+    Returns:
+      The validated :class:`Config`.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ConfigError: unknown keys (all of them in one message, each with the closest valid key suggested),
+        wrong type, malformed override, or a cross-field check failed; the message names the key(s).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    return from_dict(raw)
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build and validate a Config from a nested mapping (as :func:`load_config`, without file I/O).
+
+    Raises:
+      ConfigError: see :func:`load_config`.
+    """
+    raw = plain_copy(raw)
+    recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
+        raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
+    if recipe in RECIPE_DEFAULTS:
+        for key, value in RECIPE_DEFAULTS[recipe].items():
+            if not has_dotted(raw, key):
+                set_dotted(raw, key, value)
+    unknown = unknown_keys(Config, raw, "")
+    if len(unknown) == 1:
+        raise ConfigError(unknown[0])
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
+    cfg = build_dataclass(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; each error names the keys involved.
+
+    Raises:
+      ConfigError: a range or consistency check failed.
+    """
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    need(bool(cfg.trainer.run_dir.strip()), "trainer.run_dir is empty (it would write the run into the working "
+         "directory)")
+    m = cfg.model
+    sizes_set = [k for k in MODEL_SIZE_KEYS if getattr(m, k) is not None]
+    if m.path is not None and m.preset is not None:
+        errors.append("model.path and model.preset are both set; set one (model.preset=null to use a path)")
+    if m.path is not None and sizes_set:
+        errors.append(f"model.path cannot be combined with explicit size fields {['model.' + k for k in sizes_set]}")
+    if m.path is None and m.preset is None:
+        missing = [f"model.{k}" for k in _REQUIRED_SIZE_KEYS if getattr(m, k) is None]
+        need(not missing, f"a from-scratch model (model.path and model.preset unset) needs {missing}")
+    for k in ("vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings") + _REQUIRED_SIZE_KEYS:
+        v = getattr(m, k)
+        need(v is None or v >= 1, f"model.{k}={v} must be >= 1")
+    if m.num_attention_heads and m.num_key_value_heads:
+        need(m.num_attention_heads % m.num_key_value_heads == 0,
+             f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+             f"model.num_key_value_heads={m.num_key_value_heads}")
+
+    for k in ("data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, k)
+        need(v == -1 or v >= 1, f"mesh.{k}={v} must be -1 (all remaining devices) or >= 1")
+    need([getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")].count(-1) <= 1,
+         "at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+
+    d = cfg.data
+    need(d.max_prompt_length >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
+    if d.source == "gym":
+        need(bool(d.gym.task), "data.source=gym needs data.gym.task (a reasoning-gym dataset name)")
+        need(d.gym.size >= 1, f"data.gym.size={d.gym.size} must be >= 1")
+        need(d.gym.val_size >= 0, f"data.gym.val_size={d.gym.val_size} must be >= 0")
+
+    r = cfg.rollout
+    need(r.n >= 1, f"rollout.n={r.n} must be >= 1")
+    need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
+    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    need(r.top_k is None or r.top_k >= 1, f"rollout.top_k={r.top_k} must be null (off) or >= 1")
+    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    need(r.max_concurrent_decodes >= 1, f"rollout.max_concurrent_decodes={r.max_concurrent_decodes} must be >= 1")
+    need(r.steps_per_sync >= 1, f"rollout.steps_per_sync={r.steps_per_sync} must be >= 1")
+    need(r.request_timeout_s > 0, f"rollout.request_timeout_s={r.request_timeout_s} must be > 0")
+    need(r.max_retries >= 0, f"rollout.max_retries={r.max_retries} must be >= 0")
+    if m.max_position_embeddings is not None:
+        need(d.max_prompt_length + r.max_new_tokens <= m.max_position_embeddings,
+             f"data.max_prompt_length + rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} exceeds "
+             f"model.max_position_embeddings={m.max_position_embeddings}")
+
+    al = cfg.algorithm
+    need(al.std_ddof in (0, 1), f"algorithm.std_ddof={al.std_ddof} must be 0 or 1")
+    need(al.adv_eps > 0, f"algorithm.adv_eps={al.adv_eps} must be > 0")
+    need(not (al.adv_estimator == "rloo" and r.n < 2), "algorithm.adv_estimator=rloo needs rollout.n >= 2")
+
+    a = cfg.actor
+    need(0 <= a.clip_ratio_low < 1, f"actor.clip_ratio_low={a.clip_ratio_low} must be in [0, 1)")
+    need(a.clip_ratio_high >= 0, f"actor.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    need(a.clip_ratio_c is None or a.clip_ratio_c > 1,
+         f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
+    need(a.loss_scale_factor is None or a.loss_scale_factor > 0,
+         f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
+    need(a.entropy_coeff >= 0, f"actor.entropy_coeff={a.entropy_coeff} must be >= 0")
+    need(a.kl_loss_coef >= 0, f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0")
+    need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
+    need(a.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must be >= 1")
+    need(a.ppo_micro_batch_size >= 1,
+         f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} must be >= 1 (gradient accumulation would be 0)")
+    if a.ppo_mini_batch_size >= 1 and a.ppo_micro_batch_size >= 1:
+        need(a.ppo_micro_batch_size <= a.ppo_mini_batch_size * r.n,
+             f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} exceeds the mini-batch's "
+             f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * r.n} sequences "
+             "(gradient accumulation would be 0)")
+    t = cfg.trainer
+    need(t.train_batch_size >= 1, f"trainer.train_batch_size={t.train_batch_size} must be >= 1")
+    if a.ppo_mini_batch_size >= 1 and t.train_batch_size >= 1:
+        need(t.train_batch_size % a.ppo_mini_batch_size == 0,
+             f"trainer.train_batch_size={t.train_batch_size} is not divisible by "
+             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    for k in ("logprob_seq_chunk", "logprob_vocab_chunk"):
+        v = getattr(a, k)
+        need(v is None or v >= 1, f"actor.{k}={v} must be >= 1 or null (no chunking)")
+    need(a.sampler_is_cap >= 1, f"actor.sampler_is_cap={a.sampler_is_cap} must be >= 1")
+    o = a.optim
+    need(o.lr > 0, f"actor.optim.lr={o.lr} must be > 0")
+    need(o.warmup_steps >= 0, f"actor.optim.warmup_steps={o.warmup_steps} must be >= 0")
+    need(o.weight_decay >= 0, f"actor.optim.weight_decay={o.weight_decay} must be >= 0")
+    need(o.clip_grad is None or o.clip_grad > 0, f"actor.optim.clip_grad={o.clip_grad} must be > 0 or null")
+    need(all(0 <= b < 1 for b in o.betas), f"actor.optim.betas={list(o.betas)} must lie in [0, 1)")
+    need(o.eps > 0, f"actor.optim.eps={o.eps} must be > 0")
+
+    s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
+    need(not (s.enabled and cfg.top_entropy.enabled),
+         "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
+
+    rw = cfg.reward
+    need(rw.timeout_s > 0, f"reward.timeout_s={rw.timeout_s} must be > 0")
+    need(rw.num_workers >= 1, f"reward.num_workers={rw.num_workers} must be >= 1")
+    need(rw.overlong_buffer_len >= 0, f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be >= 0")
+    if rw.overlong_buffer_len > 0:
+        need(rw.overlong_buffer_len <= r.max_new_tokens,
+             f"reward.overlong_buffer_len={rw.overlong_buffer_len} exceeds rollout.max_new_tokens={r.max_new_tokens}")
+        need(rw.overlong_penalty >= 0, f"reward.overlong_penalty={rw.overlong_penalty} must be >= 0")
+    need(rw.kind != "gym" or d.source == "gym",
+         f"reward.kind=gym needs data.source=gym (got data.source={d.source})")
+    need(cfg.sampling.max_gen_batches >= 1, f"sampling.max_gen_batches={cfg.sampling.max_gen_batches} must be >= 1")
+
+    need(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps={t.total_steps} must be >= 1")
+    for k in ("log_every", "keep_checkpoints"):
+        need(getattr(t, k) >= 1, f"trainer.{k}={getattr(t, k)} must be >= 1")
+    for k in ("save_every", "eval_every"):
+        need(getattr(t, k) >= 0, f"trainer.{k}={getattr(t, k)} must be >= 0 (0 = off)")
+    bad_loggers = sorted(set(t.logger) - {"console", "tensorboard", "wandb", "jsonl"})
+    need(not bad_loggers, f"trainer.logger: unknown logger(s) {bad_loggers} (expected console, tensorboard, wandb; "
+         f"metrics.jsonl is always written)")
+    need(cfg.sft.steps >= 0, f"sft.steps={cfg.sft.steps} must be >= 0")
+    need(cfg.sft.lr > 0, f"sft.lr={cfg.sft.lr} must be > 0")
+    need(cfg.sft.batch_size >= 1, f"sft.batch_size={cfg.sft.batch_size} must be >= 1")
+    e = cfg.eval
+    need(e.max_new_tokens >= 1, f"eval.max_new_tokens={e.max_new_tokens} must be >= 1")
+    need(e.temperature > 0 and 0 < e.top_p <= 1, f"eval.temperature={e.temperature} must be > 0 and "
+         f"eval.top_p={e.top_p} in (0, 1]")
+    ns = e.n_samples
+    need(all(v >= 1 for v in (ns.values() if isinstance(ns, dict) else [ns])), f"eval.n_samples={ns} must be >= 1")
+
+    if al.strict_recipe:
+        errors.extend(_recipe_violations(cfg))
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _recipe_violations(cfg: Config) -> list[str]:
+    """Invariants of each recipe (stapo_spec §4-5; conventions.md §9: STAPO/JustRL/DAPO run with KL = 0
+    and no entropy bonus). Lifted with ``algorithm.strict_recipe=false``."""
+    recipe, a, out = cfg.algorithm.recipe, cfg.actor, []
+    hint = " (set algorithm.strict_recipe=false to deviate from the recipe)"
+    if recipe in ("stapo", "justrl", "dapo"):
+        if a.use_kl_loss and a.kl_loss_coef != 0:
+            out.append(f"algorithm.recipe={recipe} has no KL term: actor.use_kl_loss=true with "
+                       f"actor.kl_loss_coef={a.kl_loss_coef}{hint}")
+        if a.entropy_coeff != 0:
+            out.append(f"algorithm.recipe={recipe} has no entropy bonus: actor.entropy_coeff={a.entropy_coeff}{hint}")
+    if recipe == "stapo" and not cfg.s2t.enabled:
+        out.append(f"algorithm.recipe=stapo needs s2t.enabled=true{hint}")
+    if recipe == "entropy20" and not cfg.top_entropy.enabled:
+        out.append(f"algorithm.recipe=entropy20 needs top_entropy.enabled=true{hint}")
+    if recipe != "stapo" and cfg.s2t.enabled:
+        out.append(f"s2t.enabled=true belongs to algorithm.recipe=stapo (got {recipe}){hint}")
+    return out

@@ -1,0 +1,1 @@
+"""Prompt datasets (load, validate, template, tokenize, shard with Grain) and the Qwen3 tokenizer."""

@@ -1,0 +1,1 @@
+"""User-facing commands: the CLI, eval, demo/chat, plan, check/dump for PyTorch parity, plots."""

@@ -1,0 +1,195 @@
+"""``stapo-jax check``: recompute a dumped batch from a PyTorch (verl/TRL) run with our functions and compare.
+
+The dump is a ``.safetensors`` (read with ``safetensors.numpy``) or ``.npz`` file with
+
+* required: ``old_log_probs`` [B, T], ``log_probs`` [B, T], ``advantages`` [B] or [B, T], ``response_mask`` [B, T];
+* optional inputs: ``entropy`` [B, T] (required by the ``s2t`` / ``top_entropy`` masks), ``ref_log_probs``
+  [B, T] (KL loss), ``rewards`` [B] + ``group_ids`` [B] (recomputes the GRPO advantages and compares them);
+* optional reported values (scalars), with or without verl's ``actor/`` prefix: ``loss``, ``pg_loss``,
+  ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy_mean``, ``kl_loss``, ``s2t/masked_frac``,
+  ``s2t/tau_h``.
+
+It prints ``name | ours | theirs | abs diff | rel diff | ok`` and exits 0 when every compared value is within
+``atol + rtol * |theirs|``, 1 otherwise, 2 on a bad file (the message names the missing or misshaped field).
+Loss conventions: recipe defaults (``--recipe``), overridable with verl key names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from stapo_jax.algo.advantages import grpo_advantages
+from stapo_jax.algo.diagnostics import token_diagnostics
+from stapo_jax.algo.masks import masked_quantile
+from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, compute_policy_loss, finalize_metrics, safe_divide
+from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe
+
+__all__ = ["main", "load_dump", "recompute", "compare", "DumpError"]
+
+REQUIRED = ("old_log_probs", "log_probs", "advantages", "response_mask")
+REPORTED = ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_mean", "kl_loss",
+            "s2t/masked_frac", "s2t/tau_h")
+
+
+class DumpError(ValueError):
+    """A dump file that is missing, unreadable, or has a missing / misshaped field."""
+
+
+def load_dump(path: str) -> dict[str, np.ndarray]:
+    """Read a ``.safetensors`` or ``.npz`` dump into ``{name: np.ndarray}``; strips verl's ``actor/`` prefix.
+
+    Raises: DumpError for a missing file or an unknown extension.
+    """
+    if not os.path.isfile(path):
+        raise DumpError(f"dump file not found: {path}")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.numpy import load_file
+
+            raw = load_file(path)
+        elif path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:
+                raw = {k: z[k] for k in z.files}
+        else:
+            raise DumpError(f"{path}: expected a .safetensors or .npz file")
+    except DumpError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError, zipfile/pickle errors of a corrupt .npz, ...
+        raise DumpError(f"{path}: not a readable dump ({type(e).__name__}: {e})") from e
+    return {k[len("actor/"):] if k.startswith("actor/") else k: np.asarray(v) for k, v in raw.items()}
+
+
+def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
+    for name in REQUIRED:
+        if name not in d:
+            raise DumpError(f"missing field {name!r} (have: {sorted(d)})")
+    shape = d["log_probs"].shape
+    if len(shape) != 2 or 0 in shape:
+        raise DumpError(f"field 'log_probs' must be a non-empty [B, T], got shape {shape}")
+    for name in ("old_log_probs", "response_mask", "entropy", "ref_log_probs"):
+        if name in d and d[name].shape != shape:
+            raise DumpError(f"field {name!r} has shape {d[name].shape}, expected {shape} (as log_probs)")
+    if d["advantages"].shape not in ((shape[0],), shape):
+        raise DumpError(f"field 'advantages' has shape {d['advantages'].shape}, expected ({shape[0]},) or {shape}")
+    if need_entropy and "entropy" not in d:
+        raise DumpError("missing field 'entropy' (needed by the recipe's token mask)")
+    if need_ref and "ref_log_probs" not in d:
+        raise DumpError("missing field 'ref_log_probs' (needed by use_kl_loss)")
+    for name in ("rewards", "group_ids"):
+        if name in d and d[name].shape != (shape[0],):
+            raise DumpError(f"field {name!r} has shape {d[name].shape}, expected ({shape[0]},)")
+    for name in REPORTED:
+        if name in d and d[name].size != 1:
+            raise DumpError(f"field {name!r} must be a scalar, got shape {d[name].shape}")
+    valid = d["response_mask"].astype(bool)
+    for name in ("log_probs", "old_log_probs", "entropy", "ref_log_probs", "advantages"):
+        if name in d:
+            x = d[name] if d[name].shape == shape else d[name][:, None] * np.ones(shape)
+            bad = ~np.isfinite(x) & valid
+            if bad.any():
+                raise DumpError(f"field {name!r} has non-finite values at valid positions, first at "
+                                f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
+
+
+def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
+    """Our values for every comparable field of the dump (float64 numpy; x64 is not needed: float32 math)."""
+    _validate(d, recipe.token_mask in ("s2t", "top_entropy"), recipe.loss.use_kl_loss)
+    f = lambda k: jnp.asarray(d[k], jnp.float32) if k in d else None  # noqa: E731
+    lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
+    keep, _ = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
+                                 old_log_probs=old)
+    s, den, m = compute_policy_loss(lp, old, adv, resp, keep, recipe.loss, entropy=ent,
+                                    ref_log_probs=f("ref_log_probs"), renormalize=recipe.renormalize)
+    fm = finalize_metrics(m, den)
+    ours = {"loss": safe_divide(s, den), "pg_loss": fm["pg_loss"], "pg_clipfrac": fm["pg_clipfrac"],
+            "ppo_kl": fm["ppo_kl"]}
+    for name in ("pg_clipfrac_lower", "kl_loss"):
+        if name in fm:
+            ours[name] = fm[name]
+    if ent is not None:
+        ours["entropy_mean"] = fm["entropy"]
+        tau = masked_quantile(ent, resp, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
+        ours["s2t/tau_h"] = tau
+        diag = token_diagnostics(lp, ent, adv, old, resp, keep, tau_p=recipe.s2t.tau_p, tau_h=tau,
+                                 clip_ratio_low=recipe.loss.clip_ratio_low, clip_ratio_high=recipe.loss.clip_ratio_high)
+        ours["s2t/masked_frac"] = finalize_metrics({"x": diag["s2t/masked_frac"]})["x"]
+    if "rewards" in d and "group_ids" in d:
+        adv_ours = grpo_advantages(jnp.asarray(d["rewards"], jnp.float32), jnp.asarray(d["group_ids"]).astype(jnp.int32),
+                                   epsilon=recipe.adv_epsilon, ddof=recipe.adv_ddof,
+                                   single_sample="verl")  # the dump comes from verl
+        ours["advantages"] = adv_ours if d["advantages"].ndim == 1 else adv_ours[:, None] * resp
+    return {k: np.asarray(v, np.float64) for k, v in ours.items()}
+
+
+def compare(ours: dict, theirs: dict, atol: float, rtol: float) -> tuple[list[tuple], bool]:
+    """Rows ``(name, ours, theirs, abs diff, rel diff, ok)`` for names present on both sides (arrays: max diff)."""
+    rows, all_ok = [], True
+    for name in [n for n in ("advantages",) + REPORTED if n in ours and n in theirs]:
+        a, b = ours[name], np.asarray(theirs[name], np.float64)
+        diff = np.abs(a - b)
+        ok = bool(np.all(diff <= atol + rtol * np.abs(b)))
+        i = int(np.argmax(diff)) if diff.size > 1 else 0
+        av, bv = float(a.reshape(-1)[i]), float(b.reshape(-1)[i])
+        rel = float(diff.reshape(-1)[i]) / abs(bv) if bv != 0 else (0.0 if av == 0 else float("inf"))
+        rows.append((name, av, bv, float(diff.max()), rel, ok))
+        all_ok &= ok
+    return rows, all_ok
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stapo-jax check", description=__doc__.split("\n\n")[0])
+    p.add_argument("dump", help=".safetensors or .npz file")
+    p.add_argument("--recipe", default="stapo", choices=sorted(RECIPES))
+    p.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES)
+    p.add_argument("--clip-ratio-low", type=float)
+    p.add_argument("--clip-ratio-high", type=float)
+    p.add_argument("--clip-ratio-c", type=lambda s: None if s.lower() in ("none", "null", "off") else float(s),
+                   default=argparse.SUPPRESS, help="dual-clip constant, or 'none'")
+    p.add_argument("--loss-scale-factor", type=float)
+    p.add_argument("--kl-loss-coef", type=float, help="enables use_kl_loss when > 0")
+    p.add_argument("--kl-loss-type", choices=KL_TYPES)
+    p.add_argument("--tau-p", type=float)
+    p.add_argument("--entropy-quantile", type=float)
+    p.add_argument("--atol", type=float, default=1e-6)
+    p.add_argument("--rtol", type=float, default=1e-5)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (dispatched by ``stapo-jax check``). Returns 0 (all within tolerance), 1 (beyond), 2 (bad input)."""
+    args = _parser().parse_args(argv)
+    loss = {k: v for k, v in dict(loss_agg_mode=args.loss_agg_mode, clip_ratio_low=args.clip_ratio_low,
+                                  clip_ratio_high=args.clip_ratio_high, loss_scale_factor=args.loss_scale_factor,
+                                  kl_loss_type=args.kl_loss_type).items() if v is not None}
+    if hasattr(args, "clip_ratio_c"):
+        loss["clip_ratio_c"] = args.clip_ratio_c
+    if args.kl_loss_coef:
+        loss.update(use_kl_loss=True, kl_loss_coef=args.kl_loss_coef)
+    s2t = {k: v for k, v in dict(tau_p=args.tau_p, entropy_quantile=args.entropy_quantile).items() if v is not None}
+    try:
+        recipe = get_recipe(args.recipe, loss=loss, s2t=s2t)
+        dump = load_dump(args.dump)
+        ours = recompute(dump, recipe)
+    except ValueError as e:
+        print(f"stapo-jax check: error: {e}", file=sys.stderr)
+        return 2
+    rows, ok = compare(ours, dump, args.atol, args.rtol)
+    if not rows:
+        print("stapo-jax check: error: the dump reports no comparable value "
+              f"(any of {('advantages',) + REPORTED})", file=sys.stderr)
+        return 2
+    print(f"{'name':<20} {'ours':>16} {'theirs':>16} {'abs diff':>11} {'rel diff':>11}  ok")
+    for name, a, b, ad, rd, good in rows:
+        print(f"{name:<20} {a:>16.9g} {b:>16.9g} {ad:>11.3e} {rd:>11.3e}  {'yes' if good else 'NO'}")
+    print(f"recipe={recipe.name} loss_agg_mode={recipe.loss.loss_agg_mode} atol={args.atol} rtol={args.rtol}: "
+          f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

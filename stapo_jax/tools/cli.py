@@ -1,0 +1,67 @@
+"""``stapo-jax`` command line: one subcommand per task, each implemented as ``main(argv) -> int`` in its module.
+
+Subcommands are imported lazily so that ``stapo-jax check`` does not pay for JetStream or the trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+COMMANDS = {
+    "train": ("stapo_jax.train.trainer", "RL training (STAPO and baselines) from a YAML config"),
+    "sft": ("stapo_jax.train.sft", "supervised warm-up with a cross-entropy objective"),
+    "eval": ("stapo_jax.tools.evaluate", "benchmark evaluation (avg@k, pass@k) with the rollout engine"),
+    "serve": ("stapo_jax.rollout.server", "JetStream gRPC rollout server on 127.0.0.1"),
+    "check": ("stapo_jax.tools.check", "recompute a dumped PyTorch batch and compare losses/metrics"),
+    "plot": ("stapo_jax.tools.plots", "PNG curves of a run; several runs: overlaid, one figure per metric"),
+    "compare": ("stapo_jax.tools.plots", "the same as plot with two or more runs (e.g. STAPO next to GRPO)"),
+    "plan": ("stapo_jax.tools.plan", "per-device memory and FLOPs of a run, without allocating weights"),
+    "demo": ("stapo_jax.tools.demo", "load or build a Qwen3 and greedy-decode a prompt"),
+    "launch": ("stapo_jax.runtime.launch", "run a command as N local JAX processes (rehearse a pod/SLURM job)"),
+}
+
+
+def quiet_third_party_startup() -> None:
+    """Silence two start-up lines every command printed, before the subcommand imports jax / transformers:
+
+    * ``INFO jax._src.xla_bridge: Unable to initialize backend 'tpu': ... libtpu.so ...`` (JAX probes for a TPU
+      on every machine and logs the miss at INFO, shown once a command configures INFO logging): that
+      logger is raised to WARNING (a real backend failure is still reported);
+    * transformers' ``PyTorch was not found...`` advice (``make run`` installs no torch; only the HF export's
+      ``from_pretrained`` needs it): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the user set it.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+def _usage() -> str:
+    lines = ["usage: stapo-jax COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`stapo-jax COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"stapo-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    quiet_third_party_startup()
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        # bad input (ConfigError, DataError, a file where a directory belongs, ...): one clear line
+        print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Dump a verl ``DataProto`` batch or a TRL GRPO step to the ``.safetensors`` file ``stapo-jax check`` reads.
+
+Runs in the PyTorch job (imports neither jax nor stapo_jax's algorithm; torch and safetensors only). Field names
+are those of :mod:`stapo_jax.tools.check`: ``old_log_probs``, ``log_probs``, ``advantages``, ``response_mask`` and
+optionally ``entropy``, ``ref_log_probs``, ``rewards`` + ``group_ids``, and reported scalars (``loss``,
+``pg_loss``, ``pg_clipfrac``, ... with or without verl's ``actor/`` prefix).
+
+verl (inside the actor update, where the current ``log_prob`` is computed)::
+
+    from stapo_jax.tools.dump import dump_verl_batch
+    dump_verl_batch(data, "step1.safetensors", log_probs=log_prob, entropy=entropy,
+                    metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics})
+
+TRL (inside ``GRPOTrainer._compute_loss``, after ``per_token_logps, entropies`` are computed)::
+
+    from stapo_jax.tools.dump import dump_trl_step
+    dump_trl_step(inputs, per_token_logps, "step1.safetensors", entropy=entropies, metrics={"loss": loss.item()})
+
+then ``stapo-jax check step1.safetensors --recipe grpo --loss-agg-mode token-mean``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+__all__ = ["dump_verl_batch", "dump_trl_step", "group_ids_from_uids"]
+
+
+def _np(x) -> np.ndarray:
+    """A torch tensor or array-like as a contiguous float32/int numpy array (detached, on the CPU)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if x.is_floating_point():
+            x = x.float()
+        x = x.numpy()
+    return np.ascontiguousarray(np.asarray(x))
+
+
+def group_ids_from_uids(uids) -> np.ndarray:
+    """verl's per-row prompt ``uid`` (strings or any hashable) as ``int32`` group ids ``[B]``, in order of first
+    appearance. Raises ValueError for an empty array."""
+    uids = list(np.asarray(uids, dtype=object).reshape(-1))
+    if not uids:
+        raise ValueError("uids is empty")
+    index: dict[Any, int] = {}
+    return np.asarray([index.setdefault(u, len(index)) for u in uids], np.int32)
+
+
+def _save(tensors: dict[str, np.ndarray], metrics: Optional[Mapping[str, float]], path: str) -> str:
+    from safetensors.numpy import save_file
+
+    out = {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    for name, value in (metrics or {}).items():
+        out[name] = np.asarray(float(value), np.float32)
+    save_file(out, path)
+    return path
+
+
+def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Optional[Mapping[str, float]] = None
+                    ) -> str:
+    """Write a verl ``DataProto`` mini-batch and the current policy's ``log_probs`` to ``path``.
+
+    Args:
+      data: ``verl.protocol.DataProto`` with ``batch["old_log_probs"]``, ``batch["advantages"]`` (``[B, T]``),
+        ``batch["response_mask"]`` (or ``batch["attention_mask"]`` and ``batch["responses"]``, as verl's
+        ``compute_response_mask``), optionally ``batch["ref_log_prob"]``, ``batch["token_level_rewards"]`` with
+        ``non_tensor_batch["uid"]`` (written as ``rewards`` / ``group_ids``).
+      path: output ``.safetensors`` path. log_probs: ``[B, T]`` current log-probs (verl's ``log_prob`` in the
+        actor update). entropy: ``[B, T]`` or None. metrics: reported scalars, e.g. ``{"actor/pg_loss": ...}``.
+    Returns: ``path``. Raises: KeyError naming a missing batch field; ValueError for a shape mismatch.
+    Source: verl 0.9.1 ``DataProto`` field names (``verl/trainer/ppo/ray_trainer.py``).
+    """
+    batch = data.batch
+    keys = set(batch.keys())
+    if "response_mask" in keys:
+        mask = _np(batch["response_mask"])
+    elif {"attention_mask", "responses"} <= keys:
+        t = batch["responses"].shape[-1]
+        mask = _np(batch["attention_mask"][:, -t:])
+    else:
+        raise KeyError("DataProto.batch has neither 'response_mask' nor 'attention_mask' + 'responses'")
+    for need in ("old_log_probs", "advantages"):
+        if need not in keys:
+            raise KeyError(f"DataProto.batch has no {need!r} (keys: {sorted(keys)})")
+    out = {"old_log_probs": _np(batch["old_log_probs"]), "log_probs": _np(log_probs),
+           "advantages": _np(batch["advantages"]), "response_mask": mask.astype(np.float32)}
+    if "ref_log_prob" in keys:
+        out["ref_log_probs"] = _np(batch["ref_log_prob"])
+    if entropy is not None:
+        out["entropy"] = _np(entropy)
+    if "token_level_rewards" in keys and "uid" in data.non_tensor_batch:
+        out["rewards"] = _np(batch["token_level_rewards"]).sum(-1)
+        out["group_ids"] = group_ids_from_uids(data.non_tensor_batch["uid"])
+    for name, a in out.items():
+        if name not in ("rewards", "group_ids") and a.shape[0] != mask.shape[0]:
+            raise ValueError(f"{name} has {a.shape[0]} rows, response_mask {mask.shape[0]}")
+    return _save(out, metrics, path)
+
+
+def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entropy=None,
+                  metrics: Optional[Mapping[str, float]] = None) -> str:
+    """Write one TRL ``GRPOTrainer`` loss step to ``path``.
+
+    Args:
+      inputs: the ``inputs`` dict of ``GRPOTrainer._compute_loss``: ``completion_mask`` ``[B, T]``,
+        ``advantages`` ``[B]``, optionally ``old_per_token_logps`` (absent when TRL reuses the current
+        log-probs: then ``old = per_token_logps``), ``ref_per_token_logps``.
+      per_token_logps: ``[B, T]`` current log-probs. entropy: ``[B, T]`` or None (TRL's ``entropies``).
+      path: output ``.safetensors``. metrics: reported scalars (``loss``, ...).
+    Returns: ``path``. Raises: KeyError naming a missing input. Source: TRL 1.16 ``grpo_trainer.py``.
+    """
+    for need in ("completion_mask", "advantages"):
+        if need not in inputs:
+            raise KeyError(f"TRL inputs have no {need!r} (keys: {sorted(inputs)})")
+    lp = _np(per_token_logps)
+    old = inputs.get("old_per_token_logps")
+    out = {"old_log_probs": lp.copy() if old is None else _np(old), "log_probs": lp,
+           "advantages": _np(inputs["advantages"]), "response_mask": _np(inputs["completion_mask"]).astype(np.float32)}
+    if inputs.get("ref_per_token_logps") is not None:
+        out["ref_log_probs"] = _np(inputs["ref_per_token_logps"])
+    if entropy is not None:
+        out["entropy"] = _np(entropy)
+    return _save(out, metrics, path)

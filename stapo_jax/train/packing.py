@@ -1,0 +1,145 @@
+"""Padding-free micro-batches: the sequences of a ``[B, P + R]`` batch packed into fixed-length rows.
+
+verl's ``use_remove_padding`` (packed variable-length flash attention) in fixed shapes for XLA: the real tokens
+of each sequence (prompt + response, ``attention_mask == 1``, in order) are laid end to end into rows of
+``row_length`` tokens by first-fit decreasing; each sequence gets its own segment id (1, 2, ... per row; 0 =
+padding) so attention never crosses sequences (``models.attention``), and its own RoPE positions 0, 1, ...
+(the padded batch's ``max(cumsum(mask) - 1, 0)``), so every real token sees exactly the keys and positions it
+sees in the padded batch. ``response_index`` maps each response column ``(b, r)`` of the ``[B, R]`` layout
+(``stapo_jax.train.batching``) back to the packed position of the hidden state that predicts it, so log-probs,
+entropies and everything computed from them (token masks, the S2T quantile population, every aggregation
+mode, metrics) keep the padded batch's ``[B, R]`` arrays; only the transformer runs on the packed rows.
+
+Sharding: with ``num_shards = S`` the B rows are split into S contiguous blocks (the data-parallel shards of a
+row-sharded batch) and each block is packed into its own ``M / S`` rows; ``response_index`` is local to the
+block, and :func:`gather_response_hidden` is a gather batched over the S blocks, so a batch sharded over S devices
+packs and gathers on each device without communication.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class PackedLayout:
+    """Packed rows of one micro-batch and the map back to its ``[B, R]`` response layout.
+
+    Fields:
+      input_ids: [M, L] int32 packed token ids (0 in padding).
+      segment_ids: [M, L] int32, 1, 2, ... per sequence within a row, 0 on padding.
+      positions: [M, L] int32 RoPE positions, restarting at 0 for each sequence.
+      response_index: [B, R] int32, flat index ``row * L + column`` within the row's shard block (see the
+        module docstring) of the hidden state that predicts response token ``(b, r)``; 0 on response padding.
+    """
+
+    input_ids: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+    response_index: jax.Array
+
+    @property
+    def attention_mask(self) -> jax.Array:
+        """[M, L] bool, True on packed real tokens."""
+        return self.segment_ids > 0
+
+
+def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, row_length: int, *,
+                   num_shards: int = 1, row_multiple: int = 1, num_rows: Optional[int] = None) -> PackedLayout:
+    """Plan (on the host, numpy) the packed rows of a ``[B, P + R]`` batch.
+
+    Args:
+      input_ids: [B, T] int token ids; attention_mask: [B, T] bool/int (1 on real tokens; a sequence's real
+        tokens are its prompt then its response, as ``stapo_jax.train.batching.pack_prompt_response`` lays them out).
+      response_length: R, the response columns at the end of the padded rows (``T - R`` = P).
+      row_length: L, tokens per packed row (>= the longest sequence).
+      num_shards: S, contiguous row blocks packed separately (B and the row count divisible by S).
+      row_multiple: rows per shard are rounded up to a multiple of this (fewer distinct compiled shapes).
+      num_rows: total packed rows M (fixed shape); default: as many as first-fit decreasing needs, rounded.
+    Returns:
+      :class:`PackedLayout` of numpy arrays (put them on device with the batch).
+    Raises:
+      ValueError: shapes that disagree, ``B % num_shards``, a sequence longer than ``row_length`` (names it),
+        a response token whose predicting position is not a real token, or more rows needed than ``num_rows``.
+    """
+    ids = np.asarray(input_ids)
+    mask = np.asarray(attention_mask).astype(bool)
+    if ids.ndim != 2 or mask.shape != ids.shape:
+        raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, T]")
+    b, t = ids.shape
+    r = int(response_length)
+    if not 1 <= r < t or row_length < 1 or num_shards < 1 or row_multiple < 1 or b % num_shards:
+        raise ValueError(f"pack_sequences: response_length={r} must be in [1, {t - 1}], row_length={row_length}, "
+                         f"row_multiple={row_multiple} >= 1 and num_shards={num_shards} must divide B={b}")
+    lengths = mask.sum(1)
+    if lengths.max() > row_length:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens > packing row_length {row_length}")
+    per = b // num_shards
+    blocks = []
+    for s in range(num_shards):
+        rows: list[list[int]] = []   # sequence indices per row
+        free: list[int] = []
+        for i in sorted(range(s * per, (s + 1) * per), key=lambda i: -lengths[i]):  # first-fit decreasing
+            j = next((j for j, f in enumerate(free) if f >= lengths[i]), None)
+            if j is None:
+                rows.append([])
+                free.append(row_length)
+                j = len(rows) - 1
+            rows[j].append(i)
+            free[j] -= lengths[i]
+        blocks.append(rows)
+    m_shard = -(-max(len(rows) for rows in blocks) // row_multiple) * row_multiple
+    if num_rows is not None:
+        if num_rows % num_shards or num_rows // num_shards < m_shard:
+            raise ValueError(f"packing needs {m_shard} rows per shard x {num_shards} shards; num_rows={num_rows}")
+        m_shard = num_rows // num_shards
+    m = m_shard * num_shards
+    out_ids = np.zeros((m, row_length), np.int32)
+    seg = np.zeros((m, row_length), np.int32)
+    pos = np.zeros((m, row_length), np.int32)
+    resp_index = np.zeros((b, r), np.int32)
+    p = t - r
+    for s, rows in enumerate(blocks):
+        for j, members in enumerate(rows):
+            row, off = s * m_shard + j, 0
+            for k, i in enumerate(members):
+                cols = np.flatnonzero(mask[i])
+                n = len(cols)
+                out_ids[row, off:off + n] = ids[i, cols]
+                seg[row, off:off + n] = k + 1
+                pos[row, off:off + n] = np.arange(n)
+                rank = np.cumsum(mask[i]) - 1   # padded column -> index among the sequence's real tokens
+                rc = np.flatnonzero(mask[i, p:])
+                if not mask[i, p + rc - 1].all():
+                    raise ValueError(f"sequence {i}: a response token follows a padding position (the hidden "
+                                     f"state that predicts it is not a real token)")
+                resp_index[i, rc] = j * row_length + off + rank[p + rc - 1]
+                off += n
+    return PackedLayout(input_ids=out_ids, segment_ids=seg, positions=pos, response_index=resp_index)
+
+
+def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:
+    """Hidden states of packed rows in the ``[B, R]`` response layout.
+
+    Args:
+      hidden: [M, L, D] (any dtype), the model's output on :class:`PackedLayout` rows.
+      response_index: [B, R] int32 from :func:`pack_sequences` (local to each of the ``num_shards`` blocks).
+      num_shards: the ``num_shards`` the layout was planned with.
+    Returns:
+      [B, R, D] in hidden's dtype: a gather batched over the shard blocks (each block reads only its rows).
+    Raises:
+      ValueError: M or B not divisible by ``num_shards``.
+    """
+    m, l, d = hidden.shape
+    b, r = response_index.shape
+    if m % num_shards or b % num_shards:
+        raise ValueError(f"packed rows {m} and batch rows {b} must be divisible by num_shards={num_shards}")
+    h = hidden.reshape(num_shards, (m // num_shards) * l, d)
+    idx = response_index.reshape(num_shards, (b // num_shards) * r)
+    out = jnp.take_along_axis(h, idx[:, :, None], axis=1)
+    return out.reshape(b, r, d)

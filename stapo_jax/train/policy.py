@@ -1,0 +1,52 @@
+"""The policy's per-token log-probabilities and entropies for packed prompt+response batches.
+
+One definition for every consumer (old log-probs, the S2T pre-pass, the gradient pass, SFT): the model's
+hidden states at the positions that predict the response tokens go through the chunked LM-head path of
+``stapo_jax.algo.logprobs`` (full vocabulary, temperature-scaled, f32), so no ``[B, T, V]`` logits exist.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy
+from stapo_jax.train.packing import PackedLayout, gather_response_hidden
+
+
+def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
+                                   *, temperature: float = 1.0, seq_chunk: int = 512,
+                                   vocab_chunk: Optional[int] = None, packing: Optional[PackedLayout] = None,
+                                   packing_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Log-prob and entropy of each response token under ``model`` (see ``stapo_jax.train.batching`` for the layout).
+
+    Args:
+      model: a ``models.qwen3.Qwen3`` (call inside ``jit`` via ``nnx.merge`` for speed).
+      input_ids: [B, P+R] int32, left-padded prompt then right-padded response.
+      attention_mask: [B, P+R] bool.
+      response_length: R (static), the number of response columns.
+      temperature: logits are divided by it (the sampler's temperature).
+      seq_chunk, vocab_chunk: chunk sizes of the LM-head pass (tokens, vocabulary entries).
+      packing: optional :class:`stapo_jax.train.packing.PackedLayout` of this batch (``pack_sequences`` with
+        ``num_shards=packing_shards``): the transformer runs on the packed rows (no padding; segment ids,
+        per-sequence positions) and the hidden states are gathered back into the [B, R] layout, so the
+        outputs equal the padded computation's on every response token. ``input_ids`` still gives the targets.
+    Returns:
+      (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
+    Raises:
+      ValueError: ``response_length`` not in [1, T-1].
+    """
+    t = input_ids.shape[1]
+    if not 1 <= response_length < t:
+        raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
+    p = t - response_length
+    if packing is None:
+        hidden, _ = model(input_ids, attention_mask)
+        h = hidden[:, p - 1:t - 1]
+    else:
+        hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
+                          segment_ids=packing.segment_ids)
+        h = gather_response_hidden(hidden, packing.response_index, packing_shards)
+    targets = input_ids[:, p:]
+    return chunked_log_probs_and_entropy(h, model.lm_head_weight(), targets, temperature=temperature,
+                                         seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)

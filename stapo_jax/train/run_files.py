@@ -1,0 +1,78 @@
+"""Files of an RL run directory (``trainer.run_dir``): the resume check against the saved ``config.yaml``,
+``summary.json`` and plots at the end, the opt-in experience dump; plus the validation split and the SFT
+warm-up the loop runs before RL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import yaml
+
+from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.data.prompts import load_prompt_dataset
+from stapo_jax.train.metrics import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+
+DUMP_ENV = "STAPO_DUMP_EXPERIENCE_DIR"
+
+
+def dump_experience(directory: str, step: int, exp) -> None:
+    """``<directory>/step_<step>.npz``: the packed rollout (``input_ids``, ``response_mask``, ...), ``rewards``
+    and ``advantages`` of an RL step, written by process 0 when ``$STAPO_DUMP_EXPERIENCE_DIR`` is set."""
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
+
+
+def check_same_model(cfg: Config, run_dir: str) -> None:
+    """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = (yaml.safe_load(f) or {}).get("model", {})
+    now = cfg.to_dict()["model"]
+    diff = [f"model.{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError(f"trainer.run_dir={run_dir} holds checkpoints of a different model ({'; '.join(diff)}); "
+                          f"use a new trainer.run_dir or trainer.resume=false")
+
+
+def load_val_examples(cfg: Config, tok) -> list[dict]:
+    """The validation prompts (``data.gym.val_size`` or ``data.val_files``), or [] when none are configured."""
+    has_val = cfg.data.gym.val_size if cfg.data.source == "gym" else bool(cfg.data.val_files)
+    return load_prompt_dataset(cfg, tok, "val").examples if has_val else []
+
+
+def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger) -> None:
+    """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss."""
+    from stapo_jax.train.sft import sft_from_config
+
+    hist = sft_from_config(cfg, model, examples, tok)
+    logger.write(f"SFT warm-up: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> {hist[-1]['sft/loss']:.3f}")
+
+
+def write_plots(run_dir: str, summary: dict) -> None:
+    """The run's plots (``plots.plot_run``) into ``run_dir``; their paths go to ``summary['plots']``."""
+    from stapo_jax.tools.plots import plot_run
+    try:
+        summary["plots"] = plot_run(run_dir, summary=summary)   # held-out accuracy from the before-RL point
+    except ValueError as e:  # no metrics rows (e.g. preempted before the first step)
+        log.warning("no plots: %s", e)
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL)."""
+    path = os.path.join(run_dir, "summary.json")
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**previous, **summary}, f, indent=2, default=str)

@@ -1,0 +1,162 @@
+"""Supervised warm-up (``stapo-jax sft``): the RL machinery with a cross-entropy objective on gold responses,
+so that a small model starts RL with non-zero reward.
+
+The loss is the token-mean negative log-likelihood of the response tokens, computed through the same chunked
+LM-head path as the RL losses (``stapo_jax.train.policy``); the update uses the same optimizer builder.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from stapo_jax.train.batching import pack_prompt_response
+from stapo_jax.train.optim import make_optimizer
+from stapo_jax.train.policy import response_log_probs_and_entropy
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
+def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, opt_state, input_ids,
+             attention_mask, response_mask):
+    """One cross-entropy update on a packed batch.
+
+    Args:
+      graphdef: ``nnx.split(model)[0]`` (static); optimizer: an ``optax.GradientTransformation`` (static).
+      response_length: R (static); seq_chunk: LM-head chunk in tokens (static).
+      params, opt_state: model state and optimizer state (donated).
+      input_ids [B, P+R] int32, attention_mask [B, P+R] bool, response_mask [B, R] bool.
+    Returns:
+      (params, opt_state, metrics) with ``sft/loss`` (nats per response token), ``sft/tokens``,
+      ``sft/grad_norm``. An all-masked batch gives loss 0 and a zero gradient.
+    """
+    def loss_fn(p):
+        model = nnx.merge(graphdef, p)
+        lp, _ = response_log_probs_and_entropy(model, input_ids, attention_mask, response_length,
+                                               seq_chunk=seq_chunk)
+        m = response_mask.astype(jnp.float32)
+        n = m.sum()
+        return -(lp * m).sum() / jnp.maximum(n, 1.0), n
+
+    (loss, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"sft/loss": loss, "sft/tokens": n, "sft/grad_norm": optax.tree.norm(grads)}
+
+
+def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
+            warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
+            seq_chunk: int = 512, log=None, progress: bool = False) -> list[dict]:
+    """Train ``model`` in place on (prompt ids, response ids) pairs; returns the metrics of every step.
+
+    Args:
+      model: a ``models.qwen3.Qwen3`` (updated in place via ``nnx.update``).
+      examples: an endless iterator of (prompt token ids, response token ids incl. EOS).
+      steps, batch_size: optimizer steps and sequences per step (> 0).
+      lr, warmup_steps, weight_decay, clip_grad: see ``stapo_jax.train.optim.make_optimizer``.
+      pad_id: padding id; log: optional callable(step, metrics).
+      progress: show a progress bar ``sft`` (step, loss, ETA) on stderr, on process 0 only.
+    Raises:
+      ValueError: non-positive ``steps`` or ``batch_size``; a token id outside ``[0, vocab_size)`` (naming the
+        example), e.g. a tokenizer larger than the model's embedding.
+    """
+    if steps <= 0 or batch_size <= 0:
+        raise ValueError(f"sft.steps={steps} and sft.batch_size={batch_size} must be > 0")
+    optimizer = make_optimizer(lr, warmup_steps, weight_decay, clip_grad)
+    graphdef, params = nnx.split(model)
+    opt_state = optimizer.init(params)
+    history = []
+    from stapo_jax.train.metrics import progress_bar
+
+    bar = progress_bar(steps, "sft", enabled=progress)
+    for step in range(steps):
+        pairs = [next(examples) for _ in range(batch_size)]
+        b = pack_prompt_response([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad_id,
+                                 vocab_size=model.config.vocab_size)
+        R = b["response_mask"].shape[1]
+        params, opt_state, m = sft_step(graphdef, optimizer, R, seq_chunk, params, opt_state,
+                                        jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]),
+                                        jnp.asarray(b["response_mask"]))
+        m = {k: float(v) for k, v in m.items()}
+        history.append(m)
+        bar.set_postfix(loss=f"{m['sft/loss']:.4f}", refresh=False)
+        bar.update(1)
+        if log is not None:
+            log(step, m)
+    bar.close()
+    nnx.update(model, params)
+    return history
+
+
+def gold_response_text(example: dict, cfg) -> str:
+    """The gold answer written the way the configured verifier reads it: ``\\boxed{answer}`` for the math
+    verifiers and gym's ``boxed`` format, ``<answer>...</answer>`` for ``answer_tag``, the bare answer for
+    ``raw``."""
+    answer = str(example["answer"])
+    fmt = cfg.reward.gym_answer_format if cfg.reward.kind == "gym" else "boxed"
+    if fmt == "raw":
+        return answer
+    if fmt == "answer_tag":
+        return f"<answer>{answer}</answer>"
+    return "\\boxed{" + answer + "}"
+
+
+def gold_response_ids(example: dict, tokenizer, cfg) -> list[int]:
+    """Token ids of :func:`gold_response_text` followed by the tokenizer's EOS id."""
+    ids = tokenizer.encode(gold_response_text(example, cfg), add_special_tokens=False)
+    return list(ids) + [tokenizer.eos_token_id]
+
+
+def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, progress: bool = True) -> list[dict]:
+    """SFT warm-up of ``model`` (in place) on gold responses of ``examples`` drawn uniformly with
+    ``trainer.seed``, with the ``sft.*`` settings, with a progress bar (process 0) unless ``progress`` is
+    false. Returns per-step metrics (see :func:`run_sft`)."""
+    rng = np.random.RandomState(cfg.trainer.seed)
+
+    def pairs():
+        while True:
+            ex = examples[rng.randint(len(examples))]
+            yield list(ex["prompt_ids"]), gold_response_ids(ex, tokenizer, cfg)
+
+    s = cfg.sft
+    from stapo_jax.data.tokenizer import pad_token_id
+
+    return run_sft(model, pairs(), steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
+                   pad_id=pad_token_id(tokenizer), seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log,
+                   progress=progress)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``stapo-jax sft --config FILE [key=value ...]``: SFT warm-up only; exports the model as HF safetensors
+    to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run)."""
+    import logging
+
+    from stapo_jax.config import build
+    from stapo_jax.runtime.checkpoint import export_hf
+    from stapo_jax.runtime.distributed import check_same_config, initialize
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.data.prompts import load_prompt_dataset
+
+    p = argparse.ArgumentParser(prog="stapo-jax sft", description=main.__doc__)
+    p.add_argument("--config", default=None)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, force=True)
+    initialize()  # N processes (pod / SLURM): the same SFT on the global mesh; process 0 writes the export
+    cfg = load_config(a.config, a.overrides)
+    check_same_config(cfg)
+    mesh = build.build_mesh(cfg)
+    tok = build.build_tokenizer(cfg)
+    model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
+    examples = load_prompt_dataset(cfg, tok, "train").examples
+    hist = sft_from_config(cfg, model, examples, tok)
+    out = os.path.join(cfg.trainer.run_dir, "sft_hf")
+    export_hf(model, tok, out)
+    print(f"SFT: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.4f} -> {hist[-1]['sft/loss']:.4f}; saved {out}")
+    return 0

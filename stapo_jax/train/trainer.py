@@ -1,0 +1,195 @@
+"""The RL loop (stapo-jax train): prompts -> rollouts -> rewards -> advantages -> mini-batch updates ->
+weight sync -> metrics and checkpoints (the diagram in DESIGN.md); every piece lives in its own module
+(build, experience, update, train_step, checkpoint, metrics, run_files).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from stapo_jax.config import build
+from stapo_jax.runtime.checkpoint import Checkpointer, export_hf
+from stapo_jax.config.schema import Config, ConfigError, load_config
+from stapo_jax.data.prompts import load_prompt_dataset, make_iterator
+from stapo_jax.runtime.distributed import check_same_config
+from stapo_jax.train.experience import collect_experience, heldout_accuracy
+from stapo_jax.train.metrics import MetricsLogger
+from stapo_jax.rewards import make_scorer
+from stapo_jax.rollout import build_rollout
+from stapo_jax.rollout.multihost import coordination_seconds
+from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples, sft_warmup,
+                                 write_plots, write_summary)
+from stapo_jax.algo.s2t import make_update_steps
+from stapo_jax.data.tokenizer import pad_token_id
+from stapo_jax.train.train_step import TrainState, make_log_prob_fn
+from stapo_jax.train.update import Preemption, all_finite, num_micro_batches, stop_requested, update_policy
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` (SFT warm-up if ``sft.steps`` > 0, then RL for ``trainer.total_steps``); returns a summary
+    with held-out accuracy before/after RL (when a validation split exists), final step and run directory.
+
+    Raises:
+      ConfigError: missing ``trainer.total_steps`` or an inconsistent batch configuration.
+    """
+    if not cfg.trainer.total_steps:
+        raise ConfigError("trainer.total_steps must be set for an RL run (stapo_spec §10 item 15)")
+    cfg.check_rl_ready()
+    t = cfg.trainer
+    run_dir = os.path.abspath(t.run_dir)
+    main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
+    check_same_config(cfg)  # all processes started with the same settings (names the differing keys)
+    mesh = build.build_mesh(cfg)
+    G = cfg.rollout.n
+    mini_rows = cfg.actor.ppo_mini_batch_size * G  # global rows per mini-batch (the same on every process)
+    # every check that can reject the config runs before anything is written into run_dir
+    k = num_micro_batches(cfg, mini_rows, mesh)
+    recipe = build.build_recipe(cfg)
+    tok = build.build_tokenizer(cfg)
+    pad_id = pad_token_id(tok)
+    model = build.build_model(cfg, mesh, tok, seed=t.seed)
+    train_ds = load_prompt_dataset(cfg, tok, "train")
+    val_examples = load_val_examples(cfg, tok)
+    scorer = make_scorer(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
+                        keep=t.keep_checkpoints)
+    resuming = t.resume and ckpt.latest_step() is not None
+    if resuming:
+        check_same_model(cfg, run_dir)
+    if main_process:
+        cfg.save(run_dir)
+    logger = MetricsLogger.from_config(  # trainer.logger: console / tensorboard / wandb, on process 0
+        run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
+        main_process=main_process)
+    summary: dict[str, Any] = {"run_dir": run_dir}
+    preempt = Preemption()  # from here on SIGTERM means: finish the current phase, save, exit 0
+    try:
+        if cfg.sft.steps and not resuming:
+            sft_warmup(cfg, model, train_ds.examples, tok, logger)
+        rollout = build_rollout(cfg, model, mesh, tok)
+        if val_examples and not resuming:
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            summary["heldout_acc_before"] = acc
+            logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
+        optimizer = build.build_optimizer(cfg)
+        state = TrainState.create(model, optimizer, mesh)
+        common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
+                      vocab_chunk=cfg.actor.logprob_vocab_chunk)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
+                       state_shardings=shardings, **common)
+        first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
+        log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+        # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
+        data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                shard_index=0, shard_count=1)
+        # the RL seed stream lives on the host (numpy): identical on every process, checkpointed by process 0
+        rng = np.asarray(jax.random.key_data(jax.random.PRNGKey(t.seed)))
+        start = 0
+        if resuming:
+            start, restored, data_state, meta = ckpt.restore({"train": state, "rng": rng})
+            state, rng = restored["train"], np.asarray(restored["rng"])
+            if meta.get("dataset_fingerprint") not in (None, train_ds.fingerprint):
+                log.warning("the training prompts differ from those of the checkpointed run: the resumed run "
+                            "will not see the same samples as an uninterrupted one")
+            data_it.set_state(data_state["iterator"])
+            logger.write(f"resumed from step {start} ({ckpt.directory})")
+            rollout.sync_weights(state.params)
+            logger.skip_to(start)
+        if cfg.rollout.mode != "inprocess":
+            log.warning("rollout.mode=%s: JetStream 0.2.2 cannot receive weights, so rollouts keep coming from the "
+                        "server's policy while the trainer's moves on (off-policy; ratios are still computed "
+                        "against the trainer's θ_old). Restart the server from a new export to refresh it.",
+                        cfg.rollout.mode)
+        summary["final_step"] = start
+        stop = stop_requested(preempt)  # SIGTERM to any process stops all at the same step
+        for step in range(start, t.total_steps if not stop else start):
+            t0 = time.perf_counter()
+            coordination_seconds(reset=True)
+            rng, sub = (np.asarray(x) for x in jax.random.split(rng))
+            seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
+            exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id)
+            t1 = time.perf_counter()
+            if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
+                dump_experience(os.environ[DUMP_ENV], step + 1, exp)
+            state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
+                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh)
+            t2 = time.perf_counter()
+            if not bool(all_finite(state.params)):
+                raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "
+                                         f"{m.get('loss')}, grad_norm {m.get('grad_norm')}); stopping without "
+                                         f"checkpointing or exporting them")
+            sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
+            stop = stop_requested(preempt)
+            m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
+            m.update(exp.metrics)
+            n_tokens = float(exp.arrays["attention_mask"].sum())
+            m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
+                      "time/coordination": coordination_seconds(),
+                      "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
+            if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
+                m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
+                                                max_new_tokens=cfg.rollout.max_new_tokens)
+            if step % t.log_every == 0 or step + 1 == t.total_steps:
+                logger.log(step + 1, m)
+            else:
+                logger.advance(step + 1)
+            ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
+                      meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
+                      force=stop or step + 1 == t.total_steps)
+            summary["final_step"] = step + 1
+            if stop:
+                break
+        ckpt.wait()
+        logger.close_progress()
+        summary["optimizer_steps"] = int(state.step)
+        if stop:
+            logger.write(f"SIGTERM: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")
+            summary["preempted"] = True
+        nnx.update(model, state.params)
+        if val_examples and not summary.get("preempted"):
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            summary["heldout_acc_after"] = acc
+            logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
+        if t.export_hf and not summary.get("preempted"):
+            summary["hf_export"] = export_hf(model, tok, os.path.join(run_dir, "hf"))
+    finally:
+        preempt.restore()
+        logger.close()
+        ckpt.close()
+        scorer.close()
+    if main_process:
+        write_plots(run_dir, summary)
+        write_summary(run_dir, summary)
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``stapo-jax train --config FILE [key.sub=value ...]``."""
+    p = argparse.ArgumentParser(prog="stapo-jax train", description=__doc__)
+    p.add_argument("--config", required=False, default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.28")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # absl (via orbax) installs a WARNING root handler first
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
+    from stapo_jax.runtime.distributed import initialize
+
+    initialize()  # multi-controller (TPU pod / SLURM) before any device is touched; no-op on one process
+    cfg = load_config(a.config, a.overrides)
+    summary = train(cfg)
+    for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "preempted", "run_dir", "hf_export"):
+        if key in summary:
+            print(f"{key}: {summary[key]}")
+    return 0

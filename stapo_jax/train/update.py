@@ -1,0 +1,117 @@
+"""One RL policy update (the "update" box of DESIGN.md's loop): micro-batch count from the mesh, old log-probs
+over the rollout batch, one optimizer step per mini-batch placed on the data-parallel devices; plus the
+preemption (SIGTERM) agreement and the finite-parameter check the loop runs after each update.
+"""
+from __future__ import annotations
+
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
+
+
+class Preemption:
+    """SIGTERM (TPU preemption) sets ``requested``; the RL loop agrees on it over processes (``stop_requested``),
+    saves a checkpoint after the current step and exits 0. ``restore()`` puts the previous handler back."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def stop_requested(preempt: Preemption) -> bool:
+    """True on every process when SIGTERM reached any of them (a max all-gather over processes, so all of them
+    stop after the same step); a collective: every process must call it at the same point."""
+    return allgather_max(float(preempt.requested)) > 0
+
+
+def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
+    """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
+    (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
+    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation).
+
+    Raises:
+      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change).
+    """
+    dp = int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
+    per_device = rows // dp
+    k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
+    if rows % dp or per_device % k:
+        raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
+                          f"into {dp} data-parallel shards ({jax.process_count()} processes x "
+                          f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "
+                          f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change "
+                          f"actor.ppo_mini_batch_size, trainer.train_batch_size, actor.ppo_micro_batch_size or "
+                          f"mesh.*")
+    return k
+
+
+def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
+                  mesh=None):
+    """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
+    mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
+    the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
+    there, stapo_spec §3), saving the pre-pass; with ``correction`` both are the same step (``old_entropy``
+    gives it the provisional tau_h, exact on the first mini-batch).
+
+    Args:
+      exp: an ``experience.Experience`` whose ``arrays`` hold ``input_ids`` int32 / ``attention_mask`` bool [B, P+R],
+        ``response_mask`` bool [B, R], ``advantages`` float32 [B, R] (and optionally ``rollout_log_probs``
+        float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
+        data-parallel shards (``num_micro_batches`` checks that first).
+      mesh: the training mesh (rows go to its data-parallel devices); None = one device.
+    Returns:
+      (state, metrics: float per key, averaged over mini-batches; ``COUNT_METRICS`` summed; plus
+      ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5)."""
+    a = exp.arrays
+    R = a["response_mask"].shape[1]
+    # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
+    # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
+    sharding = batch_sharding(mesh) if mesh is not None else None
+    put = (lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])) if sharding is not None \
+        else jnp.asarray
+    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if sharding is not None \
+        else np.asarray
+    old_lp, old_ent = [], []
+    for s in range(0, exp.num_rows, mini_rows):
+        lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
+                              put(a["attention_mask"][s:s + mini_rows]), R)
+        old_lp.append(get(lp))
+        old_ent.append(get(ent))
+    old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
+    metrics: list[dict] = []
+    rollout_lp = a.get("rollout_log_probs")
+    for epoch in range(ppo_epochs):  # verl: ppo_epochs passes, mini-batches in order (shuffle false)
+        for s in range(0, exp.num_rows, mini_rows):
+            sl = slice(s, s + mini_rows)
+            batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
+                          response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
+                          old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
+                          rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
+            state, m = step_fns[0 if (epoch == 0 and s == 0) else 1](state, batch)
+            metrics.append(jax.device_get(m))
+    out = {k: float((np.sum if k in COUNT_METRICS else np.mean)([m[k] for m in metrics])) for k in metrics[0]}
+    if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
+        mask = a["response_mask"]
+        gap = np.abs(old_lp - a["rollout_log_probs"])[mask]
+        out["sampler_trainer/logp_diff_mean"] = float(gap.mean()) if gap.size else 0.0
+        out["sampler_trainer/logp_diff_max"] = float(gap.max()) if gap.size else 0.0
+    return state, out
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Scalar bool array: every element of every leaf of ``tree`` (e.g. the parameters) is finite."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
