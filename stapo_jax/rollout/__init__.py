@@ -18,11 +18,11 @@ from typing import Any, Optional
 
 
 def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Optional[int] = None,
-                  seed: Optional[int] = None):
+                  max_decode_length: Optional[int] = None, seed: Optional[int] = None):
     """``EngineConfig`` from a run config (:class:`stapo_jax.config.schema.Config`).
 
-    Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens``;
-    ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
+    Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens`` unless given
+    (eval passes its ``--max-new-tokens``); ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
     ``rollout.temperature/top_p/top_k`` (top_k null = off); stop ids from the tokenizer
     (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
     ``trainer.seed`` unless given.
@@ -39,7 +39,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     return EngineConfig(
         max_concurrent_decodes=r.max_concurrent_decodes,
         max_prefill_length=max_prefill_length or cfg.data.max_prompt_length,
-        max_decode_length=r.max_new_tokens,
+        max_decode_length=max_decode_length or r.max_new_tokens,
         sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0),
         eos_token_ids=eos,
         seed=cfg.trainer.seed if seed is None else seed,
@@ -66,6 +66,24 @@ def multihost_rollout(model: Any, config: Any, cfg_mesh: Any = None, tokenizer: 
     return MultiHostRollout(driver, lmesh)
 
 
+def inprocess_rollout(cfg: Any, model: Any, config: Any, mesh: Any = None, tokenizer: Any = None):
+    """The in-process sampler for ``model`` with ``config`` (``EngineConfig``): one ``RolloutDriver`` over
+    ``mesh`` in a single process, one replica per process (:func:`multihost_rollout`) in a multi-process job.
+    Training (:func:`build_rollout`) and ``stapo-jax eval`` both build their sampler here, so both honour
+    ``rollout.steps_per_sync`` and the multi-process layout. Every process must call it."""
+    import jax
+
+    from stapo_jax.rollout.driver import RolloutDriver
+    from stapo_jax.rollout.engine import Qwen3Engine
+
+    pad = None if tokenizer is None else tokenizer.pad_token_id
+    if jax.process_count() == 1:
+        engine = Qwen3Engine(model, config, mesh=mesh, tokenizer=tokenizer)
+        return RolloutDriver(engine, pad_token_id=pad, steps_per_sync=cfg.rollout.steps_per_sync)
+    return multihost_rollout(model, config, getattr(cfg, "mesh", None), tokenizer, pad_token_id=pad,
+                             steps_per_sync=cfg.rollout.steps_per_sync)
+
+
 def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any = None):
     """The rollout source selected by ``rollout.mode``.
 
@@ -86,17 +104,7 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
     if r.mode == "inprocess":
         if model is None:
             raise ValueError("rollout.mode=inprocess needs the policy model")
-        from stapo_jax.rollout.driver import RolloutDriver
-        from stapo_jax.rollout.engine import Qwen3Engine
-
-        import jax
-
-        pad = None if tokenizer is None else tokenizer.pad_token_id
-        if jax.process_count() == 1:
-            engine = Qwen3Engine(model, engine_config(cfg, tokenizer), mesh=mesh, tokenizer=tokenizer)
-            return RolloutDriver(engine, pad_token_id=pad, steps_per_sync=r.steps_per_sync)
-        return multihost_rollout(model, engine_config(cfg, tokenizer), getattr(cfg, "mesh", None), tokenizer,
-                                 pad_token_id=pad, steps_per_sync=r.steps_per_sync)
+        return inprocess_rollout(cfg, model, engine_config(cfg, tokenizer), mesh, tokenizer)
     if r.mode == "grpc":
         import jax
 

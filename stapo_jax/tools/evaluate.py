@@ -372,10 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from stapo_jax.config.build import build_mesh, build_model, build_tokenizer
     from stapo_jax.runtime.distributed import check_same_config, initialize
-    from stapo_jax.rollout import multihost_rollout
-    from stapo_jax.rollout.driver import RolloutDriver
-    from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
-    from stapo_jax.data.tokenizer import stop_token_ids
+    from stapo_jax.rollout import engine_config, inprocess_rollout
 
     initialize()  # N processes (pod / SLURM): one sampler replica each, results identical everywhere
     check_same_config(cfg)
@@ -393,15 +390,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"model's max_position_embeddings ({model.config.max_position_embeddings}); lower "
               f"--max-new-tokens", file=sys.stderr)
         return 2
-    engine_cfg = EngineConfig(max_concurrent_decodes=cfg.rollout.max_concurrent_decodes,
-                              max_prefill_length=longest, max_decode_length=max_new,
-                              eos_token_ids=tuple(stop_token_ids(tokenizer)), seed=args.seed)
-    if jax.process_count() > 1:
-        driver = multihost_rollout(model, engine_cfg, cfg.mesh, tokenizer, pad_token_id=tokenizer.pad_token_id,
-                                   steps_per_sync=cfg.rollout.steps_per_sync)
-    else:
-        driver = RolloutDriver(Qwen3Engine(model, engine_cfg, mesh=mesh, tokenizer=tokenizer),
-                               pad_token_id=tokenizer.pad_token_id, steps_per_sync=cfg.rollout.steps_per_sync)
+    # the same sampler as training (stapo_jax.rollout): sampling settings come with each generate call
+    engine_cfg = engine_config(cfg, tokenizer, max_prefill_length=longest, max_decode_length=max_new, seed=args.seed)
+    driver = inprocess_rollout(cfg, model, engine_cfg, mesh, tokenizer)
     from stapo_jax.train.metrics import progress_bar
 
     bar = progress_bar(len(settings) * sum(len(ps) for ps, _ in benches.values()), "eval", unit="problem")
