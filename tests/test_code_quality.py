@@ -38,7 +38,7 @@ MAX_LINES = 600
 
 SOURCE_RE = re.compile(r"source|arxiv|verl|trl\b|paper|eq\.|equation|spec|peer|convention|§|pytorch|torch|"
                        r"official|stapo|definition", re.I)
-SHAPE_RE = re.compile(r"\[[^\]]*\]|shape|scalar|float|int\b|bool|array", re.I)
+SHAPE_RE = re.compile(r"\[[^\]]*\]|shape|scalar|float|int\b|bool|array", re.I)   # incl. "no arrays"
 RAISES_RE = re.compile(r"raise|error", re.I)
 
 

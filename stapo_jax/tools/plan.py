@@ -51,7 +51,7 @@ class PlanError(ValueError):
 # --------------------------------------------------------------------------------------------- the spec
 
 
-def _model_config(cfg) -> Any:
+def plan_model_config(cfg) -> Any:
     """The ``Qwen3Config`` of ``cfg.model``; a hub id in ``model.path`` that is not a local directory is
     resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens."""
     import dataclasses as dc
@@ -153,7 +153,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         accum = cfg.grad_accum_steps(dp)
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    qcfg = _model_config(cfg)
+    qcfg = plan_model_config(cfg)
     a = cfg.actor
     return {
         "model": dataclasses.asdict(qcfg),
