@@ -528,6 +528,7 @@ def fits(result: dict) -> Optional[bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's ``argparse`` parser (see the module docstring for the options)."""
     p = argparse.ArgumentParser(prog="stapo-jax plan", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value")
     p.add_argument("--config", help="run config YAML (e.g. configs/paper/qwen3-14b-base-stapo.yaml)")
