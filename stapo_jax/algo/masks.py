@@ -285,11 +285,7 @@ def _masked_mean(x, mask):
                                "cov.clip_cov_ub"),
                      population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
 def clip_cov_mask(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    key: jax.Array,
+    log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, key: jax.Array,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
