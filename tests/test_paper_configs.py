@@ -35,8 +35,8 @@ def test_paper_config_matches_the_paper(path):
     cfg = load_config(path)
     hf = json.loads((SHARED_CONFIGS / f"{SIZES[size]}.json").read_text())
     assert cfg.model.path == f"Qwen/{SIZES[size]}" and cfg.algorithm.recipe == recipe
-    from stapo_jax.tools.plan import _model_config
-    q = _model_config(cfg)  # resolves the hub id by preset name, no download
+    from stapo_jax.tools.plan import plan_model_config
+    q = plan_model_config(cfg)  # resolves the hub id by preset name, no download
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
         assert getattr(q, key) == hf[key], key

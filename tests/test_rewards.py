@@ -152,11 +152,11 @@ def test_functional_score_reuses_its_pool():
     s1, _ = score(["\\boxed{1}"], ["1"], "math_verify_01", num_workers=1, timeout_s=5.0)
     from stapo_jax import rewards
 
-    scorers = dict(rewards._SCORERS)
+    scorers = rewards.active_scorers()
     s2, _ = score(["\\boxed{2}"], ["1"], "math_verify_01", num_workers=1, timeout_s=5.0)
-    assert dict(rewards._SCORERS) == scorers and (s1[0], s2[0]) == (1.0, 0.0)
+    assert rewards.active_scorers() == scorers and (s1[0], s2[0]) == (1.0, 0.0)
     shutdown()
-    assert not rewards._SCORERS
+    assert not rewards.active_scorers()
 
 
 # --------------------------------------------------------------------------------------------- gym

@@ -171,7 +171,10 @@ def dr_grpo_advantages(rewards, group_ids, *, num_groups=None, single_sample="ze
 def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero", **_unused) -> jax.Array:
     """RLOO leave-one-out advantage ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean)``.
 
-    Args/returns as :func:`grpo_advantages`. A single-sample group: 0 (``"verl"``: keeps ``R``); all-equal: 0.
+    Args/returns as :func:`grpo_advantages`: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int (any values);
+    returns ``[N]`` float32 (float64 for float64 rewards). A single-sample group: 0 (``"verl"``: keeps ``R``);
+    all-equal: 0.
+    Raises: ValueError on shape mismatch or an unknown ``single_sample``.
     Source: Ahmadian et al. 2402.14740; verl ``compute_rloo_outcome_advantage``.
     """
     _check(rewards, group_ids)
@@ -185,6 +188,9 @@ def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero"
 
 def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:
     """Dispatch by estimator name (``grpo``, ``dr_grpo``, ``rloo``); kwargs go to the estimator.
+
+    Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int. Returns ``[N]`` float advantages (as the estimator).
+    Source: verl ``core_algos.get_adv_estimator_fn`` (estimators registered by name).
 
     Raises:
       ValueError: unknown ``name`` (lists the known ones).

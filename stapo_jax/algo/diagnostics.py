@@ -39,7 +39,8 @@ __all__ = [
 def vocab_constant(vocab_size: int) -> float:
     """``C_V = (|V| - 1) / (|V| (ln |V|)^2)`` of Theorem 3.1 (7.0247e-3 for |V| = 151,936).
 
-    Raises: ValueError for ``vocab_size < 2``.
+    Args: ``vocab_size`` int. Returns a Python float scalar (unitless; multiplies ``H^2`` in nats^2).
+    Raises: ValueError for ``vocab_size < 2``. Source: STAPO (arXiv 2602.15620) Theorem 3.1.
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
@@ -53,6 +54,7 @@ def collision_probability(logits: jax.Array, temperature: float = 1.0, token_ids
     Args: logits ``[..., V]`` float; token_ids ``[...]`` int (optional). Returns ``[...]`` float32 (float64 for
     float64 logits). Rényi-2: ``C >= e^{-H}``. The chunked pass gives ``C'`` without ``[..., V]`` logits
     (``chunked_log_probs_and_entropy(..., with_collision=True)``). Source: STAPO Lemma A.1.
+    Raises: nothing of its own (mismatched ``token_ids`` shapes fail in broadcasting).
     """
     p = jax.nn.softmax(logits.astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32) / temperature, -1)
     sq = p * p
@@ -79,6 +81,7 @@ def surrogate_weight(
 
     Args: log_ratio ``[B, T]`` float (``log_probs - old_log_probs``, *before* the clamp), advantages ``[B, T]`` or
       ``[B]``, clip settings as ``PolicyLossConfig``. Returns ``[B, T]`` float.
+    Raises: nothing of its own (shape mismatches fail in broadcasting).
     Source: stapo_spec.md §6; verl ``compute_policy_loss_vanilla`` (clamp, dual clip).
     """
     adv = advantages[:, None] if advantages.ndim == 1 and log_ratio.ndim == 2 else advantages
@@ -97,13 +100,20 @@ def gradient_norm_sq(log_probs: jax.Array, collision_others: jax.Array, w: jax.A
     (the textbook ``1 - 2p + C`` loses every digit in float32 there).
     Args: log_probs (nats), collision_others (from :func:`collision_probability` with ``token_ids`` or the chunked
     pass), w: broadcastable float arrays. Returns their broadcast shape. Source: STAPO Lemma A.1.
+    Raises: nothing of its own (shapes that do not broadcast fail in JAX).
     """
     one_minus_p = -jnp.expm1(log_probs)
     return w * w * (one_minus_p * one_minus_p + collision_others)
 
 
 def gradient_norm_bounds(p: jax.Array, entropy: jax.Array, w: jax.Array, vocab_size: int):
-    """Theorem 3.1: ``(w^2 (1 - 2p + e^{-H}), w^2 (2 - 2p - C_V H^2))``; entropy in nats, same shapes."""
+    """Theorem 3.1: ``(w^2 (1 - 2p + e^{-H}), w^2 (2 - 2p - C_V H^2))`` (lower, upper bound).
+
+    Args: ``p`` probability of the sampled token, ``entropy`` (nats), ``w`` weight: broadcastable float arrays
+    (e.g. ``[B, T]``); ``vocab_size`` int. Returns two arrays of their broadcast shape.
+    Raises: ValueError for ``vocab_size < 2`` (from :func:`vocab_constant`).
+    Source: STAPO (arXiv 2602.15620) Theorem 3.1.
+    """
     w2 = w * w
     return w2 * (1.0 - 2.0 * p + jnp.exp(-entropy)), w2 * (2.0 - 2.0 * p - vocab_constant(vocab_size) * entropy**2)
 

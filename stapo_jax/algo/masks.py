@@ -88,12 +88,15 @@ TOKEN_MASKS: dict[str, TokenMask] = {}
 def register_token_mask(name: str, **spec) -> Callable:
     """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
 
+    Takes no arrays; returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
     Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
     return register_into(TOKEN_MASKS, "token mask", name, lambda fn: TokenMask(name=name, fn=fn, **spec))
 
 
 def get_token_mask(name: str) -> TokenMask:
-    """The registered mask ``name``. Raises: ValueError naming the known masks."""
+    """The registered mask ``name`` (no arrays: a :class:`TokenMask` record).
+
+    Raises: ValueError naming the known masks. Source: verl ``core_algos.get_policy_loss_fn`` (lookup by name)."""
     if name not in TOKEN_MASKS:
         raise ValueError(f"unknown token mask {name!r}; known: {sorted(TOKEN_MASKS)}")
     return TOKEN_MASKS[name]
@@ -282,11 +285,7 @@ def _masked_mean(x, mask):
                                "cov.clip_cov_ub"),
                      population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
 def clip_cov_mask(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    key: jax.Array,
+    log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, key: jax.Array,
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,

@@ -102,7 +102,10 @@ class PolicyLossConfig:
 
 
 def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
-    """``num / den`` with 0 (value and gradient) where ``den == 0``; never NaN. Any broadcastable shapes."""
+    """``num / den`` with 0 (value and gradient) where ``den == 0``; never NaN. Any broadcastable shapes/dtypes.
+
+    Raises: nothing of its own. Source: the project rule "no NaN from an empty mask" (verl divides by
+    ``clamp(den, 1e-8)`` instead, which gives the same 0 for a zero numerator)."""
     ok = den != 0
     return jnp.where(ok, num / jnp.where(ok, den, 1), jnp.zeros_like(num))
 
@@ -205,13 +208,17 @@ def global_loss_denominator(
 
     Args: response_mask ``[B, T]``; token_mask ``[B, T]`` bool or None; config; renormalize as the loss.
     Returns: float32 scalar. Raises: ValueError as :func:`aggregate`.
+    Source: verl 0.9.1 ``core_algos.agg_loss`` denominators (global-token / sequence normalisation).
     """
     k, d = _masks(response_mask, token_mask, renormalize)
     return aggregate(jnp.zeros(k.shape, jnp.float32), k, d, config.loss_agg_mode, config.loss_scale_factor)[1]
 
 
 def metric_pair(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A deferred-mean metric ``(sum(x * w), sum(w))`` (Tunix ``WeightedMetric``); see :func:`finalize_metrics`."""
+    """A deferred-mean metric ``(sum(x * w), sum(w))``; see :func:`finalize_metrics`.
+
+    Args: ``x``, ``w`` broadcastable float arrays (e.g. ``[B, T]`` values and mask). Returns two float scalars.
+    Raises: nothing of its own. Source: Tunix ``WeightedMetric`` (sum and weight accumulated separately)."""
     return (jnp.sum(x * w), jnp.sum(w))
 
 
@@ -398,12 +405,14 @@ POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
 
 def register_policy_loss(name: str):
     """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
-    Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    Takes no arrays; returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
     return register_into(POLICY_LOSSES, "policy loss", name)
 
 
 def add_metrics(a: dict, b: dict) -> dict:
-    """Accumulate two ``{name: (sum, weight)}`` dicts (micro-batches, shards). Keys must match."""
+    """Accumulate two ``{name: (sum, weight)}`` dicts (micro-batches, shards); values are float scalars.
+
+    Raises: ValueError if the keys differ. Source: Tunix ``WeightedMetric`` accumulation (see :func:`metric_pair`)."""
     if a.keys() != b.keys():
         raise ValueError(f"metric keys differ: {sorted(a)} vs {sorted(b)}")
     return jax.tree.map(jnp.add, a, b)
@@ -418,6 +427,10 @@ def finalize_metrics(metrics: dict, loss_denominator: jax.Array | None = None) -
     ``loss_denominator``: the global denominator to use for the loss-type metrics (``LOSS_METRICS``) after
     accumulating micro-batches; needed for ``CONSTANT_DENOMINATOR_MODES``, whose per-call denominator is a
     constant and therefore must not be summed.
+
+    Args: ``metrics`` ``{name: (sum, weight)}`` of float scalars; ``loss_denominator`` float scalar or None.
+    Returns ``{name: float scalar}``. Raises: ValueError if an entry is not a ``(sum, weight)`` pair (unpacking).
+    Source: verl ``agg_loss`` global-denominator convention (verl 0.9.1), Tunix ``WeightedMetric``.
     """
     out = {}
     for name, (s, w) in metrics.items():

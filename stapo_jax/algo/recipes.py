@@ -104,6 +104,7 @@ def recipe_from_config(cfg) -> Recipe:
     loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
     the recipe's own setting types, used as they are.
 
+    Takes no arrays; returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
     """
     a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
@@ -129,7 +130,8 @@ RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {
 
 
 def get_recipe(name: str, **changes) -> Recipe:
-    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`).
+    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`). No arrays: returns a
+    :class:`Recipe`.
 
     Raises: ValueError for an unknown name (lists the known ones) or an invalid changed value.
     Source: stapo_spec.md §4-5, §10; JustRL ``run_scaling_ssh_distill.sh``; DAPO 2503.14476.
@@ -141,7 +143,11 @@ def get_recipe(name: str, **changes) -> Recipe:
 
 
 def recipe_field(recipe: Recipe, dotted: str):
-    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way)."""
+    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way).
+
+    No arrays: returns the setting's Python value. Raises: ValueError if ``dotted`` is not ``section.name``,
+    AttributeError for an unknown section or field. Source: the ``settings=`` names of
+    :func:`stapo_jax.algo.masks.register_token_mask` (config key spelling, verl-style dotted keys)."""
     section, name = dotted.split(".")
     return getattr(getattr(recipe, section), name)
 

@@ -14,6 +14,7 @@ def register_into(table: dict, kind: str, name: str, make: Callable = lambda fn:
     Args: table: the registry dict; kind: what is registered, for the error message; name: its key;
       make: builds the stored entry from the function (default: the function itself).
     Raises: ValueError if ``name`` is already in ``table``.
+    Source: verl ``core_algos.register_adv_est`` / ``register_policy_loss`` (same duplicate-name error).
     """
 
     def deco(fn):

@@ -144,6 +144,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def type_name(tp: Any) -> str:
+    """A human name for a schema annotation (``"int or null"``, ``"one of 'a', 'b'"``) for error messages."""
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
@@ -160,6 +161,8 @@ def type_name(tp: Any) -> str:
 
 
 def unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
+    """The ``ConfigError`` text for an unknown ``key``: a close sibling, or the same leaf in another section,
+    or else the valid keys here."""
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
@@ -181,6 +184,7 @@ def unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
 
 
 def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
+    """Whether the nested mapping ``raw`` has the dotted ``key`` (``"actor.clip_ratio_low"``). Never raises."""
     node: Any = raw
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -190,6 +194,9 @@ def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` in the nested dict ``raw``, creating sections.
+
+    Raises: ConfigError if a prefix of ``key`` is a value, not a section."""
     parts = key.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):

@@ -249,9 +249,16 @@ def score(responses: Sequence[str], golds: Sequence[Any], kind: str, *, timeout_
     return scorer.score(responses, golds)
 
 
+def active_scorers() -> dict[tuple, RewardScorer]:
+    """A copy of the scorers :func:`score` has created and not yet shut down, keyed by
+    ``(kind, timeout_s, num_workers, boxed_normalize, gym_task, gym_answer_format)``. Never raises."""
+    with _SCORERS_LOCK:
+        return dict(_SCORERS)
+
+
 @atexit.register
 def shutdown() -> None:
-    """Close every scorer created by :func:`score`."""
+    """Close every scorer created by :func:`score` (their worker pools) and forget them. Never raises."""
     with _SCORERS_LOCK:
         for scorer in _SCORERS.values():
             scorer.close()

@@ -45,6 +45,7 @@ class Checkpointer:
         return self._mngr.latest_step()
 
     def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a save step (``step % save_every == 0``). Never raises."""
         return step % self.save_every == 0
 
     def save(self, step: int, state: Any, data_state: Optional[dict] = None, meta: Optional[dict] = None,
@@ -90,6 +91,7 @@ class Checkpointer:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for pending saves, then close the orbax manager. Orbax errors propagate."""
         self._mngr.wait_until_finished()
         self._mngr.close()
 

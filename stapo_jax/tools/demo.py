@@ -38,6 +38,7 @@ TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's ``argparse`` parser (see the module docstring for the options)."""
     p = argparse.ArgumentParser(prog="stapo-jax demo", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF Qwen3 checkpoint directory or hub id (config.json + *.safetensors)")

@@ -30,6 +30,7 @@ class BenchmarkSpec:
 
     @property
     def filename(self) -> str:
+        """The benchmark's JSONL file name in the benchmark directory (``<name>.jsonl``)."""
         return f"{self.name}.jsonl"
 
 
@@ -54,6 +55,7 @@ class DecodingSetting:
 
     @property
     def label(self) -> str:
+        """Human label for tables, e.g. ``"T=0.7, top-p=0.9"``."""
         return f"T={float(self.temperature)}, top-p={float(self.top_p)}"
 
 

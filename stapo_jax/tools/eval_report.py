@@ -55,6 +55,7 @@ class BenchmarkResult:
     grader_stats: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """JSON-ready dict of the fields (``pass_at_k`` keys as strings)."""
         d = dataclasses.asdict(self)
         d["pass_at_k"] = {str(k): v for k, v in self.pass_at_k.items()}
         return d
@@ -83,9 +84,11 @@ class EvalReport:
         return ordered + [c for c in dict.fromkeys(present) if c not in ordered]
 
     def settings(self) -> list[str]:
+        """Decoding settings present (``"a"``, ``"b"``), in evaluation order."""
         return [s for s in dict.fromkeys(r.setting for r in self.results)]
 
     def get(self, column: str, setting: str) -> Optional[BenchmarkResult]:
+        """The result for a (Table 2 column, setting), or None if not evaluated."""
         return next((r for r in self.results if r.column == column and r.setting == setting), None)
 
     def average(self, setting: str) -> Optional[float]:
@@ -110,6 +113,7 @@ class EvalReport:
         return out
 
     def to_dict(self) -> dict:
+        """The ``results.json`` payload: settings, per-setting averages, results, paper rows, meta."""
         return {
             "label": self.label,
             "settings": {s: dataclasses.asdict(SETTINGS[s]) if s in SETTINGS else None for s in self.settings()},
@@ -190,6 +194,7 @@ class EvalReport:
 
 
 def format_cell(values: Sequence[Optional[float]]) -> str:
+    """``"a (b)"`` table cell from per-setting values (2 decimals, ``-`` for None or no values)."""
     vals = ["-" if v is None else f"{v:.2f}" for v in values]
     if not vals:
         return "-"
@@ -197,6 +202,7 @@ def format_cell(values: Sequence[Optional[float]]) -> str:
 
 
 def json_default(x):
+    """``json.dumps`` fallback: numpy scalars to Python, sets/tuples to lists, anything else to ``str``."""
     if isinstance(x, (np.integer, np.floating)):
         return x.item()
     if isinstance(x, (set, tuple)):

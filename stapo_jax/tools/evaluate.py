@@ -299,6 +299,7 @@ def _paper_size(cfg) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's ``argparse`` parser (see the module docstring for the options)."""
     p = argparse.ArgumentParser(
         prog="stapo-jax eval",
         description="Evaluate a Qwen3 checkpoint on AIME24/AIME25/AMC23 (avg@32) and MATH-500/Minerva/"

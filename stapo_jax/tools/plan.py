@@ -51,7 +51,7 @@ class PlanError(ValueError):
 # --------------------------------------------------------------------------------------------- the spec
 
 
-def _model_config(cfg) -> Any:
+def plan_model_config(cfg) -> Any:
     """The ``Qwen3Config`` of ``cfg.model``; a hub id in ``model.path`` that is not a local directory is
     resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens."""
     import dataclasses as dc
@@ -153,7 +153,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         accum = cfg.grad_accum_steps(dp)
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    qcfg = _model_config(cfg)
+    qcfg = plan_model_config(cfg)
     a = cfg.actor
     return {
         "model": dataclasses.asdict(qcfg),
@@ -528,6 +528,7 @@ def fits(result: dict) -> Optional[bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's ``argparse`` parser (see the module docstring for the options)."""
     p = argparse.ArgumentParser(prog="stapo-jax plan", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value")
     p.add_argument("--config", help="run config YAML (e.g. configs/paper/qwen3-14b-base-stapo.yaml)")
