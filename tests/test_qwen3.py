@@ -97,16 +97,32 @@ def test_remat_and_bf16_policies():
     ids = jnp.asarray(rng.randint(0, 97, (2, 5))); mask = jnp.ones((2, 5), bool)
     ref = Qwen3(TINY, rngs=nnx.Rngs(0))
     base = _logits(ref, ids, mask)
-    for policy in ("full", "dots"):
-        m = Qwen3(dataclasses.replace(TINY, remat=policy), rngs=nnx.Rngs(0))
-        np.testing.assert_allclose(_logits(m, ids, mask), base, atol=1e-6)
+    w = jnp.asarray(rng.standard_normal((2, 5, TINY.vocab_size)), jnp.float32)
 
+    def loss_and_grad(m):
         def loss(state, gd=nnx.graphdef(m)):
             mm = nnx.merge(gd, state)
             h, _ = mm(ids, mask)
-            return mm.logits(h).sum()
-        g = jax.grad(loss)(nnx.state(m))
-        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+            return jnp.sum(jax.nn.log_softmax(mm.logits(h)) * w)
+        return loss, jax.value_and_grad(loss)(nnx.state(m))
+
+    _, (l_ref, g_ref) = loss_and_grad(ref)
+    for policy in ("none", "full", "dots", "dots_no_batch"):
+        m = Qwen3(dataclasses.replace(TINY, remat=policy), rngs=nnx.Rngs(0))
+        np.testing.assert_allclose(_logits(m, ids, mask), base, atol=1e-6)
+        loss, (l, g) = loss_and_grad(m)  # same loss and gradient under every policy (fp32)
+        np.testing.assert_allclose(l, l_ref, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))  # fp32 rounding
+        # the policy is applied: the layer scan body holds a jax.checkpoint (`remat2`) equation with that policy
+        eqns = [e for e in jax.make_jaxpr(loss)(nnx.state(m)).jaxpr.eqns if e.primitive.name == "scan"]
+        inner = [e.primitive.name for e in eqns[0].params["jaxpr"].jaxpr.eqns]
+        assert ("remat2" in inner) == (policy != "none"), (policy, inner)  # jax.checkpoint's primitive
+        if policy != "none":
+            ck = next(e for e in eqns[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "remat2")
+            expect = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots,
+                      "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
+            assert ck.params["policy"] is expect
     bf = Qwen3(dataclasses.replace(TINY, dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(0))
     nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(ref, nnx.Param)))
     h, _ = bf(ids, mask)

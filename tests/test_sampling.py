@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from stapo_jax.algo.logprobs import logits_to_log_probs
 from stapo_jax.rollout.sampling import SamplingParams, SamplingParamsError, sample_tokens, truncate_logits
 
 V = 8
@@ -112,3 +113,22 @@ def test_greedy_is_argmax_and_keys_make_draws_deterministic():
 def test_bad_sampling_params_raise(kwargs, field):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_one_pass_greedy_and_sampled_log_probs_match_the_two_pass_reference():
+    """The greedy path reuses the argmax's maximum for the log-sum-exp (no separate max pass, same float); the
+    sampled path draws the same Gumbel-max tokens: both equal argmax / jax.random.categorical followed by
+    logits_to_log_probs, bitwise, for a fixed key."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(6, 300)) * 4, jnp.float32)
+    keys = jax.random.split(jax.random.key(3), 6)
+    for params in (SamplingParams(greedy=True), SamplingParams(temperature=0.6, greedy=True),
+                   SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)):
+        tok, lp = jax.jit(sample_tokens, static_argnums=2)(logits, keys, params)
+        if params.greedy:
+            ref_tok = jnp.argmax(logits, axis=-1)
+        else:
+            ref_tok = jax.vmap(jax.random.categorical)(keys, logits / params.temperature)
+        ref_lp = jax.jit(logits_to_log_probs, static_argnums=2)(logits, ref_tok, params.temperature)
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+        np.testing.assert_array_equal(np.asarray(lp), np.asarray(ref_lp))

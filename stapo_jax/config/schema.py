@@ -67,7 +67,8 @@ class ModelConfig:
     rms_norm_eps: Optional[float] = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # per-layer rematerialisation (jax.checkpoint policy); default measured by bench/bench_remat.py
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "dots_no_batch"
     # self-attention kernel of the forward/update and of prefill (models.attention): xla materialises
     # [heads, T, T] scores; blockwise is flash-style pure JAX (any backend); cudnn (GPU, bf16/fp16); splash
     # (TPU); auto picks splash on TPU, cudnn on GPU for 16-bit dtypes, else blockwise.

@@ -3,7 +3,8 @@
 The returned log-prob of each chosen token is the **trainer's** quantity: the full-vocabulary,
 temperature-scaled log-softmax, computed before any top-k/top-p truncation (conventions.md §5; the Tunix
 vanilla sampler does the same). It is computed by :func:`stapo_jax.algo.logprobs.logits_to_log_probs`, the very
-function the trainer uses, so the two share one definition.
+function the trainer uses, so the two share one definition; greedy decoding takes the row maximum from its
+argmax instead of a second max pass over the vocabulary, giving the same float (tests/test_sampling.py).
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
 temperature -> top-k (``TopKLogitsWarper``: keep logits >= the k-th largest, ties kept) -> top-p
@@ -119,7 +120,14 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams) ->
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     logits = logits.astype(jnp.float32)
     if params.greedy:
+        # The argmax's value is the row maximum the log-sum-exp needs (z = logits / T is monotone in the logits,
+        # so z[token] == max z exactly): one max pass and the gather of logits_to_log_probs are saved, the
+        # log-prob is the same float (log(sum(exp(z - max))) + max, jax.nn.logsumexp's order).
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        z = logits / params.temperature
+        z_max = jnp.take_along_axis(z, tokens[:, None], axis=-1)
+        log_z = jnp.log(jnp.sum(jnp.exp(z - z_max), axis=-1)) + z_max[:, 0]
+        return tokens, z_max[:, 0] - log_z
     else:
         if keys.shape != logits.shape[:1]:
             raise ValueError(f"keys must have shape [B] = {logits.shape[:1]}, got {tuple(keys.shape)}")

@@ -385,8 +385,9 @@ def analytic(spec: dict, qcfg) -> dict:
 
     FLOPs (dense, padding included, attention over the full T x T score matrix as the XLA kernel computes it):
     forward per sequence = 2 x (matmul params x T) + 4 x L x T^2 x Nh x H + 2 x D x V x R (LM head on the
-    response positions only); an update = forward x (1 pre-pass if any + 1 + 1 recompute if remat) + 2 x
-    forward (backward). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
+    response positions only); an update = forward x (1 pre-pass if any + 1) + 2 x forward (backward) + the
+    remat recompute (``full``: the decoder forward again; ``dots_no_batch``: the attention score/value
+    matmuls, which have batch dimensions; ``dots``/``none``: none). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
     case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
     """
     d, f, layers = qcfg.hidden_size, qcfg.intermediate_size, qcfg.num_hidden_layers
@@ -402,7 +403,9 @@ def analytic(spec: dict, qcfg) -> dict:
     from stapo_jax.train.train_step import minibatch_stats_mode
 
     mode = minibatch_stats_mode(_spec_recipe(spec), spec["old_stats"])
-    grad_passes = 1 + (1 if qcfg.remat != "none" else 0) + 2  # forward (+ recompute) + backward
+    recompute = {"full": 2 * layers * layer * t + 4 * layers * t * t * nh * h,
+                 "dots_no_batch": 4 * layers * t * t * nh * h}.get(qcfg.remat, 0)  # remat, per sequence
+    grad_passes = 1 + recompute / fwd + 2  # forward (+ recompute) + backward, in forwards
     passes = (1 if mode == "prepass" else 0) + grad_passes
     # S2T correction: XLA counts the compiled conditional, in which every micro-batch is redone (the worst case)
     correction = mode == "correction"

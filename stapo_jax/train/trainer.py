@@ -86,8 +86,11 @@ def train(cfg: Config) -> dict[str, Any]:
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
+        # donate: the optimizer update writes the new parameters and moments into the old state's buffers (no
+        # second copy of the model and optimizer state per mini-batch); the rollout engine is re-synced from the
+        # returned state after every update (sync_weights below), never reading a donated buffer
         step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
-                       state_shardings=shardings, **common)
+                       state_shardings=shardings, donate=True, **common)
         first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
         # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)

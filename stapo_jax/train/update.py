@@ -72,6 +72,9 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
         data-parallel shards (``num_micro_batches`` checks that first).
       mesh: the training mesh (rows go to its data-parallel devices); None = one device.
+      step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
+      buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
+      back to back; their metrics come to the host once, after the last one.
     Returns:
       (state, metrics: float per key, averaged over mini-batches; ``COUNT_METRICS`` summed; plus
       ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5)."""
@@ -101,7 +104,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
                           old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
                           rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
             state, m = step_fns[0 if (epoch == 0 and s == 0) else 1](state, batch)
-            metrics.append(jax.device_get(m))
+            metrics.append(m)  # device scalars: no host round trip between mini-batches
+    metrics = jax.device_get(metrics)  # one transfer per update, after the last mini-batch is dispatched
     out = {k: float((np.sum if k in COUNT_METRICS else np.mean)([m[k] for m in metrics])) for k in metrics[0]}
     if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
         mask = a["response_mask"]
