@@ -95,3 +95,18 @@ def test_overlong_shaping_and_drop_truncated():
     assert exp.rewards[1] == pytest.approx(0.0) and exp.rewards[0] == pytest.approx(1.0)
     assert exp.arrays["response_mask"][1].sum() == 0 and exp.arrays["response_mask"][0].sum() == 2
     assert exp.metrics["response_length/clip_frac"] == pytest.approx(1 / 8)
+
+
+def test_heldout_accuracy_shows_a_bar_with_the_running_accuracy(capsys):
+    """Greedy held-out accuracy over batches; with progress on, a bar 'held-out' (problems, acc=) on stderr."""
+    from stapo_jax.train.experience import heldout_accuracy
+
+    examples = [{"prompt_ids": np.array([3, 4], np.int32), "gold": g} for g in ["all", "none", "all", "all", "none"]]
+    assert heldout_accuracy(ScriptedRollouts(), examples, Tok(), Scorer(), max_new_tokens=4, batch_size=2) == 0.6
+    assert capsys.readouterr().err == ""                      # quiet by default
+    src = ScriptedRollouts()
+    assert heldout_accuracy(src, examples, Tok(), Scorer(), max_new_tokens=4, batch_size=2, progress=True) == 0.6
+    err = capsys.readouterr().err
+    assert src.calls == 3 and "held-out" in err and "5/5" in err and "acc=0.6000" in err
+    with pytest.raises(ValueError, match="val_size"):
+        heldout_accuracy(src, [], Tok(), Scorer(), max_new_tokens=4)

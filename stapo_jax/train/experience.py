@@ -195,21 +195,33 @@ def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size
 
 
 def heldout_accuracy(rollout_source, examples: Sequence[dict], tokenizer, scorer, *, max_new_tokens: int,
-                     batch_size: int = 256, seed: int = 0) -> float:
+                     batch_size: int = 256, seed: int = 0, progress: bool = False, desc: str = "held-out") -> float:
     """Greedy-decoding accuracy (fraction of verifier-correct answers) on ``examples``.
 
+    Args:
+      examples: prompts with ``prompt_ids`` and the verifier's fields; batch_size: prompts per generate call.
+      progress: show a tqdm bar ``desc`` on stderr (problems scored, running accuracy, ETA), on JAX process 0
+        only (``stapo_jax.train.metrics.progress_bar``); off by default, so tests stay quiet.
+    Returns:
+      accuracy in [0, 1] (float).
     Raises:
       ValueError: no examples.
     """
     from stapo_jax.rollout.sampling import SamplingParams
+    from stapo_jax.train.metrics import progress_bar
 
     if not examples:
         raise ValueError("held-out accuracy needs at least one example (data.val_files / data.gym.val_size)")
-    correct = 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = list(examples[start:start + batch_size])
-        ro = rollout_source.generate([ex["prompt_ids"] for ex in chunk], num_samples=1, max_new_tokens=max_new_tokens,
-                                     seed=seed, sampling=SamplingParams(greedy=True))
-        _, stats = score_rollout(ro, chunk, tokenizer, scorer)
-        correct += stats["n_correct"]
+    correct, done = 0.0, 0
+    with progress_bar(len(examples), desc, unit="problem", enabled=progress) as bar:
+        for start in range(0, len(examples), batch_size):
+            chunk = list(examples[start:start + batch_size])
+            ro = rollout_source.generate([ex["prompt_ids"] for ex in chunk], num_samples=1,
+                                         max_new_tokens=max_new_tokens, seed=seed,
+                                         sampling=SamplingParams(greedy=True))
+            _, stats = score_rollout(ro, chunk, tokenizer, scorer)
+            correct += stats["n_correct"]
+            done += len(chunk)
+            bar.set_postfix(acc=f"{correct / done:.4f}", refresh=False)
+            bar.update(len(chunk))
     return correct / len(examples)

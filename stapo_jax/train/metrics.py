@@ -73,6 +73,7 @@ class MetricsLogger:
         self._wandb = _start_wandb(run_dir, wandb) if wandb is not None else None
         self._bar = None  # created at the first step, so warm-up phases do not count towards its rate
         self._bar_args = dict(total=total_steps, desc=desc, dynamic_ncols=True) if progress else None
+        self.progress = bool(progress)  # whether this process shows progress bars (phases outside RL follow it)
 
     def _ensure_bar(self, initial: int = 0):
         if self._bar is None and self._bar_args is not None:

@@ -54,7 +54,7 @@ def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metric
     """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss."""
     from stapo_jax.train.sft import sft_from_config
 
-    hist = sft_from_config(cfg, model, examples, tok)
+    hist = sft_from_config(cfg, model, examples, tok, progress=logger.progress)
     logger.write(f"SFT warm-up: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> {hist[-1]['sft/loss']:.3f}")
 
 

@@ -78,7 +78,8 @@ def train(cfg: Config) -> dict[str, Any]:
             sft_warmup(cfg, model, train_ds.examples, tok, logger)
         rollout = build_rollout(cfg, model, mesh, tok)
         if val_examples and not resuming:
-            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
+                                   progress=logger.progress, desc="held-out (before RL)")
             summary["heldout_acc_before"] = acc
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
         optimizer = build.build_optimizer(cfg)
@@ -162,7 +163,8 @@ def train(cfg: Config) -> dict[str, Any]:
             summary["preempted"] = True
         nnx.update(model, state.params)
         if val_examples and not summary.get("preempted"):
-            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens)
+            acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
+                                   progress=logger.progress, desc="held-out (after RL)")
             summary["heldout_acc_after"] = acc
             logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
         if t.export_hf and not summary.get("preempted"):
