@@ -11,7 +11,7 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    to 8); packed = ``stapo_jax.train.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
    ``--micro-batch`` sequences and over the whole mini-batch.
    Also the trainer's own layout (``pack_micro_batches``: rows of the padded width P + R, rows per micro-batch
-   bucketed to a power of two).
+   bucketed by ``rows_bucket``).
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
    small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
    mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing

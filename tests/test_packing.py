@@ -149,6 +149,7 @@ def test_micro_batch_layouts_are_bucketed_interleaved_and_shard_local():
         for s in range(2):
             rows = [b for b in range(8) if b % 2 == j][2 * s:2 * s + 2]
             assert (seg[s * m:(s + 1) * m] > 0).sum() == p["attention_mask"][rows].sum()
-    assert [rows_bucket(n, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    assert [rows_bucket(n, 64) for n in (1, 3, 8, 9, 11, 17, 33, 64)] == [1, 3, 8, 10, 12, 20, 40, 64]
+    assert rows_bucket(9, 9) == 9   # never more rows than the padded micro-batch
     with pytest.raises(ValueError, match="num_micro_batches=3"):
         pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=3)

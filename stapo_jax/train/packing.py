@@ -127,9 +127,12 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
 
 
 def rows_bucket(rows: int, cap: int) -> int:
-    """Packed rows per shard rounded up to a power of two, at most ``cap`` (the padded rows per shard): at most
-    ``log2(cap) + 1`` distinct shapes, so a jitted step recompiles only when the bucket changes."""
-    return min(1 << max(int(rows) - 1, 0).bit_length(), max(int(cap), int(rows)))
+    """Packed rows per shard rounded up to a bucket, at most ``cap`` (the padded rows per shard): exact up to 8,
+    then to a multiple of ``2 ** (bit_length - 3)`` (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four buckets
+    per octave, < 25% extra rows), so a jitted step recompiles only when the bucket changes."""
+    rows = max(int(rows), 1)
+    step = 1 << max(rows.bit_length() - 3, 0)
+    return min(-(-rows // step) * step, max(int(cap), rows))
 
 
 def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, *,
