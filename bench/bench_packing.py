@@ -10,10 +10,14 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    sequence padded to the mini-batch's longest prompt + longest response (``stapo_jax.train.batching`` layout, rounded
    to 8); packed = ``stapo_jax.train.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
    ``--micro-batch`` sequences and over the whole mini-batch.
-2. Update time, scaled down to run on CPU (lengths / ``--scale-down``, a small Qwen3 with blockwise attention):
-   ``value_and_grad`` of ``sum(log_probs * response_mask)`` through ``response_log_probs_and_entropy``, padded
-   ``[B, P + R]`` vs packed rows, interleaved ``--repeats`` times after a warm-up; median, min..max and the
-   packed / padded ratio; the max difference of the real log-probs is printed as a check.
+   Also the trainer's own layout (``pack_micro_batches``: rows of the padded width P + R, rows per micro-batch
+   bucketed by ``rows_bucket``).
+2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
+   small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
+   mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing
+   included) with ``use_remove_padding`` false vs true, interleaved ``--repeats`` times after a warm-up
+   (``bench/benchutil.py``); medians, min..max, the packed / padded ratio, and the largest metric difference
+   between the two sides as a check.
 
     .venv/bin/python bench/bench_packing.py
 """
@@ -21,23 +25,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import benchutil  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
-from stapo_jax.train.packing import pack_sequences  # noqa: E402
-from stapo_jax.train.policy import response_log_probs_and_entropy  # noqa: E402
+from stapo_jax.train.optim import make_optimizer  # noqa: E402
+from stapo_jax.train.packing import pack_micro_batches, pack_sequences  # noqa: E402
+from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
+from stapo_jax.train.update import update_policy  # noqa: E402
 
 LENGTHS = Path(__file__).resolve().parent / "data" / "math500_lengths.json"
 MAX_PROMPT, MAX_RESPONSE = 1024, 15360
@@ -78,6 +85,10 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
             ids, mask, _, rr = padded_arrays(pl, rl, 2)
             rows += pack_sequences(ids, mask, rr, row).input_ids.shape[0]
         out[name] = rows * row / useful
+    ids, mask, _, rr = padded_arrays(prompt_len, resp_len, 2)
+    lay = pack_micro_batches(ids, mask, rr, num_micro_batches=len(prompt_len) // micro)
+    out[f"trainer layout (pack_micro_batches, micro-batch of {micro}, rows of P + R = {ids.shape[1]})"] = \
+        lay.input_ids.size / useful
     return out
 
 
@@ -86,12 +97,12 @@ def main(argv=None) -> dict:
     p.add_argument("--mini-batch", type=int, default=512, help="sequences per mini-batch (paper: 64 prompts x 8)")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch for per-micro packing")
     p.add_argument("--scale-down", type=int, default=32, help="length divisor of the timed CPU run")
-    p.add_argument("--timed-batch", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timed-batch", type=int, default=16, help="sequences of the timed mini-batch")
+    p.add_argument("--timed-micro", type=int, default=8, help="sequences per micro-batch of the timed update")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    print(f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, jax {jax.__version__}; load(1m) "
-          f"{os.getloadavg()[0]:.2f}")
+    print(benchutil.machine_line())
     pl, rl = length_mix(a.mini_batch, a.seed)
     print(f"length mix: {a.mini_batch} sequences, response tokens median {np.median(rl):.0f} mean {rl.mean():.0f} "
           f"max {rl.max()}, prompt median {np.median(pl):.0f} max {pl.max()}")
@@ -103,33 +114,36 @@ def main(argv=None) -> dict:
     cfg = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
                       attention="blockwise", attention_block_size=128)
-    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
     ids, mask, resp, r = padded_arrays(pl, rl, cfg.vocab_size, a.seed)
-    row = (MAX_PROMPT + MAX_RESPONSE) // a.scale_down
-    lay = jax.tree.map(jnp.asarray, pack_sequences(ids, mask, r, row))
-    ids, mask, resp = jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(resp, jnp.float32)
+    adv = np.random.default_rng(a.seed).normal(size=len(pl)).astype(np.float32)
+    exp = SimpleNamespace(arrays={"input_ids": ids, "attention_mask": mask, "response_mask": resp,
+                                  "advantages": adv}, num_rows=len(pl))
+    k = a.timed_batch // a.timed_micro
+    opt = make_optimizer(1e-4)
+    state = TrainState.create(model, opt)
+    steps = make_update_steps(get_recipe("stapo"), opt, num_micro_batches=k, seq_chunk=128)
+    lp_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, seq_chunk=128), static_argnums=(1, 4))
+    out = {}
 
-    def loss(params, packing):
-        lp, _ = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, mask, r, packing=packing)
-        return jnp.sum(lp * resp), lp
+    def side(packed):
+        def f():
+            new, out[packed] = update_policy(state, exp, steps, lp_fn, mini_rows=len(pl), num_micro_batches=k,
+                                             use_remove_padding=packed)
+            jax.block_until_ready(new.params)
+        return f
 
-    f = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (_, lp0), _ = f(params, None)
-    (_, lp1), _ = f(params, lay)
-    err = float(jnp.max(jnp.abs(jnp.where(resp > 0, lp1 - lp0, 0.0))))
-    times = {"padded": [], "packed": []}
-    for _ in range(a.repeats):
-        for k, arg in (("padded", None), ("packed", lay)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(params, arg))
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"timed update (lengths / {a.scale_down}): {a.timed_batch} sequences, padded {tuple(ids.shape)} = "
-          f"{ids.size} tokens, packed {tuple(lay.input_ids.shape)} = {lay.input_ids.size} tokens, real "
-          f"{int(mask.sum())}; max |log-prob diff| on real tokens {err:.1e}")
-    for k, v in times.items():
-        print(f"  {k}: median {med[k] * 1e3:.1f} ms [{min(v) * 1e3:.1f}..{max(v) * 1e3:.1f}]")
-    print(f"  packed / padded time = {med['packed'] / med['padded']:.2f}; load(1m) {os.getloadavg()[0]:.2f}")
+    times = benchutil.interleaved({"padded": side(False), "packed": side(True)}, a.repeats)
+    lay = pack_micro_batches(ids, mask, r, num_micro_batches=k)
+    diff = max(abs(out[True][m] - out[False][m]) / max(1.0, abs(out[False][m])) for m in out[False])
+    print(f"timed trainer update (update_policy, lengths / {a.scale_down}): {a.timed_batch} sequences in {k} "
+          f"micro-batches, padded {ids.shape} = {ids.size} tokens, packed {lay.input_ids.shape} = "
+          f"{lay.input_ids.size} tokens, real {int(mask.sum())}; max relative metric difference {diff:.1e}")
+    for name, v in times.items():
+        print(f"  {name}: {benchutil.summary(v)}")
+    print(f"  packed / padded update time = {benchutil.ratio(times['packed'], times['padded'])}")
+    print(benchutil.load_line("at end"))
+    med = {name: benchutil.median(v) for name, v in times.items()}
     return {"tokens_per_useful": ratios, "time": med}
 
 

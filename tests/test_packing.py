@@ -2,7 +2,6 @@
 entropies and gradients (fp32, 1e-5), and a packed update equals the padded one for every aggregation mode with
 S2T (mini-batch threshold) and for every other recipe."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +10,11 @@ import optax
 import pytest
 from flax import nnx
 
-import stapo_jax.train.train_step as train_step_module
 from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.objectives import LOSS_AGG_MODES
-from stapo_jax.train.packing import PackedLayout, gather_response_hidden, pack_sequences
+from stapo_jax.train.packing import PackedLayout, gather_response_hidden, pack_micro_batches, pack_sequences, rows_bucket
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.algo.recipes import get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
@@ -107,9 +105,9 @@ CASES = [("stapo", m) for m in LOSS_AGG_MODES] + [("grpo", "token-mean"), ("entr
 
 
 @pytest.mark.parametrize("name,mode", CASES)
-def test_packed_update_equals_padded_update(monkeypatch, name, mode):
-    """The train step with its log-prob function running on packed rows (the pre-pass and the update: the
-    hook a packed trainer uses) gives the padded step's loss, metrics and parameter update."""
+def test_packed_update_equals_padded_update(name, mode):
+    """The train step with ``Batch.packing`` (the pre-pass, the update and the S2T correction on packed rows,
+    two micro-batches as the trainer plans them) gives the padded step's loss, metrics and parameter update."""
     model = Qwen3(CFG_STEP, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     p = padded(seed=3)
@@ -122,16 +120,15 @@ def test_packed_update_equals_padded_update(monkeypatch, name, mode):
                   old_log_probs=lp + jnp.asarray(rng.normal(size=lp.shape) * 0.3, jnp.float32))
     recipe = get_recipe(name, loss={"loss_agg_mode": mode}, s2t={"tau_p": 0.05})
 
-    def run():
+    def run(b):
         state = TrainState.create(model, SGD)
-        new, m = make_train_step(recipe, SGD, seq_chunk=4)(state, batch)
+        new, m = make_train_step(recipe, SGD, seq_chunk=4, num_micro_batches=2)(state, b)
         return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, state.params), m
 
-    d0, m0 = run()
-    lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=16))
-    monkeypatch.setattr(train_step_module, "response_log_probs_and_entropy",
-                        functools.partial(response_log_probs_and_entropy, packing=lay))
-    d1, m1 = run()
+    d0, m0 = run(batch)
+    lay = on_device(pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=2))
+    assert int((lay.segment_ids > 0).sum()) == int(p["attention_mask"].sum())
+    d1, m1 = run(batch.replace(packing=lay))
     assert float(m0["grad_norm"]) > 0
     for key in m0:
         assert abs(float(m1[key]) - float(m0[key])) <= 1e-5 * max(1.0, abs(float(m0[key]))), key
@@ -139,3 +136,20 @@ def test_packed_update_equals_padded_update(monkeypatch, name, mode):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     if name == "stapo":
         assert float(m0["s2t/masked_frac"]) > 0
+
+
+def test_micro_batch_layouts_are_bucketed_interleaved_and_shard_local():
+    p = padded(seed=5)
+    lay = pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=2, num_shards=2)
+    t = p["input_ids"].shape[1]
+    m = lay.input_ids.shape[0] // 4   # rows per micro-batch per shard
+    assert lay.input_ids.shape[1] == t and m in (1, 2) and lay.num_shards == 2
+    for j in range(2):   # micro-batch j = rows j, j + 2, ...; its shard s block holds its rows' tokens
+        seg = lay.segment_ids[j::2]
+        for s in range(2):
+            rows = [b for b in range(8) if b % 2 == j][2 * s:2 * s + 2]
+            assert (seg[s * m:(s + 1) * m] > 0).sum() == p["attention_mask"][rows].sum()
+    assert [rows_bucket(n, 64) for n in (1, 3, 8, 9, 11, 17, 33, 64)] == [1, 3, 8, 10, 12, 20, 40, 64]
+    assert rows_bucket(9, 9) == 9   # never more rows than the padded micro-batch
+    with pytest.raises(ValueError, match="num_micro_batches=3"):
+        pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=3)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -47,6 +48,7 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
     from stapo_jax.rollout import engine as eng
     from stapo_jax.rollout.decode_fns import step_fn
     from stapo_jax.rollout.sampling import SamplingParams
+    from stapo_jax.train.packing import pack_micro_batches
     from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_train_step
 
     cfg, _ = tiny_cfg(tmp_path)
@@ -74,6 +76,10 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
                       response_mask=put(jnp.ones((b, r), jnp.int32)), advantages=put(jnp.ones((b,), jnp.float32)),
                       old_log_probs=put(jnp.zeros((b, r), jnp.float32)),
                       old_entropy=put(jnp.zeros((b, r), jnp.float32)))  # as the trainer passes it (S2T correction)
+        # model.use_remove_padding (default): full-length sequences pack one per row, the plan's worst case
+        assert spec["use_remove_padding"]
+        batch = batch.replace(packing=jax.tree.map(put, pack_micro_batches(
+            np.zeros((b, t), np.int32), np.ones((b, t), bool), r, num_micro_batches=2, num_shards=8)))
         real_train = step.lower(state, batch).compile().memory_analysis()
         engine = eng.Qwen3Engine(model, eng.EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
                                                          max_decode_length=32), mesh=mesh)

@@ -73,6 +73,10 @@ class ModelConfig:
     # [heads, T, T] scores; blockwise is flash-style pure JAX (any backend); cudnn (GPU, bf16/fp16); splash
     # (TPU); auto picks splash on TPU, cudnn on GPU for 16-bit dtypes, else blockwise.
     attention: Literal["xla", "blockwise", "cudnn", "splash", "auto"] = "xla"
+    # verl's actor_rollout_ref.model.use_remove_padding: the old-log-prob pass and the update run each
+    # micro-batch's sequences packed end to end into rows (segment ids, RoPE restarting per sequence), so the
+    # transformer computes no padding (stapo_jax.train.packing); results equal the padded batch's
+    use_remove_padding: bool = True
 
 
 MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

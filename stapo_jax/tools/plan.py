@@ -167,7 +167,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         "updates_per_step": cfg.trainer.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs,
         "prompt_length": cfg.data.max_prompt_length, "response_length": cfg.rollout.max_new_tokens,
         "temperature": cfg.rollout.temperature, "seq_chunk": a.logprob_seq_chunk or 0,
-        "vocab_chunk": a.logprob_vocab_chunk,
+        "vocab_chunk": a.logprob_vocab_chunk, "use_remove_padding": cfg.model.use_remove_padding,
         "optim": dataclasses.asdict(a.optim),
         "use_kl": bool(a.use_kl_loss and a.kl_loss_coef > 0), "sampler_is": a.sampler_is != "off",
         "s2t_minibatch_method": cfg.s2t.minibatch_method,
@@ -274,6 +274,7 @@ def _plan_train(spec, qcfg, mesh) -> dict:
     import jax.numpy as jnp
 
     from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.train.packing import PackedLayout
     from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step, minibatch_stats_mode
 
     o = spec["optim"]
@@ -290,6 +291,11 @@ def _plan_train(spec, qcfg, mesh) -> dict:
                       ref_log_probs=f32() if spec["use_kl"] else None,
                       rollout_log_probs=f32() if spec["sampler_is"] else None,
                       old_entropy=f32() if spec["old_stats"] else None)
+        if spec.get("use_remove_padding"):  # packed rows of P + R tokens, the worst case: one sequence per row
+            i32 = lambda shape: sd(shape, jnp.int32)  # noqa: E731
+            dp = mesh.shape["data"] * mesh.shape["fsdp"]
+            batch = batch.replace(packing=PackedLayout(i32((b, p + r)), i32((b, p + r)), i32((b, p + r)),
+                                                       i32((b, r)), num_shards=dp))
         step = make_train_step(recipe, opt, num_micro_batches=spec["num_micro_batches"],
                                temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512,
                                vocab_chunk=spec["vocab_chunk"], vocab_size=qcfg.vocab_size, mesh=mesh,
@@ -471,7 +477,9 @@ def format_report(result: dict) -> str:
         f"recipe: {s['recipe']}  mini-batch {s['mini_batch_sequences']} sequences x {s['prompt_length']}+"
         f"{s['response_length']} tokens, {s['micro_batch_per_device']} per device per micro-batch, "
         f"{s['num_micro_batches']} micro-batches, {s['updates_per_step']} updates per step; "
-        f"optimizer state: {s.get('opt_state', 'trainer')}",
+        f"optimizer state: {s.get('opt_state', 'trainer')}; model.use_remove_padding: "
+        + ("packed rows of P+R tokens, planned at the worst case (every sequence full length)"
+           if s.get("use_remove_padding") else "off (padded rows)"),
         "", "per device, GB (1e9 bytes)          XLA (CPU-compiled)   analytic (even split)"]
     verdicts = []
     if "train" in result:

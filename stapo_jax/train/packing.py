@@ -35,12 +35,14 @@ class PackedLayout:
       positions: [M, L] int32 RoPE positions, restarting at 0 for each sequence.
       response_index: [B, R] int32, flat index ``row * L + column`` within the row's shard block (see the
         module docstring) of the hidden state that predicts response token ``(b, r)``; 0 on response padding.
+      num_shards: (static) the ``num_shards`` the rows were planned with.
     """
 
     input_ids: jax.Array
     segment_ids: jax.Array
     positions: jax.Array
     response_index: jax.Array
+    num_shards: int = flax.struct.field(pytree_node=False, default=1)
 
     @property
     def attention_mask(self) -> jax.Array:
@@ -120,7 +122,61 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
                                      f"state that predicts it is not a real token)")
                 resp_index[i, rc] = j * row_length + off + rank[p + rc - 1]
                 off += n
-    return PackedLayout(input_ids=out_ids, segment_ids=seg, positions=pos, response_index=resp_index)
+    return PackedLayout(input_ids=out_ids, segment_ids=seg, positions=pos, response_index=resp_index,
+                        num_shards=num_shards)
+
+
+def rows_bucket(rows: int, cap: int) -> int:
+    """Packed rows per shard rounded up to a bucket, at most ``cap`` (the padded rows per shard): exact up to 8,
+    then to a multiple of ``2 ** (bit_length - 3)`` (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four buckets
+    per octave, < 25% extra rows), so a jitted step recompiles only when the bucket changes."""
+    rows = max(int(rows), 1)
+    step = 1 << max(rows.bit_length() - 3, 0)
+    return min(-(-rows // step) * step, max(int(cap), rows))
+
+
+def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, *,
+                       num_micro_batches: int, num_shards: int = 1) -> PackedLayout:
+    """Packed layouts of the K micro-batches of one ``[B, P + R]`` mini-batch, in one :class:`PackedLayout` that
+    the train step splits like the rest of its ``Batch`` (``stapo_jax.train.train_step``: micro-batch ``j`` =
+    rows ``j, j + K, ...``).
+
+    Each micro-batch is packed with :func:`pack_sequences` into rows of ``L = P + R`` tokens (the padded width,
+    already bucketed by ``stapo_jax.train.batching``) with ``num_shards`` shard blocks; every micro-batch gets
+    the same rows per shard, ``rows_bucket`` of the largest need (zero rows appended to each shard block).
+
+    Args:
+      input_ids, attention_mask: [B, P + R] (numpy, the ``stapo_jax.train.batching`` layout).
+      response_length: R. num_micro_batches: K (divides B). num_shards: S, data-parallel shards (divides B / K).
+    Returns:
+      :class:`PackedLayout` with ``input_ids`` / ``segment_ids`` / ``positions`` [K * M, L] int32, interleaved
+      so that rows ``j, j + K, ...`` are micro-batch ``j``'s M packed rows (shard-local under a row sharding),
+      ``response_index`` [B, R] int32 (row b's index into micro-batch ``b % K``'s rows of its shard block).
+    Raises:
+      ValueError: K or S not dividing the rows, or as :func:`pack_sequences`.
+    """
+    ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+    b, t = ids.shape
+    k = int(num_micro_batches)
+    if k < 1 or b % k or (b // k) % num_shards:
+        raise ValueError(f"pack_micro_batches: num_micro_batches={k} x num_shards={num_shards} must divide the "
+                         f"batch size {b}")
+    lays = [pack_sequences(ids[j::k], mask[j::k], response_length, t, num_shards=num_shards) for j in range(k)]
+    need = max(lay.input_ids.shape[0] // num_shards for lay in lays)
+    m = rows_bucket(need, b // k // num_shards)
+
+    def rows(x):  # [S * m_j, L] -> [S * m, L], zero rows appended to each shard block
+        x = x.reshape(num_shards, -1, t)
+        return np.pad(x, ((0, 0), (0, m - x.shape[1]), (0, 0))).reshape(num_shards * m, t)
+
+    def interleave(name):  # micro-batch j's row i -> global row i * K + j (train_step's strided split)
+        return np.stack([rows(getattr(lay, name)) for lay in lays], 1).reshape(num_shards * m * k, t)
+
+    resp = np.zeros((b, response_length), np.int32)
+    for j, lay in enumerate(lays):
+        resp[j::k] = lay.response_index
+    return PackedLayout(input_ids=interleave("input_ids"), segment_ids=interleave("segment_ids"),
+                        positions=interleave("positions"), response_index=resp, num_shards=num_shards)
 
 
 def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:

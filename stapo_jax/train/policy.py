@@ -17,7 +17,7 @@ from stapo_jax.train.packing import PackedLayout, gather_response_hidden
 def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                                    *, temperature: float = 1.0, seq_chunk: int = 512,
                                    vocab_chunk: Optional[int] = None, packing: Optional[PackedLayout] = None,
-                                   packing_shards: int = 1) -> tuple[jax.Array, jax.Array]:
+                                   packing_shards: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
     """Log-prob and entropy of each response token under ``model`` (see ``stapo_jax.train.batching`` for the layout).
 
     Args:
@@ -28,7 +28,7 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
       temperature: logits are divided by it (the sampler's temperature).
       seq_chunk, vocab_chunk: chunk sizes of the LM-head pass (tokens, vocabulary entries).
       packing: optional :class:`stapo_jax.train.packing.PackedLayout` of this batch (``pack_sequences`` with
-        ``num_shards=packing_shards``): the transformer runs on the packed rows (no padding; segment ids,
+        ``num_shards=packing_shards``; default: the layout's ``num_shards``): the transformer runs on the packed rows (no padding; segment ids,
         per-sequence positions) and the hidden states are gathered back into the [B, R] layout, so the
         outputs equal the padded computation's on every response token. ``input_ids`` still gives the targets.
     Returns:
@@ -46,7 +46,8 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
     else:
         hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
                           segment_ids=packing.segment_ids)
-        h = gather_response_hidden(hidden, packing.response_index, packing_shards)
+        h = gather_response_hidden(hidden, packing.response_index,
+                                   packing.num_shards if packing_shards is None else packing_shards)
     targets = input_ids[:, p:]
     return chunked_log_probs_and_entropy(h, model.lm_head_weight(), targets, temperature=temperature,
                                          seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)

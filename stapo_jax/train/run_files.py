@@ -29,6 +29,10 @@ def dump_experience(directory: str, step: int, exp) -> None:
     np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
 
 
+# model keys that change how the weights are computed with, not which weights a checkpoint holds
+RUNTIME_MODEL_KEYS = ("use_remove_padding",)
+
+
 def check_same_model(cfg: Config, run_dir: str) -> None:
     """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore)."""
     path = os.path.join(run_dir, "config.yaml")
@@ -38,7 +42,7 @@ def check_same_model(cfg: Config, run_dir: str) -> None:
         saved = (yaml.safe_load(f) or {}).get("model", {})
     now = cfg.to_dict()["model"]
     diff = [f"model.{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+            if saved.get(k) != now.get(k) and k not in RUNTIME_MODEL_KEYS]
     if diff:
         raise ConfigError(f"trainer.run_dir={run_dir} holds checkpoints of a different model ({'; '.join(diff)}); "
                           f"use a new trainer.run_dir or trainer.resume=false")

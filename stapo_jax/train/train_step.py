@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
 from stapo_jax.algo.objectives import compute_policy_loss, finalize_metrics, safe_divide
+from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
@@ -101,7 +102,8 @@ class Batch:
     prompt then right-padded response); ``response_mask`` ``[B, R]`` (1 on response tokens); ``advantages``
     ``[B]`` or ``[B, R]`` float32; ``old_log_probs`` ``[B, R]`` float32 (trainer forward of the rollout policy);
     optional ``ref_log_probs`` ``[B, R]`` (KL loss), ``rollout_log_probs`` ``[B, R]`` (sampler log-probs, truncated
-    IS), ``old_entropy`` ``[B, R]`` (S2T with ``stats_policy=old``)."""
+    IS), ``old_entropy`` ``[B, R]`` (S2T with ``stats_policy=old``); ``packing``: the micro-batches' padding-free
+    rows (``stapo_jax.train.packing.pack_micro_batches`` with this step's K), None = run the padded rows."""
 
     input_ids: jax.Array
     attention_mask: jax.Array
@@ -111,6 +113,7 @@ class Batch:
     ref_log_probs: Optional[jax.Array] = None
     rollout_log_probs: Optional[jax.Array] = None
     old_entropy: Optional[jax.Array] = None
+    packing: Optional[PackedLayout] = None
 
 
 def _validate(batch: Batch, num_micro_batches: int) -> None:
@@ -143,21 +146,23 @@ def _unsplit(x):
 
 def make_log_prob_fn(*, temperature: float = 1.0, seq_chunk: int = 512, vocab_chunk: Optional[int] = None,
                      num_micro_batches: int = 1):
-    """Forward-only ``(params, graphdef, input_ids, attention_mask, response_length) -> (log_probs, entropy)``,
-    ``[B, R]`` float32 each, micro-batched with ``lax.map`` (same rows/strides as the update). The trainer uses it
-    for ``old_log_probs`` and the update for its pre-pass, so the first ratio of an update is 1.
+    """Forward-only ``(params, graphdef, input_ids, attention_mask, response_length, packing=None) -> (log_probs,
+    entropy)``, ``[B, R]`` float32 each, micro-batched with ``lax.map`` (same rows/strides as the update; ``packing``
+    as ``Batch.packing``). The trainer uses it for ``old_log_probs`` and the update for its pre-pass, so the first
+    ratio of an update is 1.
     """
 
-    def fn(params, graphdef, input_ids, attention_mask, response_length: int):
+    def fn(params, graphdef, input_ids, attention_mask, response_length: int, packing=None):
         k = num_micro_batches
 
         def one(xs):
-            ids, att = xs
+            ids, att, lay = xs
             model = nnx.merge(graphdef, params)
             return response_log_probs_and_entropy(model, ids, att, response_length, temperature=temperature,
-                                                  seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+                                                  seq_chunk=seq_chunk, vocab_chunk=vocab_chunk, packing=lay)
 
-        lp, ent = jax.lax.map(one, (_split(input_ids, k), _split(attention_mask, k)))
+        lay = None if packing is None else jax.tree.map(lambda x: _split(x, k), packing)
+        lp, ent = jax.lax.map(one, (_split(input_ids, k), _split(attention_mask, k), lay))
         return _unsplit(lp), _unsplit(ent)
 
     return fn
@@ -237,7 +242,7 @@ def make_train_step(
             if mode == "old":
                 mask_stats = (batch.old_log_probs, batch.old_entropy)
             else:
-                mask_stats = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r)
+                mask_stats = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r, batch.packing)
             keep_all, st = compute_token_mask(recipe, log_probs=mask_stats[0], entropy=mask_stats[1],
                                               advantages=batch.advantages, response_mask=resp,
                                               old_log_probs=batch.old_log_probs, key=key)
@@ -248,7 +253,7 @@ def make_train_step(
         def forward(p, mb):
             return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
                                                   temperature=temperature, seq_chunk=seq_chunk,
-                                                  vocab_chunk=vocab_chunk)
+                                                  vocab_chunk=vocab_chunk, packing=mb.packing)
 
         def surrogate(lp, ent, mb, keep):
             kl_sel = keep if selects else None

@@ -94,6 +94,8 @@ def train(cfg: Config) -> dict[str, Any]:
                        state_shardings=shardings, donate=True, **common)
         first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+        if cfg.model.use_remove_padding:
+            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows")
         # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                 shard_index=0, shard_count=1)
@@ -128,7 +130,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
-                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh)
+                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=k,
+                                    use_remove_padding=cfg.model.use_remove_padding)
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "

@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.train.packing import pack_micro_batches
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
 
 
@@ -37,6 +38,13 @@ def stop_requested(preempt: Preemption) -> bool:
     return allgather_max(float(preempt.requested)) > 0
 
 
+def data_parallel_size(mesh) -> int:
+    """Data-parallel shards of the batch rows: ``mesh.data`` x ``mesh.fsdp`` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
+
+
 def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
     (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
@@ -45,7 +53,7 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     Raises:
       ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change).
     """
-    dp = int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
+    dp = data_parallel_size(mesh)
     per_device = rows // dp
     k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
     if rows % dp or per_device % k:
@@ -59,7 +67,7 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
-                  mesh=None):
+                  mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -72,6 +80,10 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
         data-parallel shards (``num_micro_batches`` checks that first).
       mesh: the training mesh (rows go to its data-parallel devices); None = one device.
+      num_micro_batches: K of ``step_fns`` / ``log_prob_fn`` (the packed layout is planned per micro-batch).
+      use_remove_padding: pack each micro-batch (``stapo_jax.train.packing.pack_micro_batches``, each
+        data-parallel shard its own rows), planned on the host once per mini-batch and given to the old-log-prob
+        pass and every epoch's update through ``Batch.packing`` (verl's ``model.use_remove_padding``).
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -87,10 +99,14 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         else jnp.asarray
     get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if sharding is not None \
         else np.asarray
-    old_lp, old_ent = [], []
+    old_lp, old_ent, layouts = [], [], {}
     for s in range(0, exp.num_rows, mini_rows):
+        if use_remove_padding:
+            lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
+                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
+            layouts[s] = jax.tree.map(put, lay)
         lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
-                              put(a["attention_mask"][s:s + mini_rows]), R)
+                              put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
         old_lp.append(get(lp))
         old_ent.append(get(ent))
     old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
@@ -102,7 +118,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
             batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
                           response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
                           old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
-                          rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]))
+                          rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]),
+                          packing=layouts.get(s))
             state, m = step_fns[0 if (epoch == 0 and s == 0) else 1](state, batch)
             metrics.append(m)  # device scalars: no host round trip between mini-batches
     metrics = jax.device_get(metrics)  # one transfer per update, after the last mini-batch is dispatched
