@@ -9,7 +9,7 @@ Why the warm-up is shared rather than repeated per layout: 2 x 2, 4 x 1, 1 x 2 a
 same SFT gradient, but 1 process x 4 devices differs in the last bits of the k_proj / v_proj gradients (26k of
 ~0.3M elements, up to 4e-6 of a gradient of size ~10), and Adam amplifies that to ~5e-5 after 20 SFT steps. It is
 not the gradient all-reduce (the SFT step has none: its batch is replicated, every device computes the whole
-gradient) but XLA:CPU compiling the same per-device computation differently with 4 local devices (see DESIGN.md,
+gradient) but XLA:CPU running the same optimized HLO differently with 4 local devices (see DESIGN.md,
 "Multi-process runs"); the RL part is then compared from identical weights.
 
 The runs happen once per module (each costs one compile per process on the CI's 2 cores)."""
