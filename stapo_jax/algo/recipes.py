@@ -34,14 +34,15 @@ from stapo_jax.algo.objectives import PolicyLossConfig
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
            "recipe_from_config"]
 
-TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
+TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
 
 @dataclass(frozen=True)
 class Recipe:
     """One RL method's settings.
 
-    name: recipe name. loss: surrogate settings (verl names). token_mask: one of ``TOKEN_MASKS``.
+    name: recipe name. loss: surrogate settings (verl names). token_mask: ``none`` or a registered mask
+    (``masks.TOKEN_MASKS``, including ones registered later).
     s2t / top_entropy / cov: settings of the corresponding masks. adv_estimator: ``grpo``, ``dr_grpo`` or
     ``rloo``; adv_epsilon, adv_ddof: GRPO std epsilon and ddof. dynamic_sampling / max_gen_batches: DAPO's
     drop-constant-groups resampling. overlong_buffer_len / overlong_penalty_factor: DAPO overlong reward
@@ -64,8 +65,9 @@ class Recipe:
     drop_truncated: bool = False
 
     def __post_init__(self):
-        if self.token_mask not in TOKEN_MASKS:
-            raise ValueError(f"token_mask must be one of {TOKEN_MASKS}, got {self.token_mask!r}")
+        if self.token_mask != "none" and self.token_mask not in masks.TOKEN_MASKS:  # the live registry
+            known = ("none",) + tuple(masks.TOKEN_MASKS)
+            raise ValueError(f"token_mask must be one of {known}, got {self.token_mask!r}")
         if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"adv_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.adv_estimator!r}")
         if self.adv_ddof not in (0, 1):
