@@ -32,7 +32,7 @@ from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import PolicyLossConfig
 
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
-           "recipe_from_config"]
+           "recipe_from_config", "loss_from_actor", "LOSS_FROM_ACTOR"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
@@ -101,6 +101,21 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
+# PolicyLossConfig fields whose config key differs: the truncated-IS cap is the ``actor.sampler_is`` switch plus
+# ``actor.sampler_is_cap``; every other field is read from the ``actor`` section under its own name
+LOSS_FROM_ACTOR = {"rollout_is_threshold": lambda a: a.sampler_is_cap if a.sampler_is == "truncate" else None}
+
+
+def loss_from_actor(actor) -> PolicyLossConfig:
+    """The :class:`PolicyLossConfig` of the config's ``actor`` section (:class:`stapo_jax.config.schema.ActorConfig`):
+    each field by its name (verl keys), except those in :data:`LOSS_FROM_ACTOR`.
+
+    Raises: ValueError (``ConfigError``) from the loss settings; AttributeError if the schema lacks a loss field
+    (a bug, caught by tests/test_config.py). Source: configs/base.yaml ``actor``."""
+    return PolicyLossConfig(**{f.name: LOSS_FROM_ACTOR[f.name](actor) if f.name in LOSS_FROM_ACTOR
+                               else getattr(actor, f.name) for f in dataclasses.fields(PolicyLossConfig)})
+
+
 def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
     loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
@@ -108,12 +123,8 @@ def recipe_from_config(cfg) -> Recipe:
 
     Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
     """
-    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
-    loss = PolicyLossConfig(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
+    s, t = cfg.s2t, cfg.top_entropy
+    loss = loss_from_actor(cfg.actor)
     mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
     return Recipe(
         cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,
