@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from models.qwen3 import Qwen3Config
+from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,9 +31,9 @@ _SIZES = {
 }
 # shared by all four sizes
 _COMMON = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-               bos_token_id=151643, initializer_range=0.02)
-_INSTRUCT = dict(eos_token_id=151645, max_position_embeddings=40960)
-_BASE = dict(eos_token_id=151643, max_position_embeddings=32768)
+               bos_token_id=QWEN3_ENDOFTEXT_ID, initializer_range=0.02)
+_INSTRUCT = dict(eos_token_id=QWEN3_IM_END_ID, max_position_embeddings=40960)
+_BASE = dict(eos_token_id=QWEN3_ENDOFTEXT_ID, max_position_embeddings=32768)
 
 
 def _arch(size: str, base: bool) -> dict:

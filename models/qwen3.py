@@ -29,6 +29,7 @@ from flax import nnx
 
 from models.attention import DEFAULT_BLOCK, IMPLEMENTATIONS, dot_product_attention, segment_ids_from_mask
 from models.sharding import constrain
+from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
 _REMAT_POLICIES = {
     "none": None,
@@ -66,8 +67,8 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
-    bos_token_id: Optional[int] = 151643
-    eos_token_id: Any = 151645  # int or tuple of ints
+    bos_token_id: Optional[int] = QWEN3_ENDOFTEXT_ID
+    eos_token_id: Any = QWEN3_IM_END_ID  # int or tuple of ints
     pad_token_id: Optional[int] = None
     dtype: str = "float32"
     param_dtype: str = "float32"

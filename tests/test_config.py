@@ -227,3 +227,21 @@ def test_base_yaml_documents_every_key_with_its_default():
 def test_config_is_plain_dataclasses():
     cfg = load_config(None)
     assert dataclasses.is_dataclass(cfg) and isinstance(cfg.to_dict()["actor"]["optim"]["betas"], list)
+
+
+def test_every_loss_field_is_settable_from_the_config():
+    """Each PolicyLossConfig field reaches the recipe from the ``actor`` section (its own key, or the one in
+    recipes.LOSS_FROM_ACTOR)."""
+    from stapo_jax.algo.objectives import PolicyLossConfig
+    from stapo_jax.algo.recipes import LOSS_FROM_ACTOR, recipe_from_config
+
+    values = {"clip_ratio_low": 0.11, "clip_ratio_high": 0.33, "clip_ratio_c": 4.5, "loss_agg_mode": "token-sum",
+              "loss_scale_factor": 7.0, "log_ratio_clamp": 9.0, "entropy_coeff": 0.01, "use_kl_loss": True,
+              "kl_loss_coef": 0.02, "kl_loss_type": "k2", "ppo_kl_coef": 0.7}
+    names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    assert set(values) | set(LOSS_FROM_ACTOR) == names
+    loss = recipe_from_config(load_config(None, [f"actor.{k}={v}" for k, v in values.items()]
+                                          + ["actor.sampler_is=truncate", "actor.sampler_is_cap=3.5",
+                                             "algorithm.strict_recipe=false"])).loss
+    assert {k: getattr(loss, k) for k in values} == values and loss.rollout_is_threshold == 3.5
+    assert recipe_from_config(load_config(None)).loss.rollout_is_threshold is None

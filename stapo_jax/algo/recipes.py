@@ -32,16 +32,17 @@ from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import PolicyLossConfig
 
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
-           "recipe_from_config"]
+           "recipe_from_config", "loss_from_actor", "LOSS_FROM_ACTOR"]
 
-TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every registered mask
+TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
 
 @dataclass(frozen=True)
 class Recipe:
     """One RL method's settings.
 
-    name: recipe name. loss: surrogate settings (verl names). token_mask: one of ``TOKEN_MASKS``.
+    name: recipe name. loss: surrogate settings (verl names). token_mask: ``none`` or a registered mask
+    (``masks.TOKEN_MASKS``, including ones registered later).
     s2t / top_entropy / cov: settings of the corresponding masks. adv_estimator: ``grpo``, ``dr_grpo`` or
     ``rloo``; adv_epsilon, adv_ddof: GRPO std epsilon and ddof. dynamic_sampling / max_gen_batches: DAPO's
     drop-constant-groups resampling. overlong_buffer_len / overlong_penalty_factor: DAPO overlong reward
@@ -64,8 +65,9 @@ class Recipe:
     drop_truncated: bool = False
 
     def __post_init__(self):
-        if self.token_mask not in TOKEN_MASKS:
-            raise ValueError(f"token_mask must be one of {TOKEN_MASKS}, got {self.token_mask!r}")
+        if self.token_mask != "none" and self.token_mask not in masks.TOKEN_MASKS:  # the live registry
+            known = ("none",) + tuple(masks.TOKEN_MASKS)
+            raise ValueError(f"token_mask must be one of {known}, got {self.token_mask!r}")
         if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"adv_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.adv_estimator!r}")
         if self.adv_ddof not in (0, 1):
@@ -99,6 +101,21 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
+# PolicyLossConfig fields whose config key differs: the truncated-IS cap is the ``actor.sampler_is`` switch plus
+# ``actor.sampler_is_cap``; every other field is read from the ``actor`` section under its own name
+LOSS_FROM_ACTOR = {"rollout_is_threshold": lambda a: a.sampler_is_cap if a.sampler_is == "truncate" else None}
+
+
+def loss_from_actor(actor) -> PolicyLossConfig:
+    """The :class:`PolicyLossConfig` of the config's ``actor`` section (:class:`stapo_jax.config.schema.ActorConfig`):
+    each field by its name (verl keys), except those in :data:`LOSS_FROM_ACTOR`.
+
+    Raises: ValueError (``ConfigError``) from the loss settings; AttributeError if the schema lacks a loss field
+    (a bug, caught by tests/test_config.py). Source: configs/base.yaml ``actor``."""
+    return PolicyLossConfig(**{f.name: LOSS_FROM_ACTOR[f.name](actor) if f.name in LOSS_FROM_ACTOR
+                               else getattr(actor, f.name) for f in dataclasses.fields(PolicyLossConfig)})
+
+
 def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
     loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
@@ -107,12 +124,8 @@ def recipe_from_config(cfg) -> Recipe:
     Takes no arrays; returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
     """
-    a, s, t = cfg.actor, cfg.s2t, cfg.top_entropy
-    loss = PolicyLossConfig(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        rollout_is_threshold=a.sampler_is_cap if a.sampler_is == "truncate" else None)
+    s, t = cfg.s2t, cfg.top_entropy
+    loss = loss_from_actor(cfg.actor)
     mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
     return Recipe(
         cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,

@@ -13,6 +13,9 @@ The S2T entropy threshold ``tau_h`` is a quantile over the whole mini-batch *und
   policy's statistics are the current ones, so :func:`make_update_steps` gives a first-mini-batch step that reads
   ``old_log_probs`` / ``old_entropy`` instead (``stats_policy=old``), saving that pass.
 * ``old`` (``s2t.stats_policy=old``): the old policy's statistics throughout.
+
+The train step is generic (``stapo_jax.train.train_step``); this module gives it S2T's ways through the mask
+strategy interface (``stapo_jax.train.mask_strategy``): :func:`s2t_strategy` is registered for ``s2t``.
 """
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
+from stapo_jax.train.mask_strategy import (MaskStrategy, full_batch_strategy, micro_batch_outcome,
+                                           register_mask_strategy, split_micro_batches)
 
-__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass", "make_update_steps"]
+__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass", "make_update_steps", "s2t_strategy",
+           "old_policy_stats", "correction_strategy"]
 
 
 def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
@@ -51,16 +57,19 @@ def provisional_tau_h(recipe: Recipe, old_log_probs, old_entropy, advantages, re
                               response_mask=response_mask)[1]["s2t/tau_h"]
 
 
-def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact):
+def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact, grad=None):
     """S2T ``minibatch_method='correction'``: add ``grad(sum_exact - sum_provisional)`` for every micro-batch in
     which the exact mini-batch ``tau_h`` changed the mask of at least one token (``lax.cond``: the others cost
     nothing), so the update equals the pre-pass update.
 
     Args: forward ``(params, micro_batch) -> (log_probs, entropy)``; surrogate ``(log_probs, entropy,
       micro_batch, keep) -> (loss_sum, ...)``; params; grad_sum (the gradient-sum pytree so far); mbs: the
-      micro-batches stacked ``[K, ...]``; keep_guess / keep_exact: ``[K, B/K, R]`` bool.
+      micro-batches stacked ``[K, ...]``; keep_guess / keep_exact: ``[K, B/K, R]`` bool; grad: ``grad(fn, params)
+      -> (grads, aux)`` for ``fn -> (scalar, aux)`` (default ``jax.grad(fn, has_aux=True)``; the train step passes
+      its own).
     Returns ``(grad_sum, metrics)`` with the counts ``s2t/correction_passes`` (micro-batches redone) and
     ``s2t/corrected_tokens`` (float32 scalars). Source: stapo_spec.md §3 (exact mini-batch quantile)."""
+    grad_fn = grad if grad is not None else (lambda fn, p: jax.grad(fn, has_aux=True)(p))
     changed = keep_guess != keep_exact
     redo = jnp.any(changed.reshape(changed.shape[0], -1), axis=1)
 
@@ -70,9 +79,9 @@ def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_
         def fix(_):
             def diff(p):
                 lp, ent = forward(p, mb)
-                return surrogate(lp, ent, mb, kc)[0] - surrogate(lp, ent, mb, kg)[0]
+                return surrogate(lp, ent, mb, kc)[0] - surrogate(lp, ent, mb, kg)[0], None
 
-            return jax.grad(diff)(params)
+            return grad_fn(diff, params)[0]
 
         g = jax.lax.cond(flag, fix, lambda _: jax.tree.map(jnp.zeros_like, params), None)
         return jax.tree.map(jnp.add, acc, g), None
@@ -81,6 +90,50 @@ def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_
                             lambda g: g, grad_sum)
     return grad_sum, {"s2t/correction_passes": jnp.sum(redo).astype(jnp.float32),
                       "s2t/corrected_tokens": jnp.sum(changed).astype(jnp.float32)}
+
+
+def old_policy_stats(ctx, params, batch):
+    """``(old_log_probs, old_entropy)`` ``[B, R]`` float32 of the batch: the statistics of ``stats_policy=old``.
+    Raises: ValueError when the batch has no ``old_entropy``."""
+    if batch.old_entropy is None:
+        raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
+    return batch.old_log_probs, batch.old_entropy
+
+
+def correction_strategy() -> MaskStrategy:
+    """``minibatch_method=correction``: the gradient pass masks each micro-batch with the provisional ``tau_h``
+    (:func:`provisional_tau_h`); ``finish`` takes the exact mini-batch ``tau_h`` from that pass's entropies and adds
+    :func:`correction_pass`. Metrics ``s2t/correction_passes``, ``s2t/corrected_tokens``. Raises: ValueError as
+    :func:`stapo_jax.algo.recipes.compute_token_mask`. Source: stapo_spec.md §3."""
+
+    def prepare(ctx, params, batch):
+        resp = batch.response_mask.astype(jnp.float32)
+        return provisional_tau_h(ctx.recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp), None
+
+    def micro_mask(ctx, tau_guess, pm, lp, ent, mb, j):
+        keep, st = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=mb.advantages,
+                                      response_mask=mb.response_mask.astype(jnp.float32),
+                                      old_log_probs=mb.old_log_probs, key=jax.random.fold_in(ctx.key, j),
+                                      tau_h=tau_guess)
+        return keep, st["s2t/tau_h"]
+
+    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
+        keep, stats = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=batch.advantages,
+                                         response_mask=batch.response_mask.astype(jnp.float32))
+        grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, params, grad_sum, mbs, keeps,
+                                          split_micro_batches(keep, ctx.num_micro_batches), grad=ctx.grad)
+        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus, extra, keep=keep, tau_h=stats["s2t/tau_h"])
+
+    return MaskStrategy(prepare=prepare, micro_mask=micro_mask, finish=finish)
+
+
+@register_mask_strategy("s2t")
+def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
+    """The S2T update strategy by :func:`minibatch_stats_mode`: ``old`` -> the mask once from the old policy's
+    statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
+    strategy of ``stapo_jax.train.mask_strategy``) otherwise."""
+    mode = minibatch_stats_mode(recipe, has_old_entropy)
+    return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
 
 
 def make_update_steps(recipe: Recipe, optimizer, **step_kw):

@@ -198,6 +198,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.0
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                           "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"] = "low_var_kl"
+    log_ratio_clamp: float = 20.0
+    ppo_kl_coef: float = 0.1
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from models.special_tokens import QWEN3_STOP_IDS  # noqa: F401  (re-exported: the engine and client use it)
 from stapo_jax.config.schema import Config, ConfigError, TokenizerConfig
 
 ENDOFTEXT, IM_START, IM_END, THINK, END_THINK, UNK = (
@@ -25,9 +26,8 @@ BUILTIN_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, END_THINK, UNK)
 BUILTIN_CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))  # newline, tab, printable ASCII
 # Qwen3's stop set is {<|endoftext|>, <|im_end|>} (conventions.md §6); the same names are used here.
 STOP_TOKEN_NAMES = (ENDOFTEXT, IM_END)
-# Qwen3's stop ids, the one definition (conventions.md §6): <|endoftext|> (base EOS, also the pad id) and
-# <|im_end|> (instruct EOS); for a model without a tokenizer (the engine, the gRPC client, the planner)
-QWEN3_STOP_IDS = (151643, 151645)
+# Qwen3's stop ids QWEN3_STOP_IDS are defined once in models.special_tokens (conventions.md §6), for a model
+# without a tokenizer (the engine, the gRPC client, the planner); the pad id is <|endoftext|>
 QWEN3_PAD_ID = QWEN3_STOP_IDS[0]
 
 BUILTIN_CHAT_TEMPLATE = (

@@ -274,8 +274,9 @@ def _plan_train(spec, qcfg, mesh) -> dict:
     import jax.numpy as jnp
 
     from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.algo.s2t import minibatch_stats_mode
     from stapo_jax.train.packing import PackedLayout
-    from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step, minibatch_stats_mode
+    from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step
 
     o = spec["optim"]
     opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
@@ -406,7 +407,7 @@ def analytic(spec: dict, qcfg) -> dict:
     p, r = spec["prompt_length"], spec["response_length"]
     t = p + r
     fwd = 2 * layers * layer * t + 4 * layers * t * t * nh * h + 2 * d * v * r
-    from stapo_jax.train.train_step import minibatch_stats_mode
+    from stapo_jax.algo.s2t import minibatch_stats_mode
 
     mode = minibatch_stats_mode(_spec_recipe(spec), spec["old_stats"])
     recompute = {"full": 2 * layers * layer * t + 4 * layers * t * t * nh * h,

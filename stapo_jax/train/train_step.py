@@ -1,29 +1,23 @@
-"""The jitted pure update ``(TrainState, Batch) -> (TrainState, metrics)`` of one mini-batch.
+"""The jitted pure update ``(TrainState, Batch) -> (TrainState, metrics)`` of one mini-batch: a generic
+accumulate-and-apply step that names no token mask.
 
 Data flow (stapo_spec.md §3-4, conventions.md §2):
 
-1. **Mini-batch population** (when the recipe's mask needs it: S2T or 20-Entropy with ``scope=minibatch``).
-   S2T with ``minibatch_method=correction`` (default) and ``batch.old_entropy`` given: a *provisional* ``tau_h``
-   = the quantile of ``old_entropy`` (exact on the first mini-batch of a step, θ = θ_old). Otherwise a
-   **pre-pass**: a forward-only pass over all micro-batches gives ``log_probs`` and ``entropy`` of every response
-   token under the current parameters and the mask is computed once on the whole mini-batch. Under ``jit`` with
-   batch-sharded inputs the sort behind a quantile runs on the global array, so the population spans all
-   data-parallel shards.
-2. **Gradient pass**: ``lax.scan`` over micro-batches; each computes hidden states (``models.qwen3``) ->
-   chunked log-probs + entropy (``stapo_jax.train.policy`` / ``stapo_jax.algo.logprobs``) -> the stored mask (or the mask
-   of this micro-batch: ``microbatch`` scope, or S2T with the provisional ``tau_h``) ->
-   ``compute_policy_loss`` and accumulates ``grad(loss_sum)``; it returns every token's stop-gradient
-   log-prob and entropy.
-3. **Correction** (S2T ``correction`` only): the exact ``tau_h`` from those entropies; for each micro-batch in
-   which it changes a token's mask, ``grad(sum_exact - sum_provisional)`` is added (``lax.cond``; counted in
-   ``s2t/correction_passes``). The result equals the pre-pass update.
+1. ``strategy.prepare``: the recipe's mask strategy (``stapo_jax.train.mask_strategy.mask_strategy``) does what
+   its mask needs before the gradient pass: nothing (per-micro-batch masks), the mask on the whole mini-batch
+   from a forward-only pre-pass or from the old policy's statistics, or S2T's provisional threshold
+   (``stapo_jax.algo.s2t``).
+2. **Gradient pass**: ``lax.scan`` over the K micro-batches (micro-batch ``j`` = rows ``j, j + K, ...``, so a
+   batch sharded over rows stays local); each computes log-probs + entropy (``forward`` below:
+   ``stapo_jax.train.policy``), asks ``strategy.micro_mask`` for its mask, and accumulates
+   ``grad(compute_policy_loss(...).loss_sum)``; it returns every token's stop-gradient log-prob and entropy.
+3. ``strategy.finish``: the final mask of the mini-batch (S2T's correction pass adds its gradient here).
 4. Loss value, denominator and metrics once on the whole mini-batch with the final mask; one division of the
    gradient sum by that **global** denominator (a constant for ``token-sum`` / ``token-sum-norm``), so the update
    equals the full-batch gradient exactly; then the optax update. A non-finite gradient norm skips the update
    (``nonfinite_grad = 1``).
 
 Batch layout follows ``stapo_jax.train.batching`` (verl): ``input_ids`` ``[B, P + R]``, response arrays ``[B, R]``.
-Micro-batch ``k`` holds rows ``k, k + K, k + 2K, ...`` so that a batch sharded over rows stays local.
 """
 
 from __future__ import annotations
@@ -39,15 +33,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.masks import get_token_mask, masked_quantile
 from stapo_jax.algo.objectives import compute_policy_loss, finalize_metrics, safe_divide
+from stapo_jax.algo.recipes import Recipe
+from stapo_jax.train.mask_strategy import (UpdateContext, join_micro_batches, mask_selects, mask_strategy,
+                                           split_micro_batches)
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
-from stapo_jax.algo.recipes import Recipe, compute_token_mask
-from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
-           "minibatch_stats_mode"]  # minibatch_stats_mode lives in stapo_jax.algo.s2t (re-exported for the trainer)
+           "optimizer_state_shardings"]
 
 DATA_AXES = ("data", "fsdp")
 # reported as totals over the mini-batches of a step, not means
@@ -133,17 +127,6 @@ def _validate(batch: Batch, num_micro_batches: int) -> None:
         raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1 and divide the batch size {b}")
 
 
-def _split(x, k):
-    """[B, ...] -> [K, B/K, ...] with micro-batch j = rows j, j+K, ... (strided: shard-local)."""
-    if x is None:
-        return None
-    return x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
-
-
-def _unsplit(x):
-    return x.swapaxes(0, 1).reshape((-1,) + x.shape[2:])
-
-
 def make_log_prob_fn(*, temperature: float = 1.0, seq_chunk: int = 512, vocab_chunk: Optional[int] = None,
                      num_micro_batches: int = 1):
     """Forward-only ``(params, graphdef, input_ids, attention_mask, response_length, packing=None) -> (log_probs,
@@ -161,9 +144,9 @@ def make_log_prob_fn(*, temperature: float = 1.0, seq_chunk: int = 512, vocab_ch
             return response_log_probs_and_entropy(model, ids, att, response_length, temperature=temperature,
                                                   seq_chunk=seq_chunk, vocab_chunk=vocab_chunk, packing=lay)
 
-        lay = None if packing is None else jax.tree.map(lambda x: _split(x, k), packing)
-        lp, ent = jax.lax.map(one, (_split(input_ids, k), _split(attention_mask, k), lay))
-        return _unsplit(lp), _unsplit(ent)
+        lay = None if packing is None else jax.tree.map(lambda x: split_micro_batches(x, k), packing)
+        lp, ent = jax.lax.map(one, (split_micro_batches(input_ids, k), split_micro_batches(attention_mask, k), lay))
+        return join_micro_batches(lp), join_micro_batches(ent)
 
     return fn
 
@@ -190,7 +173,9 @@ def make_train_step(
     """Build the jitted update ``step(state, batch) -> (state, metrics)``.
 
     Args:
-      recipe: a :class:`~stapo_jax.algo.recipes.Recipe` (loss, token mask and its scope).
+      recipe: a :class:`~stapo_jax.algo.recipes.Recipe` (loss, token mask and its scope); its mask strategy comes
+        from ``stapo_jax.train.mask_strategy.mask_strategy`` (decided at trace time: it may depend on whether the
+        batch has ``old_entropy``).
       optimizer: optax transformation (``stapo_jax.train.optim.make_optimizer``).
       num_micro_batches: K, gradient-accumulation steps (must divide B).
       temperature: sampling temperature (logits are divided by it).
@@ -205,136 +190,92 @@ def make_train_step(
       ``step``; metrics (float32 scalars): ``loss``, ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
       ``ppo_kl``, ``ratio_mean``, ``entropy``, ``grad_norm``, ``nonfinite_grad``, ``loss_denominator``,
       ``s2t/*`` and ``phase/*`` diagnostics (``s2t/tau_h`` = the recipe's entropy quantile of the population;
-      ``s2t/correction_passes`` / ``s2t/corrected_tokens`` with the S2T correction method),
-      plus ``kl_loss`` / ``entropy_loss`` / ``rollout_is_weight`` when active.
+      per-micro-batch masks report the mean of the micro-batch thresholds), the strategy's own metrics (S2T
+      correction: ``s2t/correction_passes`` / ``s2t/corrected_tokens``), plus ``kl_loss`` / ``entropy_loss`` /
+      ``rollout_is_weight`` when active.
 
     Raises:
       ValueError (at call time): batch fields missing or misshaped, K not dividing B, S2T ``stats_policy=old``
       without ``old_entropy``.
     """
-    loss_cfg = recipe.loss
-    mask = recipe.token_mask
-    selects = mask != "none" and get_token_mask(mask).selects  # kl_cov: a selection, not a keep mask
-    k = num_micro_batches
+    k, loss_cfg, selects = num_micro_batches, recipe.loss, mask_selects(recipe)
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
-    q = recipe.s2t.entropy_quantile
-    sg = jax.lax.stop_gradient
-
-    def _threshold(stats, entropy, valid):
-        """The S2T entropy threshold the mask used (its own population, e.g. ``positive_adv``); for other masks
-        the ``entropy_quantile`` of the valid tokens, for the phase diagnostics."""
-        if "s2t/tau_h" in stats:
-            return stats["s2t/tau_h"]
-        return masked_quantile(entropy, valid, q, recipe.s2t.quantile_method)
 
     def step(state: TrainState, batch: Batch):
         _validate(batch, k)
-        mode = minibatch_stats_mode(recipe, batch.old_entropy is not None)
-        if mode == "old" and batch.old_entropy is None:
-            raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
-        r = batch.response_mask.shape[1]
-        graphdef, params = state.graphdef, state.params
-        resp = batch.response_mask.astype(jnp.float32)
-        key = jax.random.fold_in(jax.random.PRNGKey(0), state.step)
-        keep_all, tau_all, tau_guess, mask_stats = None, None, None, None
-        if mode in ("old", "prepass"):
-            if mode == "old":
-                mask_stats = (batch.old_log_probs, batch.old_entropy)
-            else:
-                mask_stats = lp_fn(sg(params), graphdef, batch.input_ids, batch.attention_mask, r, batch.packing)
-            keep_all, st = compute_token_mask(recipe, log_probs=mask_stats[0], entropy=mask_stats[1],
-                                              advantages=batch.advantages, response_mask=resp,
-                                              old_log_probs=batch.old_log_probs, key=key)
-            tau_all = _threshold(st, mask_stats[1], resp)
-        elif mode == "correction":
-            tau_guess = provisional_tau_h(recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp)
+        params, graphdef, r = state.params, state.graphdef, batch.response_mask.shape[1]
 
-        def forward(p, mb):
+        def forward(p, mb):  # the one differentiable policy forward: [B/K, R] log-probs and entropy
             return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
                                                   temperature=temperature, seq_chunk=seq_chunk,
                                                   vocab_chunk=vocab_chunk, packing=mb.packing)
 
         def surrogate(lp, ent, mb, keep):
-            kl_sel = keep if selects else None
             return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
                                        None if selects else keep, loss_cfg, entropy=ent,
                                        ref_log_probs=mb.ref_log_probs, rollout_log_probs=mb.rollout_log_probs,
-                                       kl_cov_selection=kl_sel, renormalize=recipe.renormalize)
+                                       kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize)
 
-        mbs = jax.tree.map(lambda x: _split(x, k), batch)
+        ctx = UpdateContext(recipe=recipe, key=jax.random.fold_in(jax.random.PRNGKey(0), state.step),
+                            num_micro_batches=k, forward=forward, surrogate=surrogate, grad=_grad,
+                            log_probs=lambda p, b: lp_fn(p, graphdef, b.input_ids, b.attention_mask, r, b.packing))
+        strategy = mask_strategy(recipe, has_old_entropy=batch.old_entropy is not None)
+        mask_state, per_micro = strategy.prepare(ctx, params, batch)
+        mbs = jax.tree.map(lambda x: split_micro_batches(x, k), batch)
 
         def micro(grad_acc, xs):
-            mb, keep_mb, j = xs
+            mb, pm, j = xs
 
             def loss_fn(p):
                 lp, ent = forward(p, mb)
-                sg_lp, sg_ent = sg(lp), sg(ent)
-                mresp = mb.response_mask.astype(jnp.float32)
-                keep, tau, st = keep_mb, tau_all, {}
-                if keep is None and mask != "none":
-                    keep, st = compute_token_mask(recipe, log_probs=sg_lp, entropy=sg_ent, advantages=mb.advantages,
-                                                  response_mask=mresp, old_log_probs=mb.old_log_probs,
-                                                  key=jax.random.fold_in(key, j), tau_h=tau_guess)
-                if tau is None:
-                    tau = _threshold(st, sg_ent, mresp)
+                sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
+                keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
                 return surrogate(lp, ent, mb, keep)[0], (sg_lp, sg_ent, keep, tau)
 
-            g, out = jax.grad(loss_fn, has_aux=True)(params)
+            g, out = _grad(loss_fn, params)
             return jax.tree.map(jnp.add, grad_acc, g), out
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, _split(keep_all, k), jnp.arange(k)))
-        lp_all, ent_all = _unsplit(lps), _unsplit(ents)
-        keep_full = keep_all if keep_all is not None else (None if keeps is None else _unsplit(keeps))
-        extra = {}
-        if mode == "correction":
-            keep_full, stats = compute_token_mask(recipe, log_probs=lp_all, entropy=ent_all,
-                                                  advantages=batch.advantages, response_mask=resp)
-            tau_all = stats["s2t/tau_h"]
-            grad_sum, extra = correction_pass(forward, surrogate, params, grad_sum, mbs, keeps, _split(keep_full, k))
-        b = batch.response_mask.shape[0]
-        tau_rows = tau_all if tau_all is not None else _unsplit(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
+        grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, per_micro, jnp.arange(k)))
+        lp_all, ent_all = join_micro_batches(lps), join_micro_batches(ents)
+        out = strategy.finish(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs, batch)
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
-        # the token diagnostics from the statistics that defined the mask (pre-pass / old pass, else this pass)
-        loss_sum, den, m = surrogate(lp_all, ent_all, batch, keep_full)
+        # the token diagnostics from the statistics that defined the mask
+        loss_sum, den, m = surrogate(lp_all, ent_all, batch, out.keep)
         m = dict(m)
-        diag_lp, diag_ent = mask_stats if mask_stats is not None else (lp_all, ent_all)
-        m.update(token_diagnostics(diag_lp, diag_ent, batch.advantages, batch.old_log_probs, resp,
-                                   None if selects else keep_full, tau_p=recipe.s2t.tau_p, tau_h=tau_rows,
-                                   clip_ratio_low=loss_cfg.clip_ratio_low, clip_ratio_high=loss_cfg.clip_ratio_high,
-                                   clip_ratio_c=loss_cfg.clip_ratio_c, vocab_size=vocab_size,
-                                   log_ratio_clamp=loss_cfg.log_ratio_clamp))
-        grads = jax.tree.map(lambda g: safe_divide(g, den), grad_sum)
+        m.update(token_diagnostics(*out.diag_stats, batch.advantages, batch.old_log_probs,
+                                   batch.response_mask.astype(jnp.float32), None if selects else out.keep,
+                                   tau_p=recipe.s2t.tau_p, tau_h=out.tau_rows, clip_ratio_low=loss_cfg.clip_ratio_low,
+                                   clip_ratio_high=loss_cfg.clip_ratio_high, clip_ratio_c=loss_cfg.clip_ratio_c,
+                                   vocab_size=vocab_size, log_ratio_clamp=loss_cfg.log_ratio_clamp))
+        grads = jax.tree.map(lambda g: safe_divide(g, den), out.grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
         keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_state = state.replace(params=jax.tree.map(keep_old, new_params, params),
+        new_state = state.replace(params=jax.tree.map(keep_old, optax.apply_updates(params, updates), params),
                                   opt_state=jax.tree.map(keep_old, new_opt, state.opt_state),
                                   step=state.step + finite.astype(jnp.int32))
         metrics = finalize_metrics(m, den)
-        for name in COUNT_METRICS:
-            if name in m:
-                metrics[name] = m[name][0]
-        metrics.update(extra)
-        metrics.update({
-            "loss": safe_divide(loss_sum, den),
-            "loss_denominator": den,
-            "grad_norm": grad_norm,
-            "nonfinite_grad": (~finite).astype(jnp.float32),
-            # an empty population has a NaN threshold; the metric reports 0 there (no NaN in the logs)
-            "s2t/tau_h": jnp.nan_to_num(tau_all, nan=0.0) if tau_all is not None else jnp.mean(jnp.nan_to_num(taus)),
-        })
+        metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
+        metrics.update(out.metrics)
+        metrics.update({"loss": safe_divide(loss_sum, den), "loss_denominator": den, "grad_norm": grad_norm,
+                        "nonfinite_grad": (~finite).astype(jnp.float32),
+                        # an empty population has a NaN threshold; the metric reports 0 there (no NaN in the logs)
+                        "s2t/tau_h": jnp.nan_to_num(out.tau_h, nan=0.0)})
         return new_state, metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,) if donate else ())
     if state_shardings is None:
         raise ValueError("make_train_step(mesh=...) needs state_shardings (jax.tree.map(lambda x: x.sharding, state))")
-    bs = batch_sharding(mesh)
-    rep = NamedSharding(mesh, P())
+    bs, rep = batch_sharding(mesh), NamedSharding(mesh, P())
     return jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, rep),
                    donate_argnums=(0,) if donate else ())
 
+
+def _grad(fn, params):
+    """``(grad of fn's first output w.r.t. params, fn's second output)``: every gradient of the update goes
+    through here (the micro-batch pass and the S2T correction)."""
+    return jax.grad(fn, has_aux=True)(params)

@@ -1,0 +1,204 @@
+"""How the train step gets the token mask of each micro-batch: a small strategy interface, so that
+``stapo_jax.train.train_step.make_train_step`` accumulates gradients without naming any mask.
+
+A :class:`MaskStrategy` is three functions the step calls in order (shapes: ``B`` rows, ``R`` response
+positions, ``K`` micro-batches of ``B/K`` strided rows each, see :func:`split_micro_batches`):
+
+1. ``prepare(ctx, params, batch) -> (state, per_micro)``: before the gradient pass. ``state`` is any pytree
+   the later calls read (e.g. a threshold); ``per_micro`` a pytree with a leading ``K`` axis (or None) that
+   the step scans over next to the micro-batches (e.g. a mask computed once on the whole mini-batch).
+2. ``micro_mask(ctx, state, per_micro_j, log_probs, entropy, mb, j) -> (keep, tau_h)``: inside the gradient
+   pass, for micro-batch ``j`` (stop-gradient ``log_probs`` / ``entropy`` ``[B/K, R]`` float32 of the current
+   policy): the ``[B/K, R]`` bool keep mask (or selection, or None for no mask) and a float32 scalar entropy
+   threshold for the diagnostics.
+3. ``finish(ctx, state, params, grad_sum, log_probs, entropy, keeps, taus, mbs, batch) -> MaskOutcome``:
+   after it, with every token's ``[B, R]`` statistics, the stacked ``[K, B/K, R]`` keeps and ``[K]`` taus: the
+   final gradient sum (a strategy may add a correction), the final ``[B, R]`` mask, the thresholds and any
+   extra metrics.
+
+This module holds the interface, the strategy lookup (:func:`mask_strategy`) and the two generic strategies
+every registered mask (``stapo_jax.algo.masks.TOKEN_MASKS``) can use: :func:`per_micro_batch_strategy` (each
+micro-batch is its own population: ``microbatch`` scope, or no mask) and :func:`full_batch_strategy` (the mask
+computed once on the whole mini-batch from a forward-only pre-pass: ``minibatch`` scope). A mask may register
+its own strategies (:func:`register_mask_strategy`); S2T does (``stapo_jax.algo.s2t``: old-policy statistics
+and the correction pass). Source: stapo_spec.md §3 (population of the threshold), conventions.md §2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from stapo_jax.algo.masks import get_token_mask, masked_quantile
+from stapo_jax.algo.recipes import Recipe, compute_token_mask
+from stapo_jax.algo.registry import register_into
+
+__all__ = ["UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES", "register_mask_strategy",
+           "mask_strategy", "mask_selects", "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy",
+           "prepass_stats", "split_micro_batches", "join_micro_batches"]
+
+
+def split_micro_batches(x: Optional[jax.Array], k: int) -> Optional[jax.Array]:
+    """``[B, ...] -> [K, B/K, ...]`` with micro-batch ``j`` = rows ``j, j+K, j+2K, ...`` (strided, so a batch
+    sharded over rows stays shard-local). None passes through. Raises nothing: the caller checks ``K | B``."""
+    if x is None:
+        return None
+    return x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
+
+
+def join_micro_batches(x: jax.Array) -> jax.Array:
+    """Inverse of :func:`split_micro_batches`: ``[K, B/K, ...] -> [B, ...]`` in the original row order."""
+    return x.swapaxes(0, 1).reshape((-1,) + x.shape[2:])
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """What the train step gives a strategy (built once per traced call).
+
+    recipe: the :class:`~stapo_jax.algo.recipes.Recipe`. key: this update's PRNG key (random masks).
+    num_micro_batches: ``K``. forward: ``(params, mb) -> (log_probs, entropy)`` ``[B/K, R]`` float32 of one
+    micro-batch (differentiable). surrogate: ``(log_probs, entropy, mb, keep) -> (loss_sum, denominator,
+    metrics)`` of ``compute_policy_loss``. grad: ``grad(fn, params) -> (grads, aux)`` for ``fn(params) ->
+    (scalar, aux)``, the step's one gradient call. log_probs: ``(params, batch) -> (log_probs, entropy)``
+    ``[B, R]`` float32, forward-only over the whole mini-batch (the pre-pass).
+    """
+
+    recipe: Recipe
+    key: jax.Array
+    num_micro_batches: int
+    forward: Callable
+    surrogate: Callable
+    grad: Callable
+    log_probs: Callable
+
+
+class MaskOutcome(NamedTuple):
+    """What :attr:`MaskStrategy.finish` returns. grad_sum: the gradient-sum pytree (like params). keep: ``[B, R]``
+    bool or None, the final mask (a selection for a selecting mask). tau_rows: a float32 scalar or ``[B, 1]``,
+    the threshold of each row for the token diagnostics. tau_h: float32 scalar, the ``s2t/tau_h`` metric (NaN
+    allowed; the step reports it as 0). diag_stats: ``(log_probs, entropy)`` ``[B, R]`` that defined the mask.
+    metrics: extra float32 scalar metrics."""
+
+    grad_sum: Any
+    keep: Optional[jax.Array]
+    tau_rows: jax.Array
+    tau_h: jax.Array
+    diag_stats: tuple
+    metrics: dict
+
+
+@dataclass(frozen=True)
+class MaskStrategy:
+    """The three calls of the train step's mask handling (see the module docstring for their signatures)."""
+
+    prepare: Callable
+    micro_mask: Callable
+    finish: Callable
+
+
+# mask name -> factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` (None: use the generic strategy)
+MASK_STRATEGIES: dict[str, Callable] = {}
+
+
+def register_mask_strategy(name: str) -> Callable:
+    """Decorator registering a strategy factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` for the
+    token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``."""
+    return register_into(MASK_STRATEGIES, "mask strategy", name)
+
+
+def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
+    """The strategy of ``recipe.token_mask``: its registered factory's choice if any, else
+    :func:`full_batch_strategy` (pre-pass) for a ``minibatch``-scoped mask, else :func:`per_micro_batch_strategy`.
+    ``has_old_entropy``: whether the batch carries ``old_entropy``. Raises: ValueError for an unknown mask."""
+    make = MASK_STRATEGIES.get(recipe.token_mask)
+    strategy = make(recipe, has_old_entropy) if make is not None else None
+    if strategy is not None:
+        return strategy
+    return full_batch_strategy(prepass_stats) if recipe.mask_scope == "minibatch" else per_micro_batch_strategy()
+
+
+def mask_selects(recipe: Recipe) -> bool:
+    """Whether the recipe's mask is a *selection* for a penalty (``kl_cov``), passed to the objective as
+    ``kl_cov_selection``, rather than a keep mask (registry field ``selects``)."""
+    return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
+
+
+def diagnostic_tau_h(recipe: Recipe, stats: dict, entropy: jax.Array, valid: jax.Array) -> jax.Array:
+    """The entropy threshold the diagnostics use: the S2T ``tau_h`` the mask reported in ``stats`` (its own
+    population), else the recipe's ``s2t.entropy_quantile`` of ``entropy`` over ``valid`` (``[N, R]``). Float32
+    scalar, NaN for an empty population. Source: stapo_spec.md §3."""
+    if "s2t/tau_h" in stats:
+        return stats["s2t/tau_h"]
+    return masked_quantile(entropy, valid, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
+
+
+def _micro_batch_mask(ctx: UpdateContext, lp, ent, mb, j, tau_h=None):
+    """The recipe's mask on micro-batch ``j`` alone (its own population, or a given ``tau_h``)."""
+    resp = mb.response_mask.astype(jnp.float32)
+    keep, stats = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=mb.advantages,
+                                     response_mask=resp, old_log_probs=mb.old_log_probs,
+                                     key=jax.random.fold_in(ctx.key, j), tau_h=tau_h)
+    return keep, diagnostic_tau_h(ctx.recipe, stats, ent, resp)
+
+
+def micro_batch_outcome(grad_sum, lp, ent, keeps, taus, metrics=None, keep=None, tau_h=None) -> MaskOutcome:
+    """The outcome when each micro-batch was masked on its own: the mask joined from ``keeps`` (unless ``keep``
+    ``[B, R]`` is given), per-row thresholds from ``taus`` ``[K]``, the ``s2t/tau_h`` metric their NaN-free mean
+    (unless ``tau_h`` is given: then it is also every row's threshold)."""
+    if keep is None and keeps is not None:
+        keep = join_micro_batches(keeps)
+    if tau_h is None:
+        k, b = taus.shape[0], lp.shape[0]
+        tau_rows = join_micro_batches(jnp.broadcast_to(taus[:, None], (k, b // k)))[:, None]
+        tau_h = jnp.mean(jnp.nan_to_num(taus))
+    else:
+        tau_rows = tau_h
+    return MaskOutcome(grad_sum, keep, tau_rows, tau_h, (lp, ent), metrics or {})
+
+
+def per_micro_batch_strategy() -> MaskStrategy:
+    """Each micro-batch is its own population (``microbatch`` scope, the 80/20 code's; or no mask): the mask is
+    computed inside the gradient pass from that pass's statistics. Source: stapo_spec.md §10 item 12."""
+
+    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
+        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus)
+
+    return MaskStrategy(prepare=lambda ctx, params, batch: (None, None),
+                        micro_mask=lambda ctx, state, pm, lp, ent, mb, j: _micro_batch_mask(ctx, lp, ent, mb, j),
+                        finish=finish)
+
+
+def prepass_stats(ctx: UpdateContext, params, batch):
+    """``(log_probs, entropy)`` ``[B, R]`` float32 of the whole mini-batch under the current (stop-gradient)
+    parameters: the forward-only pre-pass. Source: stapo_spec.md §3."""
+    return ctx.log_probs(jax.lax.stop_gradient(params), batch)
+
+
+def full_batch_strategy(stats_fn: Callable) -> MaskStrategy:
+    """The mask computed once on the whole mini-batch (``minibatch`` scope: one population over all micro-batches
+    and, under ``jit`` with batch-sharded inputs, all data-parallel shards) from the statistics
+    ``stats_fn(ctx, params, batch) -> (log_probs, entropy)`` ``[B, R]`` (:func:`prepass_stats`, or the old
+    policy's for S2T ``stats_policy=old``); the gradient pass reads its slice. Raises what ``stats_fn`` raises.
+    Source: stapo_spec.md §3."""
+
+    def prepare(ctx, params, batch):
+        stats = stats_fn(ctx, params, batch)
+        resp = batch.response_mask.astype(jnp.float32)
+        keep, st = compute_token_mask(ctx.recipe, log_probs=stats[0], entropy=stats[1], advantages=batch.advantages,
+                                      response_mask=resp, old_log_probs=batch.old_log_probs, key=ctx.key)
+        tau = diagnostic_tau_h(ctx.recipe, st, stats[1], resp)
+        return (stats, keep, tau), split_micro_batches(keep, ctx.num_micro_batches)
+
+    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
+        stats, keep, tau = state
+        return MaskOutcome(grad_sum, keep, tau, tau, stats, {})
+
+    return MaskStrategy(prepare=prepare, micro_mask=lambda ctx, state, pm, lp, ent, mb, j: (pm, state[2]),
+                        finish=finish)
+
+
+# the S2T module registers S2T's strategies (old-policy statistics, the correction pass) here; imported last
+# because it builds on the definitions above
+import stapo_jax.algo.s2t  # noqa: E402,F401

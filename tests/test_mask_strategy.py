@@ -1,0 +1,55 @@
+"""The train step's mask strategy interface: a mask registered from outside the package runs through the generic
+step (``stapo_jax.train.train_step``, unchanged) and gives the update of the same loss on a batch from which the
+dropped tokens were removed; a strategy registered for it (the full-batch one) gives the same update."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from test_train_step import CFG, SGD, make_batch
+
+from models.qwen3 import Qwen3
+from stapo_jax.algo import masks
+from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.train import mask_strategy as ms
+from stapo_jax.train.train_step import TrainState, make_train_step
+
+
+def positive_only(advantages, response_mask):
+    """Keep the valid tokens of rows with A > 0; threshold 0."""
+    keep = response_mask.astype(bool) & (advantages[:, None] > 0)
+    return keep, jnp.zeros((), jnp.float32)
+
+
+def update(model, recipe, batch):
+    state = TrainState.create(model, SGD)
+    new, m = make_train_step(recipe, SGD, num_micro_batches=2, seq_chunk=4)(state, batch)
+    return [np.asarray(a) - np.asarray(b) for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params))], m
+
+
+def test_custom_mask_through_generic_step():
+    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    batch = make_batch(model, seed=1)
+    masks.register_token_mask("positive_only", needs=("advantages",), settings=(), population="valid tokens")(
+        positive_only)
+    try:
+        recipe = get_recipe("grpo", token_mask="positive_only")
+        assert ms.mask_strategy(recipe, has_old_entropy=False) is not None
+        d_mask, m_mask = update(model, recipe, batch)
+        ms.register_mask_strategy("positive_only")(lambda r, has_old: ms.full_batch_strategy(ms.prepass_stats))
+        d_full, m_full = update(model, recipe, batch)
+    finally:
+        masks.TOKEN_MASKS.pop("positive_only", None)
+        ms.MASK_STRATEGIES.pop("positive_only", None)
+    kept = batch.response_mask * (batch.advantages[:, None] > 0)
+    d_ref, m_ref = update(model, get_recipe("grpo"), dataclasses.replace(batch, response_mask=kept))
+    assert 0 < float(m_mask["loss_denominator"]) == float(kept.sum()) < float(batch.response_mask.sum())
+    assert float(m_mask["grad_norm"]) > 0
+    for name in ("loss", "loss_denominator", "grad_norm", "pg_clipfrac"):
+        np.testing.assert_allclose(float(m_mask[name]), float(m_ref[name]), rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(float(m_full[name]), float(m_mask[name]), rtol=1e-6, err_msg=name)
+    for a, b, c in zip(d_mask, d_ref, d_full):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(a, c, atol=1e-7, rtol=1e-6)
