@@ -11,7 +11,7 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    to 8); packed = ``stapo_jax.train.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
    ``--micro-batch`` sequences and over the whole mini-batch.
    Also the trainer's own layout (``pack_micro_batches``: rows of the padded width P + R, rows per micro-batch
-   bucketed by ``rows_bucket``).
+   bucketed by ``rows_bucket``), with the strided micro-batches and with balanced ones (``balanced_row_order``).
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
    small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
    mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing
@@ -42,7 +42,7 @@ from stapo_jax.algo.recipes import get_recipe  # noqa: E402
 from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
-from stapo_jax.train.packing import pack_micro_batches, pack_sequences  # noqa: E402
+from stapo_jax.train.packing import balanced_row_order, pack_micro_batches, pack_sequences  # noqa: E402
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
 from stapo_jax.train.update import update_policy  # noqa: E402
 
@@ -89,6 +89,11 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
     lay = pack_micro_batches(ids, mask, rr, num_micro_batches=len(prompt_len) // micro)
     out[f"trainer layout (pack_micro_batches, micro-batch of {micro}, rows of P + R = {ids.shape[1]})"] = \
         lay.input_ids.size / useful
+    k = len(prompt_len) // micro
+    perm = balanced_row_order(mask.sum(-1), mini_rows=len(prompt_len), num_micro_batches=k)
+    lay = pack_micro_batches(ids[perm], mask[perm], rr, num_micro_batches=k)
+    out["trainer layout with balanced micro-batches (balanced_row_order, the trainer's default)"] = \
+        lay.input_ids.size / useful
     return out
 
 
@@ -129,7 +134,7 @@ def main(argv=None) -> dict:
     def side(packed):
         def f():
             new, out[packed] = update_policy(state, exp, steps, lp_fn, mini_rows=len(pl), num_micro_batches=k,
-                                             use_remove_padding=packed)
+                                             use_remove_padding=packed, balance_micro_batches=True)
             jax.block_until_ready(new.params)
         return f
 

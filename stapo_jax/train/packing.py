@@ -199,3 +199,46 @@ def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_sha
     idx = response_index.reshape(num_shards, (b // num_shards) * r)
     out = jnp.take_along_axis(h, idx[:, :, None], axis=1)
     return out.reshape(b, r, d)
+
+
+def balanced_row_order(lengths: np.ndarray, *, mini_rows: int, num_micro_batches: int,
+                       num_shards: int = 1) -> np.ndarray:
+    """A row permutation that gives the K micro-batches of every mini-batch (and of every data-parallel shard
+    block in it) nearly equal token counts, so that :func:`pack_micro_batches`, which gives every micro-batch the
+    row count of the fullest one, computes few padding rows. verl balances its dynamic micro-batches the same
+    way (``rearrange_micro_batches``: sequences sorted by length, each to the lightest micro-batch).
+
+    Rows never leave their mini-batch or their shard block (``mini_rows / num_shards`` contiguous rows); inside a
+    block, rows are taken longest first, each to the micro-batch with the fewest tokens that still has room, and
+    micro-batch ``j``'s rows are placed at local positions ``j, j + K, ...`` (the train step's strided split).
+    Only for updates whose result does not depend on which micro-batch a row is in (the trainer uses it with no
+    mask or a ``minibatch``-scoped S2T / 20-Entropy mask; per-micro-batch populations and the random Clip-Cov /
+    KL-Cov selections would change).
+
+    Args:
+      lengths: [B] int, tokens per row (e.g. ``attention_mask.sum(-1)``); B a multiple of ``mini_rows``.
+      mini_rows, num_micro_batches, num_shards: mini-batch rows, K, S (K x S divides ``mini_rows``).
+    Returns:
+      [B] int64 permutation ``perm``: the update reads row ``perm[i]`` at position ``i``.
+    Raises:
+      ValueError: B not a multiple of ``mini_rows`` or K x S not dividing ``mini_rows``.
+    """
+    lengths = np.asarray(lengths)
+    b, k = lengths.shape[0], int(num_micro_batches)
+    if mini_rows < 1 or b % mini_rows or k < 1 or mini_rows % (k * num_shards):
+        raise ValueError(f"balanced_row_order: {b} rows in mini-batches of {mini_rows} with num_micro_batches={k} x "
+                         f"num_shards={num_shards}: each must divide the next")
+    n = mini_rows // num_shards
+    perm = np.empty(b, np.int64)
+    for start in range(0, b, n):  # one shard block of one mini-batch
+        rows = start + np.argsort(-lengths[start:start + n], kind="stable")
+        members: list[list[int]] = [[] for _ in range(k)]
+        load = np.zeros(k, np.int64)
+        for r in rows:
+            open_ = [j for j in range(k) if len(members[j]) < n // k]
+            j = min(open_, key=lambda j: (load[j], j))
+            members[j].append(int(r))
+            load[j] += lengths[r]
+        for j in range(k):
+            perm[start + j:start + n:k] = members[j]
+    return perm

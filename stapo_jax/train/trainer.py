@@ -29,7 +29,8 @@ from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experien
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
-from stapo_jax.train.update import Preemption, all_finite, num_micro_batches, stop_requested, update_policy
+from stapo_jax.train.update import (Preemption, all_finite, balance_allowed, num_micro_batches, stop_requested,
+                                   update_policy)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=k,
-                                    use_remove_padding=cfg.model.use_remove_padding)
+                                    use_remove_padding=cfg.model.use_remove_padding,
+                                    balance_micro_batches=balance_allowed(recipe))
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "

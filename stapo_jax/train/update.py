@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
-from stapo_jax.train.packing import pack_micro_batches
+from stapo_jax.train.packing import balanced_row_order, pack_micro_batches
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
 
 
@@ -36,6 +36,15 @@ def stop_requested(preempt: Preemption) -> bool:
     """True on every process when SIGTERM reached any of them (a max all-gather over processes, so all of them
     stop after the same step); a collective: every process must call it at the same point."""
     return allgather_max(float(preempt.requested)) > 0
+
+
+def balance_allowed(recipe) -> bool:
+    """True when a mini-batch's update does not depend on which micro-batch holds a row, so the rows may be
+    reordered for packing (:func:`stapo_jax.train.packing.balanced_row_order`): no token mask, or an S2T /
+    20-Entropy mask over the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov
+    (random selections keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe``; never raises."""
+    return recipe.token_mask == "none" or (recipe.token_mask in ("s2t", "top_entropy")
+                                           and recipe.mask_scope == "minibatch")
 
 
 def data_parallel_size(mesh) -> int:
@@ -67,7 +76,8 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
-                  mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False):
+                  mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
+                  balance_micro_batches: bool = False):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -84,6 +94,9 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       use_remove_padding: pack each micro-batch (``stapo_jax.train.packing.pack_micro_batches``, each
         data-parallel shard its own rows), planned on the host once per mini-batch and given to the old-log-prob
         pass and every epoch's update through ``Batch.packing`` (verl's ``model.use_remove_padding``).
+      balance_micro_batches: with ``use_remove_padding``, reorder the rows inside each mini-batch (and shard
+        block) so its micro-batches hold nearly equal token counts (``packing.balanced_row_order``): fewer padding
+        rows. Only where the update does not depend on a row's micro-batch (:func:`balance_allowed`).
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -92,6 +105,10 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5)."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
+    if use_remove_padding and balance_micro_batches and num_micro_batches > 1:
+        perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=mini_rows,
+                                  num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
+        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (exp.num_rows,) else v for key, v in a.items()}
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
     # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
     sharding = batch_sharding(mesh) if mesh is not None else None
