@@ -173,10 +173,12 @@ class Qwen3Config:
 
     @property
     def compute_dtype(self):
+        """``jnp.dtype`` of ``dtype``: activations and matmul inputs."""
         return jnp.dtype(self.dtype)
 
     @property
     def weight_dtype(self):
+        """``jnp.dtype`` of ``param_dtype``: how the parameters are stored."""
         return jnp.dtype(self.param_dtype)
 
 
@@ -200,10 +202,12 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
+        """S, the cache length in tokens (axis 2 of each ``k`` buffer)."""
         return self.k[0].shape[2]
 
     @property
     def batch_size(self) -> int:
+        """B, the number of rows (slots) in the cache."""
         return self.k[0].shape[0]
 
 
@@ -375,6 +379,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """One Qwen3 block (HF ``Qwen3DecoderLayer``): ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    ``__call__(x [B,T,D], cos, sin, mask, kv, write_index, segment_ids)`` -> ``(x [B,T,D], new_kv)``; the
+    arguments are :class:`Attention`'s (``new_kv`` is this layer's updated cache buffers, or None uncached).
+    """
+
     def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
         self.self_attn = Attention(cfg, rngs)

@@ -110,6 +110,7 @@ def loss_from_actor(actor) -> PolicyLossConfig:
     """The :class:`PolicyLossConfig` of the config's ``actor`` section (:class:`stapo_jax.config.schema.ActorConfig`):
     each field by its name (verl keys), except those in :data:`LOSS_FROM_ACTOR`.
 
+    Takes no arrays (config scalars: floats, ints, strings, None); returns a frozen :class:`PolicyLossConfig`.
     Raises: ValueError (``ConfigError``) from the loss settings; AttributeError if the schema lacks a loss field
     (a bug, caught by tests/test_config.py). Source: configs/base.yaml ``actor``."""
     return PolicyLossConfig(**{f.name: LOSS_FROM_ACTOR[f.name](actor) if f.name in LOSS_FROM_ACTOR

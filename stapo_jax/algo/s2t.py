@@ -37,6 +37,10 @@ def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
     Returns ``"none"`` (no population mask, or ``microbatch`` scope: each micro-batch is its own population),
     ``"old"`` (S2T ``stats_policy=old``: the batch's ``old_log_probs`` / ``old_entropy``), ``"correction"`` (S2T
     ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
+
+    Takes no arrays (``has_old_entropy``: bool, whether the batch carries ``old_entropy`` [B, R]); returns a str.
+    Never raises (the recipe's fields are validated when the :class:`Recipe` is built).
+    Source: stapo_spec.md §3 (the S2T threshold is a quantile over the mini-batch under the current policy).
     """
     mask = recipe.token_mask
     if mask == "s2t" and recipe.s2t.stats_policy == "old":
@@ -52,7 +56,8 @@ def provisional_tau_h(recipe: Recipe, old_log_probs, old_entropy, advantages, re
     """The provisional S2T ``tau_h`` of ``minibatch_method=correction``: the recipe's quantile over the mini-batch
     under the *old* policy (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32, advantages ``[B]`` or
     ``[B, R]``, response_mask ``[B, R]`` float). Exact on the first mini-batch of a step. Returns a float32 scalar
-    (NaN for an empty population). Source: stapo_spec.md §3."""
+    (NaN for an empty population). Raises: ValueError as :func:`stapo_jax.algo.recipes.compute_token_mask`
+    (a mismatched shape or an invalid recipe setting). Source: stapo_spec.md §3."""
     return compute_token_mask(recipe, log_probs=old_log_probs, entropy=old_entropy, advantages=advantages,
                               response_mask=response_mask)[1]["s2t/tau_h"]
 
@@ -68,7 +73,9 @@ def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_
       -> (grads, aux)`` for ``fn -> (scalar, aux)`` (default ``jax.grad(fn, has_aux=True)``; the train step passes
       its own).
     Returns ``(grad_sum, metrics)`` with the counts ``s2t/correction_passes`` (micro-batches redone) and
-    ``s2t/corrected_tokens`` (float32 scalars). Source: stapo_spec.md §3 (exact mini-batch quantile)."""
+    ``s2t/corrected_tokens`` (float32 scalars). Raises: whatever ``forward`` / ``surrogate`` raise at trace time
+    (e.g. TypeError on mismatched pytrees); the function itself never raises. Source: stapo_spec.md §3 (exact
+    mini-batch quantile)."""
     grad_fn = grad if grad is not None else (lambda fn, p: jax.grad(fn, has_aux=True)(p))
     changed = keep_guess != keep_exact
     redo = jnp.any(changed.reshape(changed.shape[0], -1), axis=1)
@@ -94,7 +101,8 @@ def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_
 
 def old_policy_stats(ctx, params, batch):
     """``(old_log_probs, old_entropy)`` ``[B, R]`` float32 of the batch: the statistics of ``stats_policy=old``.
-    Raises: ValueError when the batch has no ``old_entropy``."""
+    Raises: ValueError when the batch has no ``old_entropy``. Source: stapo_spec.md §3 (``stats_policy=old``:
+    the rollout policy's statistics, as verl's ``old_log_probs``)."""
     if batch.old_entropy is None:
         raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
     return batch.old_log_probs, batch.old_entropy
@@ -103,7 +111,8 @@ def old_policy_stats(ctx, params, batch):
 def correction_strategy() -> MaskStrategy:
     """``minibatch_method=correction``: the gradient pass masks each micro-batch with the provisional ``tau_h``
     (:func:`provisional_tau_h`); ``finish`` takes the exact mini-batch ``tau_h`` from that pass's entropies and adds
-    :func:`correction_pass`. Metrics ``s2t/correction_passes``, ``s2t/corrected_tokens``. Raises: ValueError as
+    :func:`correction_pass`. Metrics ``s2t/correction_passes``, ``s2t/corrected_tokens`` (float32 scalars);
+    the masks it builds are ``[B, R]`` bool over ``[B, R]`` float32 log-probs / entropies. Raises: ValueError as
     :func:`stapo_jax.algo.recipes.compute_token_mask`. Source: stapo_spec.md §3."""
 
     def prepare(ctx, params, batch):
@@ -131,7 +140,11 @@ def correction_strategy() -> MaskStrategy:
 def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     """The S2T update strategy by :func:`minibatch_stats_mode`: ``old`` -> the mask once from the old policy's
     statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
-    strategy of ``stapo_jax.train.mask_strategy``) otherwise."""
+    strategy of ``stapo_jax.train.mask_strategy``) otherwise.
+
+    Takes no arrays (``has_old_entropy``: bool); returns a :class:`MaskStrategy` or None, whose masks are
+    ``[B, R]`` bool. Never raises here; the strategies raise ValueError as
+    :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
     mode = minibatch_stats_mode(recipe, has_old_entropy)
     return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
 
@@ -142,7 +155,9 @@ def make_update_steps(recipe: Recipe, optimizer, **step_kw):
     the ``prepass`` mode, where the first mini-batch reads the rollout policy's statistics (θ = θ_old there),
     saving the pre-pass; otherwise both are the same function.
 
-    Raises: ValueError as ``make_train_step``.
+    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
+    (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
+    Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
     """
     from stapo_jax.train.train_step import make_train_step  # the generic step; it imports this module
 

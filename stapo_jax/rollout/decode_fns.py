@@ -121,6 +121,17 @@ def decode_state_shardings(mesh, model_config: Qwen3Config, config: EngineConfig
 # settings (e.g. a test suite, or a rollout and an eval engine) share compiled code.
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecodeSpec:
+    """The static (hashable) argument of the jitted engine functions: what fixes their compiled programs.
+
+    Fields:
+      graphdef: the model's ``nnx`` graph definition (structure, no arrays).
+      model_config: the :class:`~models.qwen3.Qwen3Config`.
+      config: the engine's :class:`EngineConfig` (slots, cache length, dtypes, sampling).
+      eos_token_ids: tuple of int stop ids.
+      state_shardings: a :class:`DecodeState` of ``NamedSharding`` (constraint on every returned state).
+    Hashed once at construction (jit hashes static args on every call); equal specs share compiled code.
+    """
+
     graphdef: Any
     model_config: Qwen3Config
     config: EngineConfig
@@ -166,6 +177,9 @@ class DecodeJit:
         return self.fn(spec, params, *args)
 
     def lower(self, spec, params, *args):
+        """``jax.jit(...).lower`` with ``params`` first converted by :func:`as_decode_params` (stacked or
+        per-layer, concrete or ``ShapeDtypeStruct``). Returns a ``jax.stages.Lowered``; raises what
+        ``split_layers`` raises (KeyError for a non-Qwen3 state) or jit's TypeError on mismatched arguments."""
         return self.fn.lower(spec, as_decode_params(params), *args)
 
     def _cache_size(self) -> int:
@@ -173,6 +187,13 @@ class DecodeJit:
 
 
 def as_decode_params(params):
+    """``params`` in the engine's :class:`~models.decode.DecodeParams` layout: returned as is if already so;
+    a concrete stacked state is split by :func:`~models.decode.split_layers` (layer weights copied, same dtypes);
+    an abstract stacked state (``jax.ShapeDtypeStruct`` leaves with ``NamedSharding``) gives abstract per-layer
+    leaves (shape without the leading layer axis) with :func:`decode_param_shardings`.
+
+    Raises: KeyError (from ``split_layers``) when the state has no ``"layers"`` entry.
+    """
     if isinstance(params, DecodeParams):
         return params
     leaves = jax.tree.leaves(params)
@@ -230,6 +251,9 @@ def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample
 
 @functools.partial(jax.jit, static_argnums=0)
 def init_fn(spec: DecodeSpec, rng) -> DecodeState:
+    """A fresh :class:`DecodeState` of ``B = max_concurrent_decodes`` free slots: an empty cache
+    ``[B, Nkv, cache_length, H]`` (cache dtype), every slot ``done``, ``limit`` = ``max_decode_length``, int32
+    counters at 0; ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``."""
     b, cfg = spec.config.max_concurrent_decodes, spec.config
     zeros = jnp.zeros((b,), jnp.int32)
     state = DecodeState(

@@ -171,18 +171,22 @@ class HFTokenizer(tokenizer_api.Tokenizer):
 
     @property
     def pad_id(self) -> int:
+        """The padding id (int) ``encode`` right-pads with (JetStream ``Tokenizer.pad_id``)."""
         return self._pad
 
     @property
     def eos_id(self) -> int:
+        """The first EOS id (int), or ``pad_id`` when there is none (JetStream ``Tokenizer.eos_id``)."""
         return self._eos[0] if self._eos else self._pad
 
     @property
     def bos_id(self) -> int:
+        """``NO_BOS_ID`` (-1): Qwen3 has no BOS; prefill masks out the -1 JetStream prepends."""
         return NO_BOS_ID
 
     @property
     def stop_tokens(self) -> set[int]:
+        """Empty: the engine marks the step after an EOS invalid itself, so the EOS token reaches the client."""
         return set()
 
 
@@ -408,18 +412,22 @@ class Qwen3Engine(engine_api.Engine):
 
     @property
     def max_concurrent_decodes(self) -> int:
+        """Decode slots B (``config.max_concurrent_decodes``; JetStream ``Engine`` property)."""
         return self.config.max_concurrent_decodes
 
     @property
     def samples_per_slot(self) -> int:
+        """1: each slot decodes one sample (JetStream ``Engine`` property)."""
         return 1
 
     @property
     def max_prefill_length(self) -> int:
+        """Longest prompt in tokens (``config.max_prefill_length``); longer prefills are marked invalid."""
         return self.config.max_prefill_length
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
+        """The engine's device mesh (parameters and decode state are sharded over it)."""
         return self._mesh
 
     @property

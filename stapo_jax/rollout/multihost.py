@@ -165,14 +165,17 @@ class MultiHostRollout:
 
     @property
     def engine(self):
+        """This process's :class:`~stapo_jax.rollout.engine.Qwen3Engine` (the driver's)."""
         return self.driver.engine
 
     @property
     def pad_token_id(self) -> int:
+        """The padding id (int) of the generated batches (the driver's)."""
         return self.driver.pad_token_id
 
     @property
     def params(self):
+        """The engine's current weights on the local mesh (as last set by :meth:`sync_weights`)."""
         return self.driver.params
 
     def sync_weights(self, params) -> float:

@@ -75,6 +75,8 @@ def serve(engine: Qwen3Engine, port: int, host: str = compat.DEFAULT_HOST, threa
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``stapo-jax serve`` argument parser: positional ``key.sub=value`` overrides, ``--config``,
+    ``--host``, ``--port`` (int), ``--seed`` (int). Parsing bad arguments exits 2 (argparse's SystemExit)."""
     p = argparse.ArgumentParser(prog="stapo-jax serve",
                                 description="Serve rollouts of a Qwen3 policy with JetStream's gRPC orchestrator.")
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value (e.g. model.path=DIR)")

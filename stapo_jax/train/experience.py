@@ -34,6 +34,7 @@ class Experience:
 
     @property
     def num_rows(self) -> int:
+        """N, the number of rows (prompts x G), from ``rewards`` [N]."""
         return int(self.rewards.shape[0])
 
 

@@ -29,6 +29,7 @@ class Preemption:
         self.requested = True
 
     def restore(self):
+        """Put back the SIGTERM handler that was installed before this object (call once the loop ends)."""
         signal.signal(signal.SIGTERM, self._old)
 
 
