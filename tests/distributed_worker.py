@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from stapo_jax import distributed  # noqa: E402
+from stapo_jax.runtime import distributed  # noqa: E402
 
 UPDATES, BATCH, PROMPT, RESPONSE, MICRO = 3, 8, 6, 10, 2
 METRICS = ("loss", "grad_norm", "s2t/tau_h", "s2t/n_keep", "entropy", "pg_clipfrac")

@@ -259,7 +259,7 @@ def _run_snippet(code: str, n: int = 2, **env) -> list[subprocess.CompletedProce
 
 
 def test_different_configs_are_named():
-    code = ("import sys; from stapo_jax import distributed as d; d.initialize(); i = int(sys.argv[1]);\n"
+    code = ("import sys; from stapo_jax.runtime import distributed as d; d.initialize(); i = int(sys.argv[1]);\n"
             "cfg = {'trainer': {'seed': 1, 'total_steps': 3 + i}, 'actor': {'optim': {'lr': 0.1}},"
             " 'rollout': {'n': 8 if i else 4}}\n"
             "try:\n    d.check_same_config(cfg)\nexcept d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
@@ -274,7 +274,7 @@ def test_different_configs_are_named():
 def test_eval_graders_split_rows_over_processes():
     """``stapo-jax eval`` graders (evaluate.make_graders) with 2 processes: each grades its own share of the rows
     (3 + 2 of 5) and both get the one-process scores and counts."""
-    code = ("import sys, json; from stapo_jax import distributed as d; d.initialize(); import jax\n"
+    code = ("import sys, json; from stapo_jax.runtime import distributed as d; d.initialize(); import jax\n"
             "from stapo_jax.tools.evaluate import make_graders\n"
             "texts = ['\\\\boxed{6}', 'so \\\\boxed{7}', 'no answer', '\\\\boxed{1/2}', '\\\\boxed{0.5}']\n"
             "golds = ['6', '6', '3', '1/2', '1/2']\n"
