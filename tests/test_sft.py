@@ -59,3 +59,25 @@ def test_sft_progress_bar_shows_step_loss_and_eta(capsys):
     assert f"loss={hist[-1]['sft/loss']:.4f}" in final
     run_sft(model, _examples(), steps=2, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0)
     assert capsys.readouterr().err == ""
+
+
+def test_should_stop_ends_the_warm_up_at_the_next_check():
+    """The trainer passes its SIGTERM agreement as ``should_stop``: asked every ``check_every`` steps (never after
+    the last step), True ends the warm-up there and the model keeps the steps taken."""
+    model = Qwen3(CFG, rngs=nnx.Rngs(3))
+    before = jax.tree.map(np.asarray, nnx.split(model)[1])
+    asked = []
+
+    def should_stop():
+        asked.append(len(asked))
+        return len(asked) == 2
+
+    hist = run_sft(model, _examples(), steps=50, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0,
+                   should_stop=should_stop, check_every=3)
+    assert len(hist) == 6 and asked == [0, 1]
+    after = jax.tree.map(np.asarray, nnx.split(model)[1])
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    asked.clear()
+    assert len(run_sft(model, _examples(), steps=6, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0,
+                       should_stop=lambda: asked.append(1) or False, check_every=3)) == 6
+    assert asked == [1]  # asked after step 3, not after the last step

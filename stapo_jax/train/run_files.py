@@ -54,12 +54,15 @@ def load_val_examples(cfg: Config, tok) -> list[dict]:
     return load_prompt_dataset(cfg, tok, "val").examples if has_val else []
 
 
-def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger) -> None:
-    """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss."""
+def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger, should_stop=None) -> bool:
+    """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss.
+    Returns False when ``should_stop`` (asked every 10 steps, ``sft.run_sft``) ended it early, else True."""
     from stapo_jax.train.sft import sft_from_config
 
-    hist = sft_from_config(cfg, model, examples, tok, progress=logger.progress)
-    logger.write(f"SFT warm-up: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> {hist[-1]['sft/loss']:.3f}")
+    hist = sft_from_config(cfg, model, examples, tok, progress=logger.progress, should_stop=should_stop)
+    logger.write(f"SFT warm-up: {len(hist)} of {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> "
+                 f"{hist[-1]['sft/loss']:.3f}")
+    return len(hist) == cfg.sft.steps
 
 
 def write_plots(run_dir: str, summary: dict) -> None:

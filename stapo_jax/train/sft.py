@@ -52,7 +52,8 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
 
 def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
             warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
-            seq_chunk: int = 512, log=None, progress: bool = False) -> list[dict]:
+            seq_chunk: int = 512, log=None, progress: bool = False, should_stop=None,
+            check_every: int = 10) -> list[dict]:
     """Train ``model`` in place on (prompt ids, response ids) pairs; returns the metrics of every step.
 
     Args:
@@ -62,6 +63,9 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
       lr, warmup_steps, weight_decay, clip_grad: see ``stapo_jax.train.optim.make_optimizer``.
       pad_id: padding id; log: optional callable(step, metrics).
       progress: show a progress bar ``sft`` (step, loss, ETA) on stderr, on process 0 only.
+      should_stop: optional callable asked every ``check_every`` steps (the trainer's SIGTERM agreement over
+        processes, a collective: every process asks at the same steps); True ends the warm-up early, so a
+        preempted job does not first finish minutes of SFT. The returned history is then shorter than ``steps``.
     Raises:
       ValueError: non-positive ``steps`` or ``batch_size``; a token id outside ``[0, vocab_size)`` (naming the
         example), e.g. a tokenizer larger than the model's embedding.
@@ -89,6 +93,8 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
         bar.update(1)
         if log is not None:
             log(step, m)
+        if should_stop is not None and (step + 1) % check_every == 0 and step + 1 < steps and should_stop():
+            break
     bar.close()
     nnx.update(model, params)
     return history
@@ -113,10 +119,11 @@ def gold_response_ids(example: dict, tokenizer, cfg) -> list[int]:
     return list(ids) + [tokenizer.eos_token_id]
 
 
-def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, progress: bool = True) -> list[dict]:
+def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, progress: bool = True,
+                    should_stop=None) -> list[dict]:
     """SFT warm-up of ``model`` (in place) on gold responses of ``examples`` drawn uniformly with
     ``trainer.seed``, with the ``sft.*`` settings, with a progress bar (process 0) unless ``progress`` is
-    false. Returns per-step metrics (see :func:`run_sft`)."""
+    false; ``should_stop`` as in :func:`run_sft`. Returns per-step metrics (see :func:`run_sft`)."""
     rng = np.random.RandomState(cfg.trainer.seed)
 
     def pairs():
@@ -129,7 +136,7 @@ def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, p
 
     return run_sft(model, pairs(), steps=s.steps, batch_size=s.batch_size, lr=s.lr, warmup_steps=s.warmup_steps,
                    pad_id=pad_token_id(tokenizer), seq_chunk=cfg.actor.logprob_seq_chunk or 512, log=log,
-                   progress=progress)
+                   progress=progress, should_stop=should_stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

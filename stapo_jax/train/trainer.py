@@ -73,10 +73,14 @@ def train(cfg: Config) -> dict[str, Any]:
         run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
         main_process=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
-    preempt = Preemption()  # from here on SIGTERM means: finish the current phase, save, exit 0
+    preempt = Preemption()  # from here on SIGTERM: stop at the next agreed point (10 SFT steps, an RL step), exit 0
     try:
-        if cfg.sft.steps and not resuming:
-            sft_warmup(cfg, model, train_ds.examples, tok, logger)
+        if cfg.sft.steps and not resuming and not sft_warmup(cfg, model, train_ds.examples, tok, logger,
+                                                             should_stop=lambda: stop_requested(preempt)):
+            logger.write("SIGTERM during the SFT warm-up: stopping before RL; nothing is saved, a restart runs the "
+                         "warm-up again")
+            summary.update(final_step=0, preempted=True)
+            return summary  # the finally below closes the logger, checkpointer and reward pool
         rollout = build_rollout(cfg, model, mesh, tok)
         if val_examples and not resuming:
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
