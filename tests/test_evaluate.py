@@ -225,3 +225,15 @@ def test_eval_cli_tiny_model_end_to_end(tmp_path):
     assert md[i + 2].startswith("| tiny | **tiny** (ours) |") and md[i + 3].startswith("| 14B | GRPO (paper) |")
     assert len([x for x in md if x.startswith("| 14B |")]) == 4
     assert ev.main(["--config", str(cfg), "--benchmarks", "nope"]) == 2
+
+
+def test_eval_names_a_prompt_longer_than_the_models_context(capsys):
+    """tiny_cpu's model has 512 positions; the shipped benchmarks have longer prompts: the error says the prompt
+    alone is too long (lowering --max-new-tokens cannot help), not to lower --max-new-tokens."""
+    from stapo_jax.tools.evaluate import main as eval_main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+    assert eval_main(["--config", config, "--limit", "2", "--n-samples", "1",
+                      "--max-new-tokens", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "alone reaches the model's max_position_embeddings (512)" in err and "--benchmarks" in err

@@ -386,10 +386,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.warning("model.path is unset: evaluating a RANDOMLY INITIALISED %s model (smoke test only)",
                     cfg.model.preset or "from-scratch")
     model = build_model(cfg, mesh, tokenizer, seed=cfg.trainer.seed)
-    if longest + max_new > model.config.max_position_embeddings:
+    limit = model.config.max_position_embeddings
+    if longest >= limit:
+        print(f"stapo-jax eval: the longest prompt ({longest} tokens) alone reaches the model's "
+              f"max_position_embeddings ({limit}); this model cannot read these benchmarks' prompts: choose other "
+              f"--benchmarks or a model with a longer context", file=sys.stderr)
+        return 2
+    if longest + max_new > limit:
         print(f"stapo-jax eval: the longest prompt ({longest} tokens) + max_new_tokens ({max_new}) exceeds the "
-              f"model's max_position_embeddings ({model.config.max_position_embeddings}); lower "
-              f"--max-new-tokens", file=sys.stderr)
+              f"model's max_position_embeddings ({limit}); lower --max-new-tokens to at most {limit - longest}",
+              file=sys.stderr)
         return 2
     # the same sampler as training (stapo_jax.rollout): sampling settings come with each generate call
     engine_cfg = engine_config(cfg, tokenizer, max_prefill_length=longest, max_decode_length=max_new, seed=args.seed)
