@@ -60,8 +60,9 @@ def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metric
     from stapo_jax.train.sft import sft_from_config
 
     hist = sft_from_config(cfg, model, examples, tok, progress=logger.progress, should_stop=should_stop)
-    logger.write(f"SFT warm-up: {len(hist)} of {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.3f} -> "
-                 f"{hist[-1]['sft/loss']:.3f}")
+    n, total = len(hist), cfg.sft.steps
+    done = f"{total} steps" if n == total else f"stopped after {n} of {total} steps"
+    logger.write(f"SFT warm-up: {done}, loss {hist[0]['sft/loss']:.3f} -> {hist[-1]['sft/loss']:.3f}")
     return len(hist) == cfg.sft.steps
 
 
