@@ -229,19 +229,36 @@ def test_config_is_plain_dataclasses():
     assert dataclasses.is_dataclass(cfg) and isinstance(cfg.to_dict()["actor"]["optim"]["betas"], list)
 
 
-def test_every_loss_field_is_settable_from_the_config():
-    """Each PolicyLossConfig field reaches the recipe from the ``actor`` section (its own key, or the one in
-    recipes.LOSS_FROM_ACTOR)."""
+def test_the_actor_section_is_the_recipes_loss():
+    """The actor section is a PolicyLossConfig (one dataclass: its keys, validation and meaning), used by the
+    recipe as its loss as it is (no copy); every loss field is set by its own key."""
     from stapo_jax.algo.objectives import PolicyLossConfig
-    from stapo_jax.algo.recipes import LOSS_FROM_ACTOR, recipe_from_config
+    from stapo_jax.algo.recipes import recipe_from_config
 
     values = {"clip_ratio_low": 0.11, "clip_ratio_high": 0.33, "clip_ratio_c": 4.5, "loss_agg_mode": "token-sum",
               "loss_scale_factor": 7.0, "log_ratio_clamp": 9.0, "entropy_coeff": 0.01, "use_kl_loss": True,
-              "kl_loss_coef": 0.02, "kl_loss_type": "k2", "ppo_kl_coef": 0.7}
-    names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
-    assert set(values) | set(LOSS_FROM_ACTOR) == names
-    loss = recipe_from_config(load_config(None, [f"actor.{k}={v}" for k, v in values.items()]
-                                          + ["actor.sampler_is=truncate", "actor.sampler_is_cap=3.5",
-                                             "algorithm.strict_recipe=false"])).loss
+              "kl_loss_coef": 0.02, "kl_loss_type": "k2", "ppo_kl_coef": 0.7, "sampler_is": "truncate",
+              "sampler_is_cap": 3.5}
+    assert set(values) == {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    cfg = load_config(None, [f"actor.{k}={v}" for k, v in values.items()] + ["algorithm.strict_recipe=false"])
+    loss = recipe_from_config(cfg).loss
+    assert isinstance(cfg.actor, PolicyLossConfig) and loss is cfg.actor
     assert {k: getattr(loss, k) for k in values} == values and loss.rollout_is_threshold == 3.5
     assert recipe_from_config(load_config(None)).loss.rollout_is_threshold is None
+
+
+@pytest.mark.parametrize("override,match", [
+    ("actor.sampler_is_cap=0.5", r"^actor\.sampler_is_cap=0\.5 must be >= 1$"),
+    ("actor.clip_ratio_low=1.5", r"^actor\.clip_ratio_low=1\.5 must be in \[0, 1\)$"),
+    ("actor.kl_loss_coef=-1", r"^actor\.kl_loss_coef=-1\.0 must be >= 0$"),
+    ("actor.log_ratio_clamp=0", r"^actor\.log_ratio_clamp=0\.0 must be > 0$"),
+    ("actor.sampler_is=clip", r"^actor\.sampler_is: 'clip' is not one of"),
+    ("actor.ppo_epochs=0", r"^actor\.ppo_epochs=0 must be >= 1$"),
+    ("actor.logprob_seq_chunk=0", r"^actor\.logprob_seq_chunk=0 must be >= 1 or null"),
+    ("actor.optim.lr=0", r"^actor\.optim\.lr=0\.0 must be > 0$"),
+    ("actor.optim.betas=[0.9, 1.0]", r"^actor\.optim\.betas=\[0\.9, 1\.0\] must lie in \[0, 1\)$"),
+])
+def test_a_sections_invalid_value_is_a_config_error_naming_its_key(override, match):
+    """Validation sits next to the fields (the section's own __post_init__); the message names the dotted key."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])

@@ -3,6 +3,8 @@ check then agrees with the numbers verl / TRL computed (and flags a tampered one
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
@@ -10,8 +12,8 @@ from test_peer_parity import _actor_config, _inputs, _trl_loss_and_grad, _trl_tr
 from verl import DataProto
 from verl.trainer.ppo import core_algos
 
-from stapo_jax.tools.check import main as check_main
-from stapo_jax.tools.dump import dump_trl_step, dump_verl_batch, group_ids_from_uids
+from stapo_jax.tools.check import load_dump_settings, main as check_main
+from stapo_jax.tools.dump import SETTINGS_METADATA_KEY, dump_trl_step, dump_verl_batch, group_ids_from_uids
 
 
 def test_group_ids_from_uids_keeps_first_appearance_order():
@@ -32,16 +34,23 @@ def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
                                                                  torch.tensor(mask), loss_agg_mode="token-mean",
                                                                  config=cfg)
     path = str(tmp_path / "verl.safetensors")
-    dump_verl_batch(data, path, log_probs=torch.tensor(lp), metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics})
+    dump_verl_batch(data, path, log_probs=torch.tensor(lp), metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics},
+                    actor_config=cfg)
+    settings = load_dump_settings(path)  # verl's own values travel with the dump (clip_ratio_c: verl's 3.0)
+    assert {k: settings[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode")} == {
+        "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean"}
+    assert settings["kl_loss_coef"] == cfg.kl_loss_coef and settings["use_kl_loss"] is False
     fields = load_file(path)
     assert {"old_log_probs", "log_probs", "advantages", "response_mask", "rewards", "group_ids",
             "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac"} <= set(fields)
-    args = [path, "--recipe", "grpo", "--clip-ratio-high", "0.28", "--clip-ratio-c", "3", "--atol", "1e-5"]
+    args = [path, "--recipe", "grpo", "--atol", "1e-5"]  # no loss flags: the dump's settings, not grpo's 0.2 / 10
     assert check_main(args) == 0
     out = capsys.readouterr().out
     assert "pg_loss" in out and "advantages" in out and "pg_clipfrac" in out
+    assert "clip_ratio_high=0.28 clip_ratio_c=3.0 (from the dump:" in out
+    assert check_main(args + ["--clip-ratio-high", "0.2"]) == 1  # a flag wins over the dump (and is wrong here)
     fields["actor/pg_loss"] = np.asarray(fields["actor/pg_loss"] + 1e-3, np.float32)  # a wrong report is caught
-    save_file(fields, path)
+    save_file(fields, path, metadata={SETTINGS_METADATA_KEY: json.dumps(settings)})
     assert check_main(args) == 1
 
 

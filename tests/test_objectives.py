@@ -6,6 +6,7 @@ reward group), the loss value and its gradient w.r.t. the logits agree with test
 and hypothesis properties (empty batches give 0 loss and 0 gradient, never NaN).
 """
 
+import math
 import os
 import sys
 
@@ -300,3 +301,16 @@ def test_per_token_outputs_and_standalone_kl():
     ks, kd = kl_loss(lp, ref_lp, resp, kl_loss_type="k3")
     np.testing.assert_allclose(float(ks) / float(kd), float(m["kl_loss"][0]) / float(m["kl_loss"][1]), rtol=1e-6)
     np.testing.assert_allclose(float(ks), float(jnp.sum(pt["kl"])), rtol=1e-6)
+
+
+def test_truncated_sampler_importance_weight_by_hand():
+    """sampler_is=truncate multiplies each token's surrogate by min(exp(old - rollout), sampler_is_cap)."""
+    lp, old, roll = jnp.array([[-1.0, -0.5]]), jnp.array([[-1.2, -0.5]]), jnp.array([[-2.0, -0.1]])
+    adv, resp = jnp.array([1.0]), jnp.ones((1, 2))
+    cfg = PolicyLossConfig(clip_ratio_high=0.28, sampler_is="truncate", sampler_is_cap=2.0)
+    assert cfg.rollout_is_threshold == 2.0 and PolicyLossConfig().rollout_is_threshold is None
+    s, d, _ = compute_policy_loss(lp, old, adv, resp, None, cfg, rollout_log_probs=roll)
+    want = (-math.exp(0.2) * 2.0 - 1.0 * math.exp(-0.4)) / 2  # weights: exp(0.8) capped at 2, exp(-0.4)
+    assert float(s) / float(d) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        compute_policy_loss(lp, old, adv, resp, None, cfg)

@@ -21,11 +21,15 @@ Metrics are ``{name: (sum, weight)}`` pairs of scalars, so they also accumulate 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.algo.loss_settings import (  # noqa: F401  (re-exported: part of this module's API)
+    CONSTANT_DENOMINATOR_MODES,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    PolicyLossConfig,
+)
 from stapo_jax.algo.registry import register_into
 
 __all__ = [
@@ -45,60 +49,7 @@ __all__ = [
     "add_metrics",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                  "token-sum-norm")
-# modes whose denominator is a constant (not a sum over micro-batches / shards): accumulate it once, not K times
-CONSTANT_DENOMINATOR_MODES = ("token-sum", "token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
-            "low_var_kl+", "k3+")
 _SEQ_EPS = 1e-8  # verl agg_loss: s_b / (n_b + 1e-8)
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Loss settings, verl actor key names (``verl/trainer/config/actor/actor.yaml``).
-
-    clip_ratio_low / clip_ratio_high: epsilon_low / epsilon_high of the ratio clip.
-    clip_ratio_c: dual-clip constant (> 1) for ``A < 0``, or None to disable (verl always applies 3.0).
-    loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl 0.9.1 ``agg_loss`` semantics; ``token-sum-norm`` is the
-    pre-0.9.1 ``seq-mean-token-sum-norm``, kept as an explicit option). loss_scale_factor: the per-sequence
-    horizon of ``seq-mean-token-sum-norm`` / ``token-sum-norm`` (None: the mask's last dimension, verl's default).
-    log_ratio_clamp: |log ratio| clamp before exp (verl 20). entropy_coeff: entropy bonus coefficient.
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL-to-reference term (``KL_TYPES``).
-    rollout_is_threshold: cap of the truncated importance weight ``exp(old - rollout)`` (None: off).
-    ppo_kl_coef: KL-Cov penalty coefficient (used only with a ``kl_cov_selection``; verl
-    ``policy_loss.ppo_kl_coef`` default 0.1; this project used 1.0 before verl 0.9.1 parity).
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-    log_ratio_clamp: float = 20.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    rollout_is_threshold: float | None = None
-    ppo_kl_coef: float = 0.1
-
-    def __post_init__(self):
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        if self.kl_loss_type not in KL_TYPES:
-            raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
-        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
-            raise ValueError(
-                f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {self.clip_ratio_low}, "
-                f"{self.clip_ratio_high}"
-            )
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip PPO) or None, got {self.clip_ratio_c}")
-        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
-            raise ValueError(f"loss_scale_factor must be > 0 or None, got {self.loss_scale_factor}")
-        if self.rollout_is_threshold is not None and not self.rollout_is_threshold > 0:
-            raise ValueError(f"rollout_is_threshold must be > 0 or None, got {self.rollout_is_threshold}")
 
 
 def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -249,7 +200,7 @@ def compute_policy_loss(
       entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
         (token-mean over valid tokens).
       ref_log_probs: ``[B, T]``; required if ``config.use_kl_loss``.
-      rollout_log_probs: ``[B, T]`` sampler log-probs; required if ``config.rollout_is_threshold`` is set.
+      rollout_log_probs: ``[B, T]`` sampler log-probs; required with ``config.sampler_is='truncate'``.
       kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.algo.masks.kl_cov_mask`; switches to verl's KL-Cov
         loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
       renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
@@ -292,7 +243,7 @@ def compute_policy_loss(
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError("config.entropy_coeff != 0 but entropy is None")
     if config.rollout_is_threshold is not None and rollout_log_probs is None:
-        raise ValueError("config.rollout_is_threshold is set but rollout_log_probs is None")
+        raise ValueError("config.sampler_is='truncate' needs rollout_log_probs (the sampler's [B, T] log-probs)")
 
     sg = jax.lax.stop_gradient
     dt = log_probs.dtype

@@ -32,7 +32,7 @@ from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import PolicyLossConfig
 
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
-           "recipe_from_config", "loss_from_actor", "LOSS_FROM_ACTOR"]
+           "recipe_from_config"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
@@ -101,35 +101,19 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-# PolicyLossConfig fields whose config key differs: the truncated-IS cap is the ``actor.sampler_is`` switch plus
-# ``actor.sampler_is_cap``; every other field is read from the ``actor`` section under its own name
-LOSS_FROM_ACTOR = {"rollout_is_threshold": lambda a: a.sampler_is_cap if a.sampler_is == "truncate" else None}
-
-
-def loss_from_actor(actor) -> PolicyLossConfig:
-    """The :class:`PolicyLossConfig` of the config's ``actor`` section (:class:`stapo_jax.config.schema.ActorConfig`):
-    each field by its name (verl keys), except those in :data:`LOSS_FROM_ACTOR`.
-
-    Takes no arrays (config scalars: floats, ints, strings, None); returns a frozen :class:`PolicyLossConfig`.
-    Raises: ValueError (``ConfigError``) from the loss settings; AttributeError if the schema lacks a loss field
-    (a bug, caught by tests/test_config.py). Source: configs/base.yaml ``actor``."""
-    return PolicyLossConfig(**{f.name: LOSS_FROM_ACTOR[f.name](actor) if f.name in LOSS_FROM_ACTOR
-                               else getattr(actor, f.name) for f in dataclasses.fields(PolicyLossConfig)})
-
-
 def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
-    loss/mask/advantage field comes from the config (verl key names); the ``s2t`` / ``top_entropy`` sections are
-    the recipe's own setting types, used as they are.
+    loss/mask/advantage field comes from the config (verl key names); the ``actor`` section (a
+    :class:`PolicyLossConfig`) is the recipe's loss and the ``s2t`` / ``top_entropy`` sections its mask settings,
+    used as they are (no copies).
 
     Takes no arrays; returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
     """
     s, t = cfg.s2t, cfg.top_entropy
-    loss = loss_from_actor(cfg.actor)
     mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
     return Recipe(
-        cfg.algorithm.recipe, loss=loss, token_mask=mask, s2t=s, top_entropy=t,
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, s2t=s, top_entropy=t,
         adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
         adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
         dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,

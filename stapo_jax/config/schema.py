@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of the actor section (frozen)
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
@@ -170,9 +171,10 @@ class AlgorithmConfig:
     strict_recipe: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up then constant lr, global-norm gradient clipping (``clip_grad``; None = off)."""
+    """AdamW with linear warm-up then constant lr, global-norm gradient clipping (``clip_grad``; None = off).
+    Raises: ConfigError naming ``actor.optim.<key>`` for an invalid value."""
 
     lr: float = 1e-6
     warmup_steps: int = 10
@@ -181,33 +183,51 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
+    def __post_init__(self):
+        _check("actor.optim", [
+            (self.lr > 0, f"lr={self.lr} must be > 0"),
+            (self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
+            (self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0"),
+            (self.clip_grad is None or self.clip_grad > 0, f"clip_grad={self.clip_grad} must be > 0 or null"),
+            (all(0 <= b < 1 for b in self.betas), f"betas={list(self.betas)} must lie in [0, 1)"),
+            (self.eps > 0, f"eps={self.eps} must be > 0")])
 
-@dataclass
-class ActorConfig:
-    """Clipped-surrogate policy loss (verl ``actor_rollout_ref.actor.*``). Mini-batch size counts prompts
-    (each brings ``rollout.n`` responses); micro-batch size counts sequences per device."""
 
-    clip_ratio_low: float = 0.2
+@dataclass(frozen=True)
+class ActorConfig(PolicyLossConfig):
+    """verl ``actor_rollout_ref.actor.*``: the policy loss (this section *is* a
+    :class:`~stapo_jax.algo.loss_settings.PolicyLossConfig`, its keys, validation and meaning; the recipe uses the
+    section directly as its loss) plus the PPO batching and optimizer keys. Mini-batch size counts prompts (each
+    brings ``rollout.n`` responses); micro-batch size counts sequences per device. The loss defaults here are the
+    project's recipe (JustRL / STAPO: clip-higher 0.28, dual clip 10, no KL), the library's are verl's.
+    Raises: ConfigError naming ``actor.<key>`` for an invalid value."""
+
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0
-    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm", "token-sum-norm"] = "token-mean"
-    loss_scale_factor: Optional[float] = None
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                          "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"] = "low_var_kl"
-    log_ratio_clamp: float = 20.0
-    ppo_kl_coef: float = 0.1
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1
     logprob_seq_chunk: Optional[int] = 512
     logprob_vocab_chunk: Optional[int] = None
-    sampler_is: Literal["off", "truncate"] = "off"
-    sampler_is_cap: float = 2.0
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check("actor", [
+            (self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs} must be >= 1"),
+            (self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1"),
+            (self.ppo_micro_batch_size >= 1, f"ppo_micro_batch_size={self.ppo_micro_batch_size} must be >= 1 "
+                                             "(gradient accumulation would be 0)")]
+            + [(getattr(self, k) is None or getattr(self, k) >= 1, f"{k}={getattr(self, k)} must be >= 1 or null "
+                "(no chunking)") for k in ("logprob_seq_chunk", "logprob_vocab_chunk")])
+
+
+def _check(section: str, rules) -> None:
+    """Raise one ConfigError listing every failed ``(ok, "key=value rule")`` of ``section``."""
+    bad = [f"{section}.{msg}" for ok, msg in rules if not ok]
+    if bad:
+        raise ConfigError(bad[0] if len(bad) == 1 else "invalid config:\n  " + "\n  ".join(bad))
 
 
 @dataclass
@@ -490,41 +510,17 @@ def validate(cfg: Config) -> None:
     need(al.adv_eps > 0, f"algorithm.adv_eps={al.adv_eps} must be > 0")
     need(not (al.adv_estimator == "rloo" and r.n < 2), "algorithm.adv_estimator=rloo needs rollout.n >= 2")
 
-    a = cfg.actor
-    need(0 <= a.clip_ratio_low < 1, f"actor.clip_ratio_low={a.clip_ratio_low} must be in [0, 1)")
-    need(a.clip_ratio_high >= 0, f"actor.clip_ratio_high={a.clip_ratio_high} must be >= 0")
-    need(a.clip_ratio_c is None or a.clip_ratio_c > 1,
-         f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
-    need(a.loss_scale_factor is None or a.loss_scale_factor > 0,
-         f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
-    need(a.entropy_coeff >= 0, f"actor.entropy_coeff={a.entropy_coeff} must be >= 0")
-    need(a.kl_loss_coef >= 0, f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0")
-    need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
-    need(a.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must be >= 1")
-    need(a.ppo_micro_batch_size >= 1,
-         f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} must be >= 1 (gradient accumulation would be 0)")
-    if a.ppo_mini_batch_size >= 1 and a.ppo_micro_batch_size >= 1:
-        need(a.ppo_micro_batch_size <= a.ppo_mini_batch_size * r.n,
-             f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} exceeds the mini-batch's "
-             f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * r.n} sequences "
-             "(gradient accumulation would be 0)")
+    a = cfg.actor  # its own ranges (loss, batching, optimizer) are checked by the section itself
+    need(a.ppo_micro_batch_size <= a.ppo_mini_batch_size * r.n,
+         f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} exceeds the mini-batch's "
+         f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * r.n} sequences "
+         "(gradient accumulation would be 0)")
     t = cfg.trainer
     need(t.train_batch_size >= 1, f"trainer.train_batch_size={t.train_batch_size} must be >= 1")
-    if a.ppo_mini_batch_size >= 1 and t.train_batch_size >= 1:
+    if t.train_batch_size >= 1:
         need(t.train_batch_size % a.ppo_mini_batch_size == 0,
              f"trainer.train_batch_size={t.train_batch_size} is not divisible by "
              f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-    for k in ("logprob_seq_chunk", "logprob_vocab_chunk"):
-        v = getattr(a, k)
-        need(v is None or v >= 1, f"actor.{k}={v} must be >= 1 or null (no chunking)")
-    need(a.sampler_is_cap >= 1, f"actor.sampler_is_cap={a.sampler_is_cap} must be >= 1")
-    o = a.optim
-    need(o.lr > 0, f"actor.optim.lr={o.lr} must be > 0")
-    need(o.warmup_steps >= 0, f"actor.optim.warmup_steps={o.warmup_steps} must be >= 0")
-    need(o.weight_decay >= 0, f"actor.optim.weight_decay={o.weight_decay} must be >= 0")
-    need(o.clip_grad is None or o.clip_grad > 0, f"actor.optim.clip_grad={o.clip_grad} must be > 0 or null")
-    need(all(0 <= b < 1 for b in o.betas), f"actor.optim.betas={list(o.betas)} must lie in [0, 1)")
-    need(o.eps > 0, f"actor.optim.eps={o.eps} must be > 0")
 
     s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),

@@ -11,12 +11,17 @@ The dump is a ``.safetensors`` (read with ``safetensors.numpy``) or ``.npz`` fil
 
 It prints ``name | ours | theirs | abs diff | rel diff | ok`` and exits 0 when every compared value is within
 ``atol + rtol * |theirs|``, 1 otherwise, 2 on a bad file (the message names the missing or misshaped field).
-Loss conventions: recipe defaults (``--recipe``), overridable with verl key names.
+Loss settings, in order of precedence: the command-line flags (verl key names), the settings a dump carries in its
+metadata (``stapo_jax.tools.dump``: verl's actor config, e.g. its dual-clip ``clip_ratio_c`` = 3.0 by default in
+verl 0.9.1, where the project's recipes use 10), then the ``--recipe`` preset. The token mask's population is the
+whole dump (one call: S2T's ``minibatch`` scope when the dump is one mini-batch); ``s2t/tau_h`` is the mask's own
+threshold (its ``quantile_tokens`` population), for a recipe without S2T the entropy quantile of all valid tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -29,7 +34,7 @@ from stapo_jax.algo.masks import masked_quantile
 from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, compute_policy_loss, finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe
 
-__all__ = ["main", "load_dump", "recompute", "compare", "DumpError"]
+__all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "DumpError"]
 
 REQUIRED = ("old_log_probs", "log_probs", "advantages", "response_mask")
 REPORTED = ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_mean", "kl_loss",
@@ -62,6 +67,38 @@ def load_dump(path: str) -> dict[str, np.ndarray]:
     except Exception as e:  # safetensors' SafetensorError, zipfile/pickle errors of a corrupt .npz, ...
         raise DumpError(f"{path}: not a readable dump ({type(e).__name__}: {e})") from e
     return {k[len("actor/"):] if k.startswith("actor/") else k: np.asarray(v) for k, v in raw.items()}
+
+
+def load_dump_settings(path: str) -> dict:
+    """The loss settings a ``.safetensors`` dump carries in its metadata (``stapo_jax.tools.dump``:
+    ``{verl actor key: value}``, floats / bools / strings / None); ``{}`` for an ``.npz`` or a dump without them.
+
+    Raises: DumpError for a missing file or metadata that is not a JSON mapping of the known keys. Source: verl
+    0.9.1 ``actor.yaml`` key names."""
+    from stapo_jax.tools.dump import LOSS_SETTING_KEYS, SETTINGS_METADATA_KEY
+
+    if not os.path.isfile(path):
+        raise DumpError(f"dump file not found: {path}")
+    if not path.endswith(".safetensors"):
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "np") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 (safetensors' own error type)
+        raise DumpError(f"{path}: not a readable dump ({type(e).__name__}: {e})") from e
+    if SETTINGS_METADATA_KEY not in meta:
+        return {}
+    try:
+        settings = json.loads(meta[SETTINGS_METADATA_KEY])
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: metadata {SETTINGS_METADATA_KEY!r} is not JSON ({e})") from e
+    unknown = sorted(set(settings) - set(LOSS_SETTING_KEYS)) if isinstance(settings, dict) else None
+    if unknown is None or unknown:
+        raise DumpError(f"{path}: metadata {SETTINGS_METADATA_KEY!r} must map {list(LOSS_SETTING_KEYS)} to values, "
+                        f"got {settings!r}")
+    return settings
 
 
 def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
@@ -101,8 +138,8 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
     _validate(d, recipe.token_mask in ("s2t", "top_entropy"), recipe.loss.use_kl_loss)
     f = lambda k: jnp.asarray(d[k], jnp.float32) if k in d else None  # noqa: E731
     lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
-    keep, _ = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
-                                 old_log_probs=old)
+    keep, mask_stats = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
+                                          old_log_probs=old)
     s, den, m = compute_policy_loss(lp, old, adv, resp, keep, recipe.loss, entropy=ent,
                                     ref_log_probs=f("ref_log_probs"), renormalize=recipe.renormalize)
     fm = finalize_metrics(m, den)
@@ -113,7 +150,9 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
             ours[name] = fm[name]
     if ent is not None:
         ours["entropy_mean"] = fm["entropy"]
-        tau = masked_quantile(ent, resp, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
+        tau = mask_stats.get("s2t/tau_h")  # S2T's own population (quantile_tokens), else all valid tokens
+        if tau is None:
+            tau = masked_quantile(ent, resp, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
         ours["s2t/tau_h"] = tau
         diag = token_diagnostics(lp, ent, adv, old, resp, keep, tau_p=recipe.s2t.tau_p, tau_h=tau,
                                  clip_ratio_low=recipe.loss.clip_ratio_low, clip_ratio_high=recipe.loss.clip_ratio_high)
@@ -163,6 +202,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (dispatched by ``stapo-jax check``). Returns 0 (all within tolerance), 1 (beyond), 2 (bad input)."""
     args = _parser().parse_args(argv)
+    try:
+        from_dump = load_dump_settings(args.dump)
+    except DumpError as e:
+        print(f"stapo-jax check: error: {e}", file=sys.stderr)
+        return 2
     loss = {k: v for k, v in dict(loss_agg_mode=args.loss_agg_mode, clip_ratio_low=args.clip_ratio_low,
                                   clip_ratio_high=args.clip_ratio_high, loss_scale_factor=args.loss_scale_factor,
                                   kl_loss_type=args.kl_loss_type).items() if v is not None}
@@ -170,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         loss["clip_ratio_c"] = args.clip_ratio_c
     if args.kl_loss_coef:
         loss.update(use_kl_loss=True, kl_loss_coef=args.kl_loss_coef)
+    loss = {**from_dump, **loss}  # the flags win over the dump's settings, both over the recipe's
     s2t = {k: v for k, v in dict(tau_p=args.tau_p, entropy_quantile=args.entropy_quantile).items() if v is not None}
     try:
         recipe = get_recipe(args.recipe, loss=loss, s2t=s2t)
@@ -186,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'name':<20} {'ours':>16} {'theirs':>16} {'abs diff':>11} {'rel diff':>11}  ok")
     for name, a, b, ad, rd, good in rows:
         print(f"{name:<20} {a:>16.9g} {b:>16.9g} {ad:>11.3e} {rd:>11.3e}  {'yes' if good else 'NO'}")
-    print(f"recipe={recipe.name} loss_agg_mode={recipe.loss.loss_agg_mode} atol={args.atol} rtol={args.rtol}: "
+    c = recipe.loss
+    print(f"recipe={recipe.name} loss_agg_mode={c.loss_agg_mode} clip_ratio_low={c.clip_ratio_low} "
+          f"clip_ratio_high={c.clip_ratio_high} clip_ratio_c={c.clip_ratio_c} "
+          f"(from the dump: {sorted(from_dump) or 'none'}) atol={args.atol} rtol={args.rtol}: "
           f"{'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -9,23 +9,33 @@ verl (inside the actor update, where the current ``log_prob`` is computed)::
 
     from stapo_jax.tools.dump import dump_verl_batch
     dump_verl_batch(data, "step1.safetensors", log_probs=log_prob, entropy=entropy,
-                    metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics})
+                    metrics={"actor/pg_loss": pg_loss.item(), **pg_metrics}, actor_config=self.config)
 
 TRL (inside ``GRPOTrainer._compute_loss``, after ``per_token_logps, entropies`` are computed)::
 
     from stapo_jax.tools.dump import dump_trl_step
     dump_trl_step(inputs, per_token_logps, "step1.safetensors", entropy=entropies, metrics={"loss": loss.item()})
 
-then ``stapo-jax check step1.safetensors --recipe grpo --loss-agg-mode token-mean``.
+then ``stapo-jax check step1.safetensors --recipe grpo``. With ``actor_config`` (verl's actor config, the
+``config`` its ``compute_policy_loss_vanilla`` reads) the loss settings (:data:`LOSS_SETTING_KEYS`: clip ratios,
+dual-clip ``clip_ratio_c``, ``loss_agg_mode``, ...) travel in the file's metadata and ``check`` uses them, so a
+verl dump is checked with verl's ``clip_ratio_c`` (3.0 by default in verl 0.9.1) rather than the recipe's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import json
+
 import numpy as np
 
-__all__ = ["dump_verl_batch", "dump_trl_step", "group_ids_from_uids"]
+__all__ = ["dump_verl_batch", "dump_trl_step", "group_ids_from_uids", "LOSS_SETTING_KEYS", "SETTINGS_METADATA_KEY"]
+
+# verl actor keys (``verl/trainer/config/actor/actor.yaml``) that ``stapo-jax check`` takes from a dump's metadata
+LOSS_SETTING_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
+                     "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")
+SETTINGS_METADATA_KEY = "stapo_jax.loss_settings"  # safetensors metadata: JSON {key: value}
 
 
 def _np(x) -> np.ndarray:
@@ -48,18 +58,37 @@ def group_ids_from_uids(uids) -> np.ndarray:
     return np.asarray([index.setdefault(u, len(index)) for u in uids], np.int32)
 
 
-def _save(tensors: dict[str, np.ndarray], metrics: Optional[Mapping[str, float]], path: str) -> str:
+def _loss_settings(config) -> dict:
+    """The :data:`LOSS_SETTING_KEYS` a verl actor config (attributes, or a mapping such as an OmegaConf node) has,
+    as plain JSON values."""
+    def get(key):
+        if isinstance(config, Mapping):
+            return config.get(key, _MISSING)
+        return getattr(config, key, _MISSING)
+
+    out = {}
+    for key in LOSS_SETTING_KEYS:
+        v = get(key)
+        if v is not _MISSING:
+            out[key] = v if v is None or isinstance(v, (bool, str)) else float(v)
+    return out
+
+
+_MISSING = object()
+
+
+def _save(tensors: dict[str, np.ndarray], metrics: Optional[Mapping[str, float]], path: str, settings=None) -> str:
     from safetensors.numpy import save_file
 
     out = {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in tensors.items()}
     for name, value in (metrics or {}).items():
         out[name] = np.asarray(float(value), np.float32)
-    save_file(out, path)
+    save_file(out, path, metadata={SETTINGS_METADATA_KEY: json.dumps(settings)} if settings else None)
     return path
 
 
-def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Optional[Mapping[str, float]] = None
-                    ) -> str:
+def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Optional[Mapping[str, float]] = None,
+                    actor_config=None) -> str:
     """Write a verl ``DataProto`` mini-batch and the current policy's ``log_probs`` to ``path``.
 
     Args:
@@ -69,6 +98,8 @@ def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Option
         ``non_tensor_batch["uid"]`` (written as ``rewards`` / ``group_ids``).
       path: output ``.safetensors`` path. log_probs: ``[B, T]`` current log-probs (verl's ``log_prob`` in the
         actor update). entropy: ``[B, T]`` or None. metrics: reported scalars, e.g. ``{"actor/pg_loss": ...}``.
+      actor_config: verl's actor config (``verl.workers.config.ActorConfig`` or its OmegaConf node); its
+        :data:`LOSS_SETTING_KEYS` are written to the file's metadata for ``check``. None: no settings.
     Returns: ``path``. Raises: KeyError naming a missing batch field; ValueError for a shape mismatch.
     Source: verl 0.9.1 ``DataProto`` field names (``verl/trainer/ppo/ray_trainer.py``).
     """
@@ -96,7 +127,7 @@ def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Option
     for name, a in out.items():
         if name not in ("rewards", "group_ids") and a.shape[0] != mask.shape[0]:
             raise ValueError(f"{name} has {a.shape[0]} rows, response_mask {mask.shape[0]}")
-    return _save(out, metrics, path)
+    return _save(out, metrics, path, None if actor_config is None else _loss_settings(actor_config))
 
 
 def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entropy=None,

@@ -31,13 +31,19 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
+from stapo_jax.algo.objectives import compute_policy_loss
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
 from stapo_jax.algo.registry import register_into
 
-__all__ = ["UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES", "register_mask_strategy",
-           "mask_strategy", "mask_selects", "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy",
+__all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES", "register_mask_strategy",
+           "mask_strategy", "mask_selects", "masked_policy_loss", "mask_metrics", "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy",
            "prepass_stats", "split_micro_batches", "join_micro_batches"]
+
+# the mask's and diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and
+# the mini-batches of a step, not as means
+COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes", "s2t/corrected_tokens")
 
 
 def split_micro_batches(x: Optional[jax.Array], k: int) -> Optional[jax.Array]:
@@ -123,6 +129,40 @@ def mask_selects(recipe: Recipe) -> bool:
     """Whether the recipe's mask is a *selection* for a penalty (``kl_cov``), passed to the objective as
     ``kl_cov_selection``, rather than a keep mask (registry field ``selects``)."""
     return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
+
+
+def masked_policy_loss(recipe: Recipe) -> Callable:
+    """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's
+    ``compute_policy_loss`` on a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep``
+    ``[N, R]`` bool (or None) applied the way its registry entry says: a keep mask, or for a selecting mask
+    (``kl_cov``) the ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy.
+    Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
+    ``compute_policy_loss_kl_cov`` (selection)."""
+    selects = mask_selects(recipe)
+
+    def surrogate(lp, ent, mb, keep):
+        return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
+                                   None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
+                                   rollout_log_probs=mb.rollout_log_probs,
+                                   kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize)
+
+    return surrogate
+
+
+def mask_metrics(recipe: Recipe, out: "MaskOutcome", batch, vocab_size: Optional[int] = None) -> dict:
+    """The token diagnostics of a mini-batch (``stapo_jax.algo.diagnostics.token_diagnostics``) from the
+    statistics that defined its final mask ``out`` (:class:`MaskOutcome`), plus the ``s2t/tau_h`` threshold metric
+    (reported as 0 for an empty population: no NaN in the logs), all as ``{name: (sum, weight)}`` float32 scalar
+    pairs for ``finalize_metrics``. batch: the mini-batch (``[B, R]`` arrays); vocab_size: |V| for the Theorem
+    3.1 bounds (None: skipped). Raises: ValueError as ``token_diagnostics``. Source: stapo_spec.md §3, §7."""
+    loss = recipe.loss
+    m = token_diagnostics(*out.diag_stats, batch.advantages, batch.old_log_probs,
+                          batch.response_mask.astype(jnp.float32), None if mask_selects(recipe) else out.keep,
+                          tau_p=recipe.s2t.tau_p, tau_h=out.tau_rows, clip_ratio_low=loss.clip_ratio_low,
+                          clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
+                          vocab_size=vocab_size, log_ratio_clamp=loss.log_ratio_clamp)
+    m["s2t/tau_h"] = (jnp.nan_to_num(out.tau_h, nan=0.0), jnp.ones((), jnp.float32))
+    return m
 
 
 def diagnostic_tau_h(recipe: Recipe, stats: dict, entropy: jax.Array, valid: jax.Array) -> jax.Array:

@@ -32,11 +32,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.objectives import compute_policy_loss, finalize_metrics, safe_divide
+from stapo_jax.algo.objectives import finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.train.mask_strategy import (UpdateContext, join_micro_batches, mask_selects, mask_strategy,
-                                           split_micro_batches)
+from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, mask_metrics,
+                                           mask_strategy, masked_policy_loss, split_micro_batches)
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
@@ -44,8 +43,6 @@ __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_
            "optimizer_state_shardings"]
 
 DATA_AXES = ("data", "fsdp")
-# reported as totals over the mini-batches of a step, not means
-COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes", "s2t/corrected_tokens")
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
@@ -198,7 +195,7 @@ def make_train_step(
       ValueError (at call time): batch fields missing or misshaped, K not dividing B, S2T ``stats_policy=old``
       without ``old_entropy``.
     """
-    k, loss_cfg, selects = num_micro_batches, recipe.loss, mask_selects(recipe)
+    k, surrogate = num_micro_batches, masked_policy_loss(recipe)
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
 
@@ -210,12 +207,6 @@ def make_train_step(
             return response_log_probs_and_entropy(nnx.merge(graphdef, p), mb.input_ids, mb.attention_mask, r,
                                                   temperature=temperature, seq_chunk=seq_chunk,
                                                   vocab_chunk=vocab_chunk, packing=mb.packing)
-
-        def surrogate(lp, ent, mb, keep):
-            return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                                       None if selects else keep, loss_cfg, entropy=ent,
-                                       ref_log_probs=mb.ref_log_probs, rollout_log_probs=mb.rollout_log_probs,
-                                       kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize)
 
         ctx = UpdateContext(recipe=recipe, key=jax.random.fold_in(jax.random.PRNGKey(0), state.step),
                             num_micro_batches=k, forward=forward, surrogate=surrogate, grad=_grad,
@@ -241,14 +232,9 @@ def make_train_step(
         lp_all, ent_all = join_micro_batches(lps), join_micro_batches(ents)
         out = strategy.finish(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs, batch)
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
-        # the token diagnostics from the statistics that defined the mask
+        # and the token diagnostics from the statistics that defined the mask
         loss_sum, den, m = surrogate(lp_all, ent_all, batch, out.keep)
-        m = dict(m)
-        m.update(token_diagnostics(*out.diag_stats, batch.advantages, batch.old_log_probs,
-                                   batch.response_mask.astype(jnp.float32), None if selects else out.keep,
-                                   tau_p=recipe.s2t.tau_p, tau_h=out.tau_rows, clip_ratio_low=loss_cfg.clip_ratio_low,
-                                   clip_ratio_high=loss_cfg.clip_ratio_high, clip_ratio_c=loss_cfg.clip_ratio_c,
-                                   vocab_size=vocab_size, log_ratio_clamp=loss_cfg.log_ratio_clamp))
+        m = {**m, **mask_metrics(recipe, out, batch, vocab_size)}
         grads = jax.tree.map(lambda g: safe_divide(g, den), out.grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -261,9 +247,7 @@ def make_train_step(
         metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
         metrics.update(out.metrics)
         metrics.update({"loss": safe_divide(loss_sum, den), "loss_denominator": den, "grad_norm": grad_norm,
-                        "nonfinite_grad": (~finite).astype(jnp.float32),
-                        # an empty population has a NaN threshold; the metric reports 0 there (no NaN in the logs)
-                        "s2t/tau_h": jnp.nan_to_num(out.tau_h, nan=0.0)})
+                        "nonfinite_grad": (~finite).astype(jnp.float32)})
         return new_state, metrics
 
     if mesh is None:
