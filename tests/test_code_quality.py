@@ -1,8 +1,10 @@
 """Code-quality rules from the project brief (issue 11), checked by reading the source with ``ast``.
 
-* Every public function, class and public method has a docstring; in ``stapo_jax/algo`` every public
+* Every public function, class and public method has a docstring; in ``STRICT_DIRS`` (the pure algorithm
+  ``stapo_jax/algo``, the update core ``stapo_jax/train`` and the config ``stapo_jax/config``) every public
   function's docstring also names its source (paper / peer) and states shapes (``[B, T]``-style or the word
-  "shape"/"scalar"), and says what it raises (a ``Raises`` line, or "raises"/"never raises"/"errors").
+  "shape"/"scalar"), dtypes (``float32``, ``bool``, ``int``, ... or "no arrays"), and says what it raises (a
+  ``Raises`` line, or "raises"/"never raises"/"errors"). The other directories need a docstring only.
 * No module imports another project module's private (``_name``) names.
 * No file in ``stapo_jax/`` or ``models/`` is over 600 lines.
 
@@ -31,8 +33,10 @@ DOCSTRING_DIRS = ("stapo_jax/algo", "stapo_jax/rewards", "stapo_jax/data", "stap
                   "stapo_jax/runtime", "stapo_jax/tools", "stapo_jax/train", "stapo_jax/rollout", "models")
 # Files inside DOCSTRING_DIRS being rewritten elsewhere: reported, not yet asserted (none today).
 PENDING: tuple[str, ...] = ()
-# Directories where a function must also name its source, state shapes and say what it raises.
-STRICT_DIRS = ("stapo_jax/algo",)
+# Directories where a function must also name its source, state shapes and dtypes and say what it raises.
+STRICT_DIRS = ("stapo_jax/algo", "stapo_jax/train", "stapo_jax/config")
+# Files in STRICT_DIRS held to the plain docstring rule only while another branch rewrites them.
+STRICT_PENDING: tuple[str, ...] = ("stapo_jax/train/sft.py",)
 PRIVATE_IMPORT_DIRS = ("stapo_jax", "models", "bench", "launch", "tests")
 MAX_LINES = 600
 
@@ -40,6 +44,8 @@ SOURCE_RE = re.compile(r"source|arxiv|verl|trl\b|paper|eq\.|equation|spec|peer|c
                        r"official|stapo|definition", re.I)
 SHAPE_RE = re.compile(r"\[[^\]]*\]|shape|scalar|float|int\b|bool|array", re.I)   # incl. "no arrays"
 RAISES_RE = re.compile(r"raise|error", re.I)
+DTYPE_RE = re.compile(r"float32|float64|bfloat16|float16|int32|int64|\bbool\b|dtype|\bfloat\b|\bint\b|no arrays|"
+                      r"\bstr\b|pytree|string", re.I)
 
 
 def _py_files(d: str):
@@ -64,7 +70,7 @@ def _public_defs(tree: ast.Module):
 def docstring_findings(path: Path) -> list[str]:
     rel = _rel(path)
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    strict = rel.startswith(STRICT_DIRS)
+    strict = rel.startswith(STRICT_DIRS) and rel not in STRICT_PENDING
     out = []
     for qual, node in _public_defs(tree):
         doc = ast.get_docstring(node)
@@ -74,8 +80,8 @@ def docstring_findings(path: Path) -> list[str]:
             continue
         if not strict or isinstance(node, ast.ClassDef) or "." in qual:
             continue
-        missing = [part for part, rx in (("source", SOURCE_RE), ("shapes", SHAPE_RE), ("raises", RAISES_RE))
-                   if not rx.search(doc)]
+        missing = [part for part, rx in (("source", SOURCE_RE), ("shapes", SHAPE_RE), ("dtypes", DTYPE_RE),
+                                         ("raises", RAISES_RE)) if not rx.search(doc)]
         if missing:
             out.append(f"{where}: docstring lacks {', '.join(missing)}")
     return out
@@ -158,7 +164,7 @@ def test_checker_sees_a_missing_docstring_and_a_private_import(tmp_path, monkeyp
                  "def f(x):\n    return r._p(x)\n\ndef g(x):\n    '''Doc.'''\n    return x\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert docstring_findings(f) == ["stapo_jax/algo/m.py:3 f: no docstring",
-                                     "stapo_jax/algo/m.py:6 g: docstring lacks source, shapes, raises"]
+                                     "stapo_jax/algo/m.py:6 g: docstring lacks source, shapes, dtypes, raises"]
     assert private_import_findings(f) == ["stapo_jax/algo/m.py:1: from stapo_jax.data.prompts import _hidden",
                                           "stapo_jax/algo/m.py:4: r._p"]
 

@@ -40,7 +40,8 @@ ADVANTAGE_ESTIMATORS: dict = {}
 def register_adv_est(name: str):
     """Decorator registering an outcome-advantage estimator ``fn(rewards [N], group_ids [N], **kw) -> [N]`` under
     ``name`` (the recipe's ``adv_estimator``). Raises ValueError if the name is taken.
-    Source: verl ``core_algos.register_adv_est``."""
+    Source: verl ``core_algos.register_adv_est``.
+    rewards float32, group_ids any integer dtype; the estimate is float32."""
     return register_into(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 

@@ -15,6 +15,7 @@ def register_into(table: dict, kind: str, name: str, make: Callable = lambda fn:
       make: builds the stored entry from the function (default: the function itself).
     Raises: ValueError if ``name`` is already in ``table``.
     Source: verl ``core_algos.register_adv_est`` / ``register_policy_loss`` (same duplicate-name error).
+    Takes no arrays (``name``: str).
     """
 
     def deco(fn):

@@ -18,7 +18,9 @@ from stapo_jax.data.tokenizer import load_tokenizer, stop_token_ids
 
 
 def build_mesh(cfg: Config):
-    """``jax.sharding.Mesh`` with axes (data, fsdp, tensor) from ``cfg.mesh`` (-1 = the remaining devices)."""
+    """``jax.sharding.Mesh`` with axes (data, fsdp, tensor) from ``cfg.mesh`` (-1 = the remaining devices).
+    Takes no arrays. Raises: ``models.sharding.ShardingError`` (a ValueError) when the axis sizes do not fit the
+    devices. Source: ``models.sharding.make_mesh``."""
     return make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
 
 
@@ -29,6 +31,7 @@ def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:
     no ``vocab_size`` takes ``len(tokenizer)``; EOS ids come from the tokenizer when one is given.
     Raises:
       ConfigError: neither a preset nor the required size fields.
+    Takes no arrays (ints / floats / str of the config). Source: the HF ``config.json`` of the Qwen3 presets.
     """
     m = cfg.model
     base = _preset_config(m.preset) if m.preset else None
@@ -67,6 +70,8 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
 
     Raises:
       ConfigError: see :func:`model_config`; models.hf.CheckpointError for bad checkpoints.
+    Parameters in ``model.param_dtype`` (float32 by default), sharded over ``mesh``. Source: HF Qwen3
+    (``models.qwen3``).
     """
     m = cfg.model
     if m.path:
@@ -78,20 +83,24 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
 
 
 def build_tokenizer(cfg: Config):
-    """The configured tokenizer (``stapo_jax.data.tokenizer.load_tokenizer``)."""
+    """The configured tokenizer (``stapo_jax.data.tokenizer.load_tokenizer``).
+    Takes no arrays. Raises: ConfigError / OSError from ``load_tokenizer`` (missing path)."""
     return load_tokenizer(cfg)
 
 
 def build_recipe(cfg: Config):
     """The :class:`stapo_jax.algo.recipes.Recipe` the resolved config describes (recipe defaults were applied by
-    ``load_config``); see :func:`stapo_jax.algo.recipes.recipe_from_config`."""
+    ``load_config``); see :func:`stapo_jax.algo.recipes.recipe_from_config`.
+    Takes no arrays. Raises: ConfigError for an invalid recipe setting."""
     from stapo_jax.algo.recipes import recipe_from_config
 
     return recipe_from_config(cfg)
 
 
 def build_optimizer(cfg: Config):
-    """AdamW with warm-up and clipping from ``actor.optim`` (``stapo_jax.train.optim.make_optimizer``)."""
+    """AdamW with warm-up and clipping from ``actor.optim`` (``stapo_jax.train.optim.make_optimizer``).
+    Takes no arrays (Python floats); the optimizer keeps the parameters' dtypes. Raises: ValueError as
+    ``make_optimizer``."""
     from stapo_jax.train.optim import make_optimizer
 
     o = cfg.actor.optim

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 
 def valid_keys(cls: type | None = None, prefix: str = "") -> list[str]:
-    """All dotted leaf keys of a schema dataclass (dict-valued fields are leaves); None: the run ``Config``."""
+    """All dotted leaf keys of a schema dataclass (dict-valued fields are leaves); None: the run ``Config``.
+    Takes no arrays; returns str keys. Never raises. Source: the schema dataclasses (verl-style dotted keys)."""
     if cls is None:
         from stapo_jax.config.schema import Config  # the schema (imported lazily: config imports this module)
 
@@ -40,7 +41,9 @@ def valid_keys(cls: type | None = None, prefix: str = "") -> list[str]:
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
-    """Instantiate schema dataclass ``cls`` from ``raw`` with type checks; unknown keys raise."""
+    """Instantiate schema dataclass ``cls`` from ``raw`` with type checks; unknown keys raise.
+    Takes no arrays (YAML scalars, lists, mappings). Raises: ConfigError naming the key. Source: the schema (verl-
+    style dotted keys)."""
     where = prefix.rstrip(".") or "<top level>"
     if raw is None:
         raw = {}
@@ -56,7 +59,8 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
 
 def unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
     """One message (with its did-you-mean) per unknown key anywhere under ``raw``, in file order, so that a
-    config with several typos is fixed in one round; sections that are not mappings are left to ``_build``."""
+    config with several typos is fixed in one round; sections that are not mappings are left to ``_build``.
+    Takes no arrays; returns str messages. Never raises. Source: the schema (verl-style dotted keys)."""
     if not isinstance(raw, dict):
         return []
     hints = get_type_hints(cls)
@@ -71,7 +75,8 @@ def unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp`` and convert losslessly (int -> float, list -> tuple, a
-    numeric string such as YAML 1.1's ``1e-6`` -> float)."""
+    numeric string such as YAML 1.1's ``1e-6`` -> float).
+    Raises: ConfigError naming ``key`` and the expected type. Source: YAML 1.1 (``1e-6`` is read as a str)."""
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
         return value
@@ -144,7 +149,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def type_name(tp: Any) -> str:
-    """A human name for a schema annotation (``"int or null"``, ``"one of 'a', 'b'"``) for error messages."""
+    """A human name for a schema annotation (``"int or null"``, ``"one of 'a', 'b'"``) for error messages.
+    Source: the schema annotations (``typing``)."""
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
@@ -162,7 +168,7 @@ def type_name(tp: Any) -> str:
 
 def unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
     """The ``ConfigError`` text for an unknown ``key``: a close sibling, or the same leaf in another section,
-    or else the valid keys here."""
+    or else the valid keys here. Takes no arrays (str keys). Source: the schema (verl-style dotted keys)."""
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
@@ -184,7 +190,8 @@ def unknown_key_message(key: str, siblings: list[str], prefix: str) -> str:
 
 
 def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
-    """Whether the nested mapping ``raw`` has the dotted ``key`` (``"actor.clip_ratio_low"``). Never raises."""
+    """Whether the nested mapping ``raw`` has the dotted ``key`` (``"actor.clip_ratio_low"``). Never raises.
+    Takes no arrays (str keys). Source: verl / Hydra-style dotted overrides."""
     node: Any = raw
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -196,7 +203,8 @@ def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set the dotted ``key`` in the nested dict ``raw``, creating sections.
 
-    Raises: ConfigError if a prefix of ``key`` is a value, not a section."""
+    Raises: ConfigError if a prefix of ``key`` is a value, not a section.
+    Takes no arrays (str keys, YAML values). Source: verl / Hydra-style dotted overrides."""
     parts = key.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -210,7 +218,8 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 def plain_copy(x: Any) -> Any:
-    """A copy made of plain dicts and lists (YAML-safe; tuples become lists)."""
+    """A copy made of plain dicts and lists (YAML-safe; tuples become lists).
+    Takes no arrays. Never raises. Source: ``yaml.safe_dump`` accepts only plain types."""
     if isinstance(x, Mapping):
         return {k: plain_copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -223,6 +232,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
     Raises:
       ConfigError: no ``=``, an empty key, or a value that is not valid YAML.
+    Takes no arrays (str in, str key and YAML value out). Source: verl / Hydra-style ``key=value`` overrides.
     """
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.sub=value")

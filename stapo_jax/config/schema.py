@@ -401,6 +401,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
       FileNotFoundError: ``path`` does not exist.
       ConfigError: unknown keys (all of them in one message, each with the closest valid key suggested),
         wrong type, malformed override, or a cross-field check failed; the message names the key(s).
+    Source: verl's Hydra config (key spellings), stapo_spec.md §10 (defaults).
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -425,6 +426,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
 
     Raises:
       ConfigError: see :func:`load_config`.
+    Takes no arrays (YAML scalars, lists, mappings). Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
@@ -451,6 +453,7 @@ def validate(cfg: Config) -> None:
 
     Raises:
       ConfigError: a range or consistency check failed.
+    Takes no arrays (a ``Config``). Source: stapo_spec.md §4-5, §10 (the ranges and recipe invariants).
     """
     errors: list[str] = []
 

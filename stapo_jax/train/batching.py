@@ -13,7 +13,9 @@ import numpy as np
 
 
 def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= max(n, 1)."""
+    """Smallest multiple of ``multiple`` that is >= max(n, 1).
+    Takes and returns a Python int (no arrays). Never raises (``multiple`` >= 1 assumed). Source: verl's padding
+    of P / R to a multiple (conventions.md §6)."""
     return max(1, -(-max(n, 1) // multiple)) * multiple
 
 
@@ -36,6 +38,7 @@ def pack_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[S
       ValueError: different numbers of prompts and responses, an empty prompt (names its index), a sequence
         longer than the fixed ``prompt_length``/``response_length`` (no silent truncation), or a token id that
         is negative or >= ``vocab_size`` (names the prompt/response index, position and id).
+    Source: verl's ``input_ids`` / ``attention_mask`` / ``response_mask`` layout (conventions.md §6).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -91,5 +94,7 @@ def _check_token_ids(seqs: Sequence[Sequence[int]], what: str, vocab_size: Optio
 
 
 def response_hidden_slice(prompt_length: int, response_length: int) -> slice:
-    """Positions of the hidden states that predict the R response tokens: ``P-1 .. P+R-2``."""
+    """Positions of the hidden states that predict the R response tokens: ``P-1 .. P+R-2``.
+    Python ints -> a ``slice`` over the ``[B, P + R, D]`` hidden states (its length is R). Never raises. Source: the
+    causal shift of verl's ``logits[:, -R - 1:-1]`` (conventions.md §6). Takes Python int P and R, no arrays."""
     return slice(prompt_length - 1, prompt_length + response_length - 1)

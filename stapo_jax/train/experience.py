@@ -39,7 +39,9 @@ class Experience:
 
 
 def decode_responses(tokenizer: Any, rollout: RolloutBatch) -> list[str]:
-    """Response texts (special tokens stripped), one per row."""
+    """Response texts (special tokens stripped), one per row.
+    ``rollout.responses`` ``[N, R]`` int32 ids, ``response_lengths`` ``[N]``; returns N strings. Raises what the
+    tokenizer's ``decode`` raises."""
     return [tokenizer.decode(rollout.responses[i, :n].tolist(), skip_special_tokens=True)
             for i, n in enumerate(rollout.response_lengths)]
 
@@ -47,7 +49,9 @@ def decode_responses(tokenizer: Any, rollout: RolloutBatch) -> list[str]:
 def score_rollout(rollout: RolloutBatch, examples: Sequence[dict], tokenizer: Any, scorer) -> tuple[np.ndarray, dict]:
     """Verifier scores [N] float32 of each row against its prompt's gold, and the scorer's stats. In a
     multi-process job each process scores a share of whole groups and the scores are all-gathered
-    (``stapo_jax.rollout.multihost.score_rows``): the result is the same on every process."""
+    (``stapo_jax.rollout.multihost.score_rows``): the result is the same on every process.
+    Raises: IndexError / KeyError for a row whose prompt has no example or no ``gold``; the verifier's
+    per-row failures are counted in the stats (``n_timeout``, ``n_error``), not raised."""
     texts = decode_responses(tokenizer, rollout)
     golds = [examples[int(i)]["gold"] for i in rollout.prompt_index]
     return score_rows(texts, golds, scorer, max(rollout.group_size, 1))
@@ -103,6 +107,8 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
       :class:`Experience`.
     Raises:
       RuntimeError: dynamic sampling found no group with non-zero reward variance in ``max_gen_batches`` rounds.
+    Dtypes: the Experience's ``input_ids`` int32, masks bool, ``rewards`` float32 [N], ``advantages`` float32 [N,
+    R].
     """
     t0 = time.perf_counter()
     examples, parts, offsets, scores_parts, stats_all = [], [], [], [], []
@@ -159,6 +165,8 @@ def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size
     Truncated rows (finish reason ``length``) get an all-zero response mask when ``recipe.drop_truncated``.
     Raises:
       ValueError: see ``stapo_jax.train.batching.pack_prompt_response``.
+    scores: [N] float32 verifier scores; the arrays are int32 ids, bool masks, float32 advantages [N, R]. Source:
+    stapo_spec.md §2, §5 (DAPO overlong shaping), verl's batch layout.
     """
     lengths = ro.response_lengths.astype(np.int32)
     rewards = scores + np.asarray(overlong_reward_penalty(

@@ -37,9 +37,10 @@ from stapo_jax.algo.objectives import compute_policy_loss
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
 from stapo_jax.algo.registry import register_into
 
-__all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES", "register_mask_strategy",
-           "mask_strategy", "mask_selects", "masked_policy_loss", "mask_metrics", "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy",
-           "prepass_stats", "split_micro_batches", "join_micro_batches"]
+__all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES",
+           "register_mask_strategy", "mask_strategy", "mask_selects", "masked_policy_loss", "mask_metrics",
+           "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy", "prepass_stats",
+           "split_micro_batches", "join_micro_batches"]
 
 # the mask's and diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and
 # the mini-batches of a step, not as means
@@ -48,14 +49,17 @@ COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes", 
 
 def split_micro_batches(x: Optional[jax.Array], k: int) -> Optional[jax.Array]:
     """``[B, ...] -> [K, B/K, ...]`` with micro-batch ``j`` = rows ``j, j+K, j+2K, ...`` (strided, so a batch
-    sharded over rows stays shard-local). None passes through. Raises nothing: the caller checks ``K | B``."""
+    sharded over rows stays shard-local). None passes through. Raises nothing: the caller checks ``K | B``.
+    Source: verl's micro-batch split, strided here for sharded rows (conventions.md §2).
+    Any dtype (the dtype is kept)."""
     if x is None:
         return None
     return x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
 
 
 def join_micro_batches(x: jax.Array) -> jax.Array:
-    """Inverse of :func:`split_micro_batches`: ``[K, B/K, ...] -> [B, ...]`` in the original row order."""
+    """Inverse of :func:`split_micro_batches`: ``[K, B/K, ...] -> [B, ...]`` in the original row order.
+    Any dtype. Never raises. Source: conventions.md §2 (strided micro-batches)."""
     return x.swapaxes(0, 1).reshape((-1,) + x.shape[2:])
 
 
@@ -110,14 +114,17 @@ MASK_STRATEGIES: dict[str, Callable] = {}
 
 def register_mask_strategy(name: str) -> Callable:
     """Decorator registering a strategy factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` for the
-    token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``."""
+    token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``.
+    Takes no arrays (``name``: str)."""
     return register_into(MASK_STRATEGIES, "mask strategy", name)
 
 
 def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
     """The strategy of ``recipe.token_mask``: its registered factory's choice if any, else
     :func:`full_batch_strategy` (pre-pass) for a ``minibatch``-scoped mask, else :func:`per_micro_batch_strategy`.
-    ``has_old_entropy``: whether the batch carries ``old_entropy``. Raises: ValueError for an unknown mask."""
+    ``has_old_entropy``: whether the batch carries ``old_entropy``. Raises: ValueError for an unknown mask.
+    Takes no arrays; the strategy's masks are ``[B, R]`` bool. Source: stapo_spec.md §3 (population of the
+    threshold)."""
     make = MASK_STRATEGIES.get(recipe.token_mask)
     strategy = make(recipe, has_old_entropy) if make is not None else None
     if strategy is not None:
@@ -127,7 +134,9 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
 
 def mask_selects(recipe: Recipe) -> bool:
     """Whether the recipe's mask is a *selection* for a penalty (``kl_cov``), passed to the objective as
-    ``kl_cov_selection``, rather than a keep mask (registry field ``selects``)."""
+    ``kl_cov_selection``, rather than a keep mask (registry field ``selects``).
+    Takes no arrays; returns a Python bool. Raises: ValueError for an unknown mask name. Source: verl
+    ``compute_policy_loss_kl_cov`` (a selection, not a keep mask)."""
     return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
 
 
@@ -168,7 +177,8 @@ def mask_metrics(recipe: Recipe, out: "MaskOutcome", batch, vocab_size: Optional
 def diagnostic_tau_h(recipe: Recipe, stats: dict, entropy: jax.Array, valid: jax.Array) -> jax.Array:
     """The entropy threshold the diagnostics use: the S2T ``tau_h`` the mask reported in ``stats`` (its own
     population), else the recipe's ``s2t.entropy_quantile`` of ``entropy`` over ``valid`` (``[N, R]``). Float32
-    scalar, NaN for an empty population. Source: stapo_spec.md §3."""
+    scalar, NaN for an empty population. Source: stapo_spec.md §3.
+    Raises: ValueError as ``masked_quantile`` (misshaped arrays)."""
     if "s2t/tau_h" in stats:
         return stats["s2t/tau_h"]
     return masked_quantile(entropy, valid, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
@@ -186,7 +196,9 @@ def _micro_batch_mask(ctx: UpdateContext, lp, ent, mb, j, tau_h=None):
 def micro_batch_outcome(grad_sum, lp, ent, keeps, taus, metrics=None, keep=None, tau_h=None) -> MaskOutcome:
     """The outcome when each micro-batch was masked on its own: the mask joined from ``keeps`` (unless ``keep``
     ``[B, R]`` is given), per-row thresholds from ``taus`` ``[K]``, the ``s2t/tau_h`` metric their NaN-free mean
-    (unless ``tau_h`` is given: then it is also every row's threshold)."""
+    (unless ``tau_h`` is given: then it is also every row's threshold).
+    grad_sum: the gradient-sum pytree; lp / ent: ``[B, R]`` float32; keeps: ``[K, B/K, R]`` bool or None. Never
+    raises. Source: stapo_spec.md §10 item 12 (per-micro-batch populations)."""
     if keep is None and keeps is not None:
         keep = join_micro_batches(keeps)
     if tau_h is None:
@@ -200,7 +212,9 @@ def micro_batch_outcome(grad_sum, lp, ent, keeps, taus, metrics=None, keep=None,
 
 def per_micro_batch_strategy() -> MaskStrategy:
     """Each micro-batch is its own population (``microbatch`` scope, the 80/20 code's; or no mask): the mask is
-    computed inside the gradient pass from that pass's statistics. Source: stapo_spec.md §10 item 12."""
+    computed inside the gradient pass from that pass's statistics. Source: stapo_spec.md §10 item 12.
+    Its masks are ``[B/K, R]`` bool per micro-batch, thresholds float32 scalars. Raises: ValueError as
+    ``compute_token_mask`` when run."""
 
     def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
         return micro_batch_outcome(grad_sum, lp, ent, keeps, taus)
@@ -212,7 +226,8 @@ def per_micro_batch_strategy() -> MaskStrategy:
 
 def prepass_stats(ctx: UpdateContext, params, batch):
     """``(log_probs, entropy)`` ``[B, R]`` float32 of the whole mini-batch under the current (stop-gradient)
-    parameters: the forward-only pre-pass. Source: stapo_spec.md §3."""
+    parameters: the forward-only pre-pass. Source: stapo_spec.md §3.
+    Raises what ``ctx.log_probs`` raises (misshaped batch arrays)."""
     return ctx.log_probs(jax.lax.stop_gradient(params), batch)
 
 
@@ -221,7 +236,7 @@ def full_batch_strategy(stats_fn: Callable) -> MaskStrategy:
     and, under ``jit`` with batch-sharded inputs, all data-parallel shards) from the statistics
     ``stats_fn(ctx, params, batch) -> (log_probs, entropy)`` ``[B, R]`` (:func:`prepass_stats`, or the old
     policy's for S2T ``stats_policy=old``); the gradient pass reads its slice. Raises what ``stats_fn`` raises.
-    Source: stapo_spec.md §3."""
+    Source: stapo_spec.md §3. Statistics float32, masks bool."""
 
     def prepare(ctx, params, batch):
         stats = stats_fn(ctx, params, batch)

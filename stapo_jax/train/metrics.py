@@ -19,7 +19,8 @@ _BAR_KEYS = ("reward/mean", "acc/mean", "entropy", "s2t/masked_frac", "response_
 
 
 def to_python(v):
-    """A JSON-friendly float/int from a Python, NumPy or JAX scalar (non-finite floats become null)."""
+    """A JSON-friendly float/int from a Python, NumPy or JAX scalar (non-finite floats become null).
+    Raises: ValueError for a non-scalar. Source: the metrics.jsonl convention (JSON has no NaN)."""
     v = np.asarray(v)
     if v.size != 1:
         raise ValueError(f"metric value must be a scalar, got shape {v.shape}")
@@ -38,6 +39,7 @@ def progress_bar(total: Optional[int], desc: str, *, unit: str = "step", enabled
       total: number of units (None: unknown, no ETA); desc: the label in front; unit: e.g. ``"step"``.
     Returns:
       a ``tqdm.auto.tqdm`` (use as a context manager or call ``close()``).
+    Takes no arrays. Never raises. Source: verl's ``trainer.logger: console`` progress bar.
     """
     import jax
     from tqdm.auto import tqdm
@@ -194,6 +196,7 @@ def read_metrics(path: str) -> list[dict]:
       ValueError: a line that is not JSON, not a JSON object, or has no integer ``"step"`` (names the file and
         line number). Only a half-written *last* line (no trailing newline: the run was killed mid-write) is
         skipped, with a logged warning.
+    Source: the metrics.jsonl the trainer writes (``MetricsLogger``).
     """
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")

@@ -18,6 +18,8 @@ def make_optimizer(lr: float, warmup_steps: int = 0, weight_decay: float = 0.0, 
       clip_grad: global-norm clip threshold, or None for no clipping.
     Raises:
       ValueError: non-positive ``lr``, negative ``warmup_steps`` or non-positive ``clip_grad``.
+    Takes Python floats/ints (no arrays); the returned transformation keeps the parameters' dtypes (float32 moments
+    for float32 parameters).
     """
     if lr <= 0:
         raise ValueError(f"optim.lr={lr} must be > 0")

@@ -129,7 +129,9 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
 def rows_bucket(rows: int, cap: int) -> int:
     """Packed rows per shard rounded up to a bucket, at most ``cap`` (the padded rows per shard): exact up to 8,
     then to a multiple of ``2 ** (bit_length - 3)`` (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four buckets
-    per octave, < 25% extra rows), so a jitted step recompiles only when the bucket changes."""
+    per octave, < 25% extra rows), so a jitted step recompiles only when the bucket changes.
+    Takes and returns a Python int (no arrays). Never raises. Source: verl ``use_remove_padding`` packs rows; the
+    buckets are this project's (bench/bench_packing.py)."""
     rows = max(int(rows), 1)
     step = 1 << max(rows.bit_length() - 3, 0)
     return min(-(-rows // step) * step, max(int(cap), rows))
@@ -190,6 +192,7 @@ def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_sha
       [B, R, D] in hidden's dtype: a gather batched over the shard blocks (each block reads only its rows).
     Raises:
       ValueError: M or B not divisible by ``num_shards``.
+    Source: verl ``use_remove_padding`` (unpad / pad back of the response positions).
     """
     m, l, d = hidden.shape
     b, r = response_index.shape

@@ -24,7 +24,9 @@ DUMP_ENV = "STAPO_DUMP_EXPERIENCE_DIR"
 
 def dump_experience(directory: str, step: int, exp) -> None:
     """``<directory>/step_<step>.npz``: the packed rollout (``input_ids``, ``response_mask``, ...), ``rewards``
-    and ``advantages`` of an RL step, written by process 0 when ``$STAPO_DUMP_EXPERIENCE_DIR`` is set."""
+    and ``advantages`` of an RL step, written by process 0 when ``$STAPO_DUMP_EXPERIENCE_DIR`` is set.
+    The arrays keep their dtypes (int32 ids, bool masks, float32 rewards ``[N]`` / advantages ``[N, R]``). Raises:
+    OSError when the directory cannot be written."""
     os.makedirs(directory, exist_ok=True)
     np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
 
@@ -34,7 +36,9 @@ RUNTIME_MODEL_KEYS = ("use_remove_padding",)
 
 
 def check_same_model(cfg: Config, run_dir: str) -> None:
-    """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore)."""
+    """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore).
+    Takes no arrays. Raises: ConfigError naming the model keys that differ. Source: Orbax restore needs the saved
+    parameter tree."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         return
@@ -49,14 +53,18 @@ def check_same_model(cfg: Config, run_dir: str) -> None:
 
 
 def load_val_examples(cfg: Config, tok) -> list[dict]:
-    """The validation prompts (``data.gym.val_size`` or ``data.val_files``), or [] when none are configured."""
+    """The validation prompts (``data.gym.val_size`` or ``data.val_files``), or [] when none are configured.
+    Raises: FileNotFoundError / ConfigError from the dataset loader (``stapo_jax.data.prompts``). Source: verl's
+    ``data.val_files``. Returns dicts of str (prompt text and gold)."""
     has_val = cfg.data.gym.val_size if cfg.data.source == "gym" else bool(cfg.data.val_files)
     return load_prompt_dataset(cfg, tok, "val").examples if has_val else []
 
 
 def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger, should_stop=None) -> bool:
     """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss.
-    Returns False when ``should_stop`` (asked every 10 steps, ``sft.run_sft``) ended it early, else True."""
+    Returns False when ``should_stop`` (asked every 10 steps, ``sft.run_sft``) ended it early, else True.
+    Takes no arrays (examples: dicts of text). Raises what ``stapo_jax.train.sft.sft_from_config`` raises
+    (ConfigError). Source: stapo_spec.md (optional SFT warm-up before RL)."""
     from stapo_jax.train.sft import sft_from_config
 
     hist = sft_from_config(cfg, model, examples, tok, progress=logger.progress, should_stop=should_stop)
@@ -67,7 +75,9 @@ def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metric
 
 
 def write_plots(run_dir: str, summary: dict) -> None:
-    """The run's plots (``plots.plot_run``) into ``run_dir``; their paths go to ``summary['plots']``."""
+    """The run's plots (``plots.plot_run``) into ``run_dir``; their paths go to ``summary['plots']``.
+    Never raises for an empty run (logs a warning); OSError when ``run_dir`` cannot be written. Source:
+    ``stapo_jax.tools.plots``. summary: a dict of JSON-able values (float, int, str)."""
     from stapo_jax.tools.plots import plot_run
     try:
         summary["plots"] = plot_run(run_dir, summary=summary)   # held-out accuracy from the before-RL point
@@ -76,7 +86,9 @@ def write_plots(run_dir: str, summary: dict) -> None:
 
 
 def write_summary(run_dir: str, summary: dict) -> None:
-    """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL)."""
+    """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL).
+    Takes no arrays (JSON-able values). Raises: OSError / json.JSONDecodeError for an unwritable dir or a corrupt
+    summary.json. Source: the run directory layout (README)."""
     path = os.path.join(run_dir, "summary.json")
     previous = {}
     if os.path.exists(path):

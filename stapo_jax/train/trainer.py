@@ -41,6 +41,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
     Raises:
       ConfigError: missing ``trainer.total_steps`` or an inconsistent batch configuration.
+    Takes no arrays (a ``Config``); the summary holds Python floats / ints / str. Source: stapo_spec.md §2 (the RL
+    loop), verl ``RayPPOTrainer.fit``.
     """
     if not cfg.trainer.total_steps:
         raise ConfigError("trainer.total_steps must be set for an RL run (stapo_spec §10 item 15)")
@@ -190,7 +192,9 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``stapo-jax train --config FILE [key.sub=value ...]``."""
+    """``stapo-jax train --config FILE [key.sub=value ...]``.
+    Raises: ConfigError / FileNotFoundError for a bad config (the CLI prints it and exits 2).
+    argv: str arguments; returns the int exit status. Source: verl ``main_ppo`` (the CLI entry)."""
     p = argparse.ArgumentParser(prog="stapo-jax train", description=__doc__)
     p.add_argument("--config", required=False, default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.clip_ratio_high=0.28")

@@ -35,7 +35,9 @@ class Preemption:
 
 def stop_requested(preempt: Preemption) -> bool:
     """True on every process when SIGTERM reached any of them (a max all-gather over processes, so all of them
-    stop after the same step); a collective: every process must call it at the same point."""
+    stop after the same step); a collective: every process must call it at the same point.
+    Raises what the JAX all-gather raises when the processes are out of step. Source: SLURM / TPU preemption sends
+    SIGTERM. Returns a Python bool (no arrays)."""
     return allgather_max(float(preempt.requested)) > 0
 
 
@@ -43,13 +45,15 @@ def balance_allowed(recipe) -> bool:
     """True when a mini-batch's update does not depend on which micro-batch holds a row, so the rows may be
     reordered for packing (:func:`stapo_jax.train.packing.balanced_row_order`): no token mask, or an S2T /
     20-Entropy mask over the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov
-    (random selections keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe``; never raises."""
+    (random selections keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe``; never raises.
+    Takes no arrays; returns a Python bool."""
     return recipe.token_mask == "none" or (recipe.token_mask in ("s2t", "top_entropy")
                                            and recipe.mask_scope == "minibatch")
 
 
 def data_parallel_size(mesh) -> int:
-    """Data-parallel shards of the batch rows: ``mesh.data`` x ``mesh.fsdp`` (1 without a mesh)."""
+    """Data-parallel shards of the batch rows: ``mesh.data`` x ``mesh.fsdp`` (1 without a mesh).
+    Takes no arrays; returns a Python int. Never raises. Source: verl's data-parallel size (FSDP ranks)."""
     if mesh is None:
         return 1
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
@@ -62,6 +66,7 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
     Raises:
       ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change).
+    Takes no arrays; returns a Python int.
     """
     dp = data_parallel_size(mesh)
     per_device = rows // dp
@@ -103,7 +108,9 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       back to back; their metrics come to the host once, after the last one.
     Returns:
       (state, metrics: float per key, averaged over mini-batches; ``COUNT_METRICS`` summed; plus
-      ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5)."""
+      ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5).
+    Raises: ConfigError when ``mini_rows`` does not split into shards and micro-batches; ValueError from the step
+    for misshaped arrays."""
     a = exp.arrays
     R = a["response_mask"].shape[1]
     if use_remove_padding and balance_micro_batches and num_micro_batches > 1:
@@ -152,5 +159,6 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
 
 @jax.jit
 def all_finite(tree) -> jax.Array:
-    """Scalar bool array: every element of every leaf of ``tree`` (e.g. the parameters) is finite."""
+    """Scalar bool array: every element of every leaf of ``tree`` (e.g. the parameters) is finite.
+    Never raises. Source: the nonfinite-gradient guard of verl's actor (skip the update)."""
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
