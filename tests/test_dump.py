@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 from test_peer_parity import _actor_config, _inputs, _trl_loss_and_grad, _trl_trainer_view
@@ -13,7 +14,8 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 
 from stapo_jax.tools.check import load_dump_settings, main as check_main
-from stapo_jax.tools.dump import SETTINGS_METADATA_KEY, dump_trl_step, dump_verl_batch, group_ids_from_uids
+from stapo_jax.tools.dump import (SETTINGS_METADATA_KEY, TRL_LOSS_AGG_MODES, dump_trl_step, dump_verl_batch,
+                                  group_ids_from_uids, trl_loss_settings)
 
 
 def test_group_ids_from_uids_keeps_first_appearance_order():
@@ -54,18 +56,33 @@ def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
     assert check_main(args) == 1
 
 
-def test_trl_step_dump_is_checked(tmp_path):
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dr_grpo"])
+def test_trl_step_dump_is_checked(tmp_path, loss_type):
+    """TRL's loss settings travel with the dump (trainer=...): check needs no loss flag for any loss_type."""
     lp, old, adv, mask = _inputs(13, empty_row=False)
     ent = np.abs(np.random.default_rng(14).normal(size=lp.shape))
-    loss, _ = _trl_loss_and_grad(_trl_trainer_view("bnpo"), lp, old, adv, mask, ent)
+    view = _trl_trainer_view(loss_type)
+    loss, _ = _trl_loss_and_grad(view, lp, old, adv, mask, ent)
     inputs = {"completion_mask": torch.tensor(mask), "advantages": torch.tensor(adv[:, 0]),
               "old_per_token_logps": torch.tensor(old)}
     path = str(tmp_path / "trl.safetensors")
-    dump_trl_step(inputs, torch.tensor(lp), path, entropy=torch.tensor(ent), metrics={"loss": loss})
-    args = [path, "--recipe", "grpo", "--loss-agg-mode", "token-mean", "--clip-ratio-high", "0.28",
-            "--clip-ratio-c", "none", "--atol", "1e-5"]
+    dump_trl_step(inputs, torch.tensor(lp), path, entropy=torch.tensor(ent), metrics={"loss": loss}, trainer=view)
+    settings = load_dump_settings(path)
+    assert (settings["clip_ratio_c"], settings["clip_ratio_high"], settings["loss_agg_mode"]) == (
+        None, 0.28, TRL_LOSS_AGG_MODES[loss_type])
+    args = [path, "--recipe", "grpo", "--atol", "1e-5"]
     assert check_main(args) == 0
     fields = load_file(path)
     fields["loss"] = np.asarray(fields["loss"] * 1.01, np.float32)
-    save_file(fields, path)
+    save_file(fields, path, metadata={SETTINGS_METADATA_KEY: json.dumps(settings)})
     assert check_main(args) == 1
+
+
+def test_trl_settings_without_a_counterpart_are_refused():
+    view = _trl_trainer_view("cispo")
+    with pytest.raises(ValueError, match="loss_type='cispo'"):
+        trl_loss_settings(view)
+    view = _trl_trainer_view("bnpo")
+    view.args.delta = 2.0
+    with pytest.raises(ValueError, match="delta"):
+        trl_loss_settings(view)

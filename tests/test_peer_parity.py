@@ -30,6 +30,7 @@ from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
 from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from stapo_jax.algo.masks import clip_cov_mask, kl_cov_mask, top_entropy_mask
 from stapo_jax.algo.objectives import KL_TYPES, PolicyLossConfig, aggregate, compute_policy_loss, kl_penalty, safe_divide
+from stapo_jax.tools.dump import TRL_LOSS_AGG_MODES
 
 B, T = 6, 7
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -244,9 +245,9 @@ def _trl_loss_and_grad(view, lp, old, adv, mask, ent, ref=None):
     return float(loss), t_lp.grad.numpy()
 
 
-# TRL loss_type -> our loss_agg_mode (with loss_scale_factor = max_completion_length for dr_grpo)
-TRL_MODES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-             "dapo": "token-mean", "luspo": "seq-mean-token-sum"}
+# TRL loss_type -> our loss_agg_mode (with loss_scale_factor = max_completion_length for dr_grpo): the table
+# stapo_jax.tools.dump writes into a TRL dump's settings, so this test checks the one check uses
+TRL_MODES = TRL_LOSS_AGG_MODES
 
 
 @pytest.mark.parametrize("loss_type", sorted(TRL_MODES))

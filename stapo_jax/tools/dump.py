@@ -14,12 +14,14 @@ verl (inside the actor update, where the current ``log_prob`` is computed)::
 TRL (inside ``GRPOTrainer._compute_loss``, after ``per_token_logps, entropies`` are computed)::
 
     from stapo_jax.tools.dump import dump_trl_step
-    dump_trl_step(inputs, per_token_logps, "step1.safetensors", entropy=entropies, metrics={"loss": loss.item()})
+    dump_trl_step(inputs, per_token_logps, "step1.safetensors", entropy=entropies, metrics={"loss": loss.item()},
+                  trainer=self)
 
 then ``stapo-jax check step1.safetensors --recipe grpo``. With ``actor_config`` (verl's actor config, the
 ``config`` its ``compute_policy_loss_vanilla`` reads) the loss settings (:data:`LOSS_SETTING_KEYS`: clip ratios,
 dual-clip ``clip_ratio_c``, ``loss_agg_mode``, ...) travel in the file's metadata and ``check`` uses them, so a
-verl dump is checked with verl's ``clip_ratio_c`` (3.0 by default in verl 0.9.1) rather than the recipe's.
+verl dump is checked with verl's ``clip_ratio_c`` (3.0 by default in verl 0.9.1) rather than the recipe's; with
+``trainer`` a TRL dump carries TRL's (no dual clip, its ``loss_type`` as a ``loss_agg_mode``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ import json
 
 import numpy as np
 
-__all__ = ["dump_verl_batch", "dump_trl_step", "group_ids_from_uids", "LOSS_SETTING_KEYS", "SETTINGS_METADATA_KEY"]
+__all__ = ["dump_verl_batch", "dump_trl_step", "group_ids_from_uids", "trl_loss_settings", "LOSS_SETTING_KEYS",
+           "SETTINGS_METADATA_KEY", "TRL_LOSS_AGG_MODES"]
 
 # verl actor keys (``verl/trainer/config/actor/actor.yaml``) that ``stapo-jax check`` takes from a dump's metadata
 LOSS_SETTING_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "loss_scale_factor",
                      "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")
 SETTINGS_METADATA_KEY = "stapo_jax.loss_settings"  # safetensors metadata: JSON {key: value}
+# TRL 1.16 GRPOTrainer loss_type -> our loss_agg_mode (dr_grpo: loss_scale_factor = max_completion_length);
+# checked against TRL's own loss in tests/test_peer_parity.py
+TRL_LOSS_AGG_MODES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
+                      "dapo": "token-mean", "luspo": "seq-mean-token-sum"}
 
 
 def _np(x) -> np.ndarray:
@@ -130,8 +137,30 @@ def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Option
     return _save(out, metrics, path, None if actor_config is None else _loss_settings(actor_config))
 
 
+def trl_loss_settings(trainer) -> dict:
+    """Our loss settings (:data:`LOSS_SETTING_KEYS`) for a TRL 1.16 ``GRPOTrainer`` (the attributes its
+    ``_compute_loss`` reads: ``loss_type``, ``epsilon_low``, ``epsilon_high``, ``beta``, ``max_completion_length``,
+    ``args.delta``): no dual clip, no log-ratio clamp needed, the KL term TRL's k3 with coefficient ``beta``.
+
+    Takes no arrays; returns JSON values. Raises: ValueError for a ``loss_type`` outside
+    :data:`TRL_LOSS_AGG_MODES`, TRL's two-sided clipping (``args.delta``) or a sequence-level importance ratio,
+    which have no counterpart here. Source: TRL 1.16 ``grpo_trainer.py`` (``_compute_loss``)."""
+    if trainer.loss_type not in TRL_LOSS_AGG_MODES:
+        raise ValueError(f"TRL loss_type={trainer.loss_type!r} has no counterpart; known: {sorted(TRL_LOSS_AGG_MODES)}")
+    if getattr(getattr(trainer, "args", None), "delta", None) is not None:
+        raise ValueError("TRL args.delta (two-sided clipping) has no counterpart in stapo-jax check")
+    if getattr(trainer, "importance_sampling_level", "token") != "token":
+        raise ValueError(f"TRL importance_sampling_level={trainer.importance_sampling_level!r}: only 'token' is "
+                         "checked")
+    beta = float(trainer.beta)
+    return {"clip_ratio_low": float(trainer.epsilon_low), "clip_ratio_high": float(trainer.epsilon_high),
+            "clip_ratio_c": None, "loss_agg_mode": TRL_LOSS_AGG_MODES[trainer.loss_type],
+            "loss_scale_factor": float(trainer.max_completion_length), "use_kl_loss": beta > 0,
+            "kl_loss_coef": beta, "kl_loss_type": "k3"}
+
+
 def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entropy=None,
-                  metrics: Optional[Mapping[str, float]] = None) -> str:
+                  metrics: Optional[Mapping[str, float]] = None, trainer=None) -> str:
     """Write one TRL ``GRPOTrainer`` loss step to ``path``.
 
     Args:
@@ -140,7 +169,9 @@ def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entr
         log-probs: then ``old = per_token_logps``), ``ref_per_token_logps``.
       per_token_logps: ``[B, T]`` current log-probs. entropy: ``[B, T]`` or None (TRL's ``entropies``).
       path: output ``.safetensors``. metrics: reported scalars (``loss``, ...).
-    Returns: ``path``. Raises: KeyError naming a missing input. Source: TRL 1.16 ``grpo_trainer.py``.
+      trainer: the ``GRPOTrainer`` (``self`` in ``_compute_loss``); its loss settings
+        (:func:`trl_loss_settings`) go to the file's metadata for ``check``. None: no settings.
+    Returns: ``path``. Raises: KeyError naming a missing input; ValueError as :func:`trl_loss_settings`. Source: TRL 1.16 ``grpo_trainer.py``.
     """
     for need in ("completion_mask", "advantages"):
         if need not in inputs:
@@ -153,4 +184,4 @@ def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entr
         out["ref_log_probs"] = _np(inputs["ref_per_token_logps"])
     if entropy is not None:
         out["entropy"] = _np(entropy)
-    return _save(out, metrics, path)
+    return _save(out, metrics, path, None if trainer is None else trl_loss_settings(trainer))
