@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -247,6 +248,29 @@ def test_the_actor_section_is_the_recipes_loss():
     assert recipe_from_config(load_config(None)).loss.rollout_is_threshold is None
 
 
+def test_the_recipe_uses_the_config_sections_themselves():
+    """algorithm / sampling / reward are the recipe's advantage / sampling / overlong settings (no copies), so a
+    key such as algorithm.norm_adv_by_std_in_grpo cannot be dropped on the way: false gives Dr.GRPO's R - mean."""
+    import jax.numpy as jnp
+
+    from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, recipe_advantages
+    from stapo_jax.algo.recipes import recipe_from_config
+
+    cfg = load_config(None, ["algorithm.recipe=dapo", "algorithm.norm_adv_by_std_in_grpo=false",
+                             "sampling.max_gen_batches=3", "reward.overlong_buffer_len=7"])
+    recipe = recipe_from_config(cfg)
+    assert recipe.advantage is cfg.algorithm and recipe.sampling is cfg.sampling and recipe.overlong is cfg.reward
+    assert (recipe.sampling.dynamic, recipe.sampling.max_gen_batches, recipe.overlong.overlong_buffer_len) == (
+        True, 3, 7)
+    r, g = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), jnp.array([5, 5, 5, 9, 9, 2])
+    got = np.asarray(recipe_advantages(recipe.advantage, r, g))
+    np.testing.assert_allclose(got, [2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(got, np.asarray(dr_grpo_advantages(r, g)), rtol=1e-6)
+    default = recipe_from_config(load_config(None))
+    np.testing.assert_allclose(np.asarray(recipe_advantages(default.advantage, r, g)),
+                               np.asarray(grpo_advantages(r, g)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("override,match", [
     ("actor.sampler_is_cap=0.5", r"^actor\.sampler_is_cap=0\.5 must be >= 1$"),
     ("actor.clip_ratio_low=1.5", r"^actor\.clip_ratio_low=1\.5 must be in \[0, 1\)$"),
@@ -257,6 +281,12 @@ def test_the_actor_section_is_the_recipes_loss():
     ("actor.logprob_seq_chunk=0", r"^actor\.logprob_seq_chunk=0 must be >= 1 or null"),
     ("actor.optim.lr=0", r"^actor\.optim\.lr=0\.0 must be > 0$"),
     ("actor.optim.betas=[0.9, 1.0]", r"^actor\.optim\.betas=\[0\.9, 1\.0\] must lie in \[0, 1\)$"),
+    ("algorithm.std_ddof=2", r"^algorithm\.std_ddof=2 must be 0 or 1$"),
+    ("algorithm.adv_eps=0", r"^algorithm\.adv_eps=0\.0 must be > 0$"),
+    ("algorithm.adv_estimator=drgrpo", r"^algorithm\.adv_estimator: 'drgrpo' is not one of .*did you mean 'dr_grpo'"),
+    ("sampling.max_gen_batches=0", r"^sampling\.max_gen_batches=0 must be >= 1$"),
+    ("reward.overlong_buffer_len=-1", r"^reward\.overlong_buffer_len=-1 must be >= 0$"),
+    ("reward.timeout_s=0", r"^reward\.timeout_s=0\.0 must be > 0$"),
 ])
 def test_a_sections_invalid_value_is_a_config_error_naming_its_key(override, match):
     """Validation sits next to the fields (the section's own __post_init__); the message names the dotted key."""

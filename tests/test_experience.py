@@ -75,7 +75,7 @@ def test_plain_grpo_experience_layout_and_advantages():
 
 def test_dynamic_sampling_drops_constant_groups_and_refills():
     src = ScriptedRollouts()
-    recipe = get_recipe("dapo", overlong_buffer_len=0)
+    recipe = get_recipe("dapo", overlong={"overlong_buffer_len": 0})
     # every generation round brings one informative ('first') and one constant ('none') prompt
     exp = collect_experience(src, batches(["first", "none"]), Scorer(), Tok(), recipe, group_size=4,
                              max_new_tokens=6, seed=0, pad_id=0)
@@ -84,11 +84,11 @@ def test_dynamic_sampling_drops_constant_groups_and_refills():
     # nothing informative at all: a clear error after max_gen_batches rounds
     with pytest.raises(RuntimeError, match="every group had equal rewards in 3 generation rounds"):
         collect_experience(ScriptedRollouts(), batches(["none", "all"]), Scorer(), Tok(),
-                           recipe.replace(max_gen_batches=3), group_size=4, max_new_tokens=6, seed=0, pad_id=0)
+                           recipe.replace(sampling={"max_gen_batches": 3}), group_size=4, max_new_tokens=6, seed=0, pad_id=0)
 
 
 def test_overlong_shaping_and_drop_truncated():
-    recipe = get_recipe("stapo", overlong_buffer_len=4, overlong_penalty_factor=1.0, drop_truncated=True)
+    recipe = get_recipe("stapo", overlong={"overlong_buffer_len": 4, "overlong_penalty": 1.0}, drop_truncated=True)
     exp = collect_experience(ScriptedRollouts(long_rows={1}), batches(["all", "all"]), Scorer(), Tok(), recipe,
                              group_size=4, max_new_tokens=8, seed=0, pad_id=0)
     # row 1 hit the 8-token limit: penalty min(0, -(8 - (8 - 4)) / 4) = -1 on top of its score 1

@@ -28,6 +28,7 @@ __all__ = [
     "dr_grpo_advantages",
     "rloo_advantages",
     "compute_advantages",
+    "recipe_advantages",
     "nonzero_variance_groups",
     "overlong_reward_penalty",
     "ADVANTAGE_ESTIMATORS",
@@ -199,6 +200,22 @@ def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
+
+
+def recipe_advantages(settings, rewards, group_ids, **kwargs) -> jax.Array:
+    """The advantages a recipe's :class:`~stapo_jax.algo.recipe_settings.AdvantageConfig` (the run config's
+    ``algorithm`` section) describes: its ``adv_estimator`` via :func:`compute_advantages`, with ``grpo`` given
+    ``epsilon=adv_eps``, ``ddof=std_ddof`` and ``norm_adv_by_std_in_grpo``; kwargs (e.g. ``num_groups``,
+    ``single_sample``) go to the estimator.
+
+    Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int (any integers). Returns ``[N]`` float advantages.
+    Raises: ValueError as :func:`compute_advantages` and the estimator (shapes, an unknown name).
+    Source: verl ``compute_advantage`` (``algorithm.adv_estimator``, ``algorithm.norm_adv_by_std_in_grpo``).
+    """
+    if settings.adv_estimator == "grpo":
+        kwargs = dict(epsilon=settings.adv_eps, ddof=settings.std_ddof,
+                      norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, **kwargs)
+    return compute_advantages(settings.adv_estimator, rewards, group_ids, **kwargs)
 
 
 def nonzero_variance_groups(rewards: jax.Array, group_ids: jax.Array, *, num_groups: int | None = None) -> jax.Array:

@@ -30,6 +30,8 @@ from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
 from stapo_jax.config.schema import from_dict
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import PolicyLossConfig
+from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.config.loading import ConfigError
 
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
            "recipe_from_config"]
@@ -43,10 +45,11 @@ class Recipe:
 
     name: recipe name. loss: surrogate settings (verl names). token_mask: ``none`` or a registered mask
     (``masks.TOKEN_MASKS``, including ones registered later).
-    s2t / top_entropy / cov: settings of the corresponding masks. adv_estimator: ``grpo``, ``dr_grpo`` or
-    ``rloo``; adv_epsilon, adv_ddof: GRPO std epsilon and ddof. dynamic_sampling / max_gen_batches: DAPO's
-    drop-constant-groups resampling. overlong_buffer_len / overlong_penalty_factor: DAPO overlong reward
-    shaping (0 = off). drop_truncated: give truncated responses an all-zero response mask.
+    s2t / top_entropy / cov: settings of the corresponding masks. advantage: the estimator and its GRPO
+    normalisation (:class:`~stapo_jax.algo.recipe_settings.AdvantageConfig`). sampling: DAPO's drop-constant-groups
+    resampling (``SamplingConfig``). overlong: DAPO overlong reward shaping (``OverlongConfig``, 0 = off).
+    drop_truncated: give truncated responses an all-zero response mask. A run config's sections are these
+    settings themselves (``actor`` = loss, ``algorithm`` = advantage, ``reward`` = overlong, ...), not copies.
     """
 
     name: str
@@ -55,27 +58,18 @@ class Recipe:
     s2t: S2TConfig = field(default_factory=S2TConfig)
     top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
     cov: CovConfig = field(default_factory=CovConfig)
-    adv_estimator: str = "grpo"
-    adv_epsilon: float = 1e-6
-    adv_ddof: int = 1
-    dynamic_sampling: bool = False
-    max_gen_batches: int = 10
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
     drop_truncated: bool = False
 
     def __post_init__(self):
         if self.token_mask != "none" and self.token_mask not in masks.TOKEN_MASKS:  # the live registry
             known = ("none",) + tuple(masks.TOKEN_MASKS)
             raise ValueError(f"token_mask must be one of {known}, got {self.token_mask!r}")
-        if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"adv_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {self.adv_estimator!r}")
-        if self.adv_ddof not in (0, 1):
-            raise ValueError(f"adv_ddof must be 0 or 1, got {self.adv_ddof}")
-        if self.max_gen_batches < 1:
-            raise ValueError(f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
-        if self.overlong_buffer_len < 0:
-            raise ValueError(f"overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}")
+        est = self.advantage.adv_estimator
+        if est not in ADVANTAGE_ESTIMATORS:  # the live registry (estimators registered later included)
+            raise ConfigError(f"algorithm.adv_estimator: {est!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
 
     @property
     def renormalize(self) -> bool:
@@ -95,7 +89,7 @@ class Recipe:
 
     def replace(self, **changes) -> "Recipe":
         """``dataclasses.replace``; nested sections accept dicts, e.g. ``replace(loss={"clip_ratio_c": None})``."""
-        for section in ("loss", "s2t", "top_entropy", "cov"):
+        for section in ("loss", "s2t", "top_entropy", "cov", "advantage", "sampling", "overlong"):
             if isinstance(changes.get(section), dict):
                 changes[section] = dataclasses.replace(getattr(self, section), **changes[section])
         return dataclasses.replace(self, **changes)
@@ -103,9 +97,10 @@ class Recipe:
 
 def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
-    loss/mask/advantage field comes from the config (verl key names); the ``actor`` section (a
-    :class:`PolicyLossConfig`) is the recipe's loss and the ``s2t`` / ``top_entropy`` sections its mask settings,
-    used as they are (no copies).
+    loss/mask/advantage field comes from the config (verl key names): the ``actor`` section (a
+    :class:`PolicyLossConfig`) is the recipe's loss, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
+    ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
+    overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
     Takes no arrays; returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
@@ -113,12 +108,8 @@ def recipe_from_config(cfg) -> Recipe:
     s, t = cfg.s2t, cfg.top_entropy
     mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
     return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, s2t=s, top_entropy=t,
-        adv_estimator={"drgrpo": "dr_grpo"}.get(cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator),
-        adv_epsilon=cfg.algorithm.adv_eps, adv_ddof=cfg.algorithm.std_ddof,
-        dynamic_sampling=cfg.sampling.dynamic, max_gen_batches=cfg.sampling.max_gen_batches,
-        overlong_buffer_len=cfg.reward.overlong_buffer_len, overlong_penalty_factor=cfg.reward.overlong_penalty,
-        drop_truncated=cfg.data.drop_truncated)
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, s2t=s, top_entropy=t, advantage=cfg.algorithm,
+        sampling=cfg.sampling, overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated)
 
 
 # The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``

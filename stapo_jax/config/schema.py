@@ -27,6 +27,11 @@ import yaml
 
 from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of the actor section (frozen)
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
+from stapo_jax.algo.recipe_settings import (  # the sampling section and the bases of algorithm / reward (frozen)
+    AdvantageConfig,
+    OverlongConfig,
+    SamplingConfig,
+)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -158,16 +163,14 @@ class RolloutConfig:
     max_retries: int = 3
 
 
-@dataclass
-class AlgorithmConfig:
-    """Recipe and advantage estimator (verl ``algorithm.*``). ``strict_recipe: false`` allows a config to
-    deviate from the recipe's invariants (e.g. a KL term under ``stapo``); the deviation is then the user's."""
+@dataclass(frozen=True)
+class AlgorithmConfig(AdvantageConfig):
+    """Recipe and advantage estimator (verl ``algorithm.*``): this section *is* the recipe's
+    :class:`~stapo_jax.algo.recipe_settings.AdvantageConfig` (its keys and validation) plus the recipe's name.
+    ``strict_recipe: false`` allows a config to deviate from the recipe's invariants (e.g. a KL term under
+    ``stapo``); the deviation is then the user's."""
 
     recipe: Literal["grpo", "dapo", "entropy20", "justrl", "stapo"] = "stapo"
-    adv_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    std_ddof: int = 1
-    adv_eps: float = 1e-6
     strict_recipe: bool = True
 
 
@@ -230,29 +233,25 @@ def _check(section: str, rules) -> None:
         raise ConfigError(bad[0] if len(bad) == 1 else "invalid config:\n  " + "\n  ".join(bad))
 
 
-@dataclass
-class RewardConfig:
-    """Verifier (stapo_jax.rewards) and DAPO overlong shaping (stapo_spec §5; ``overlong_buffer_len: 0``
-    is off). ``boxed_normalize`` applies DAPO's ``normalize_final_answer`` to both sides before the exact
-    match (JustRL's strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the
-    answer is taken from a response for reasoning-gym scoring."""
+@dataclass(frozen=True)
+class RewardConfig(OverlongConfig):
+    """Verifier (stapo_jax.rewards) and DAPO overlong shaping (stapo_spec §5; the ``overlong_*`` keys are the
+    recipe's :class:`~stapo_jax.algo.recipe_settings.OverlongConfig`, ``overlong_buffer_len: 0`` is off).
+    ``boxed_normalize`` applies DAPO's ``normalize_final_answer`` to both sides before the exact match (JustRL's
+    strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the answer is taken from a
+    response for reasoning-gym scoring. Raises: ConfigError naming ``reward.<key>`` for an invalid value."""
 
     kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
                   "gym"] = "boxed_exact_pm1"
     timeout_s: float = 10.0
     num_workers: int = 4
-    overlong_buffer_len: int = 0
-    overlong_penalty: float = 1.0
     boxed_normalize: bool = False
     gym_answer_format: Literal["boxed", "answer_tag", "raw"] = "boxed"
 
-
-@dataclass
-class SamplingConfig:
-    """DAPO dynamic sampling: drop all-equal-reward groups and refill, at most ``max_gen_batches`` rollouts."""
-
-    dynamic: bool = False
-    max_gen_batches: int = 10
+    def __post_init__(self):
+        super().__post_init__()
+        _check("reward", [(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0"),
+                          (self.num_workers >= 1, f"num_workers={self.num_workers} must be >= 1")])
 
 
 @dataclass
@@ -508,9 +507,7 @@ def validate(cfg: Config) -> None:
              f"data.max_prompt_length + rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} exceeds "
              f"model.max_position_embeddings={m.max_position_embeddings}")
 
-    al = cfg.algorithm
-    need(al.std_ddof in (0, 1), f"algorithm.std_ddof={al.std_ddof} must be 0 or 1")
-    need(al.adv_eps > 0, f"algorithm.adv_eps={al.adv_eps} must be > 0")
+    al = cfg.algorithm  # its own ranges are checked by the section itself (stapo_jax.algo.recipe_settings)
     need(not (al.adv_estimator == "rloo" and r.n < 2), "algorithm.adv_estimator=rloo needs rollout.n >= 2")
 
     a = cfg.actor  # its own ranges (loss, batching, optimizer) are checked by the section itself
@@ -529,17 +526,11 @@ def validate(cfg: Config) -> None:
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
 
-    rw = cfg.reward
-    need(rw.timeout_s > 0, f"reward.timeout_s={rw.timeout_s} must be > 0")
-    need(rw.num_workers >= 1, f"reward.num_workers={rw.num_workers} must be >= 1")
-    need(rw.overlong_buffer_len >= 0, f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be >= 0")
-    if rw.overlong_buffer_len > 0:
-        need(rw.overlong_buffer_len <= r.max_new_tokens,
-             f"reward.overlong_buffer_len={rw.overlong_buffer_len} exceeds rollout.max_new_tokens={r.max_new_tokens}")
-        need(rw.overlong_penalty >= 0, f"reward.overlong_penalty={rw.overlong_penalty} must be >= 0")
+    rw = cfg.reward  # its own ranges are checked by the section itself
+    need(rw.overlong_buffer_len <= r.max_new_tokens,
+         f"reward.overlong_buffer_len={rw.overlong_buffer_len} exceeds rollout.max_new_tokens={r.max_new_tokens}")
     need(rw.kind != "gym" or d.source == "gym",
          f"reward.kind=gym needs data.source=gym (got data.source={d.source})")
-    need(cfg.sampling.max_gen_batches >= 1, f"sampling.max_gen_batches={cfg.sampling.max_gen_batches} must be >= 1")
 
     need(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps={t.total_steps} must be >= 1")
     for k in ("log_every", "keep_checkpoints"):

@@ -158,8 +158,10 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
                                  clip_ratio_low=recipe.loss.clip_ratio_low, clip_ratio_high=recipe.loss.clip_ratio_high)
         ours["s2t/masked_frac"] = finalize_metrics({"x": diag["s2t/masked_frac"]})["x"]
     if "rewards" in d and "group_ids" in d:
-        adv_ours = grpo_advantages(jnp.asarray(d["rewards"], jnp.float32), jnp.asarray(d["group_ids"]).astype(jnp.int32),
-                                   epsilon=recipe.adv_epsilon, ddof=recipe.adv_ddof,
+        a = recipe.advantage
+        adv_ours = grpo_advantages(jnp.asarray(d["rewards"], jnp.float32),
+                                   jnp.asarray(d["group_ids"]).astype(jnp.int32), epsilon=a.adv_eps, ddof=a.std_ddof,
+                                   norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
                                    single_sample="verl")  # the dump comes from verl
         ours["advantages"] = adv_ours if d["advantages"].ndim == 1 else adv_ours[:, None] * resp
     return {k: np.asarray(v, np.float64) for k, v in ours.items()}

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from stapo_jax.algo.advantages import compute_advantages, nonzero_variance_groups, overlong_reward_penalty
+from stapo_jax.algo.advantages import nonzero_variance_groups, overlong_reward_penalty, recipe_advantages
 from stapo_jax.train.batching import pack_prompt_response, round_up
 from stapo_jax.rollout.driver import FINISH_LENGTH, RolloutBatch
 from stapo_jax.rollout.multihost import score_rows
@@ -91,9 +91,9 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
                        max_prompt_length: Optional[int] = None) -> Experience:
     """Sample G responses per prompt, score, shape rewards, compute advantages and pack the batch.
 
-    With ``recipe.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and further
+    With ``recipe.sampling.dynamic`` (DAPO), groups whose rewards are all equal are dropped and further
     prompt batches are drawn from ``batches`` until the original number of prompts is reached or
-    ``recipe.max_gen_batches`` rounds have run (then the batch is trimmed to whole prompts that survived;
+    ``recipe.sampling.max_gen_batches`` rounds have run (then the batch is trimmed to whole prompts that survived;
     the ``sampling/*`` metrics record it).
 
     Args:
@@ -123,7 +123,7 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         scores, stats = score_rollout(ro, batch, tokenizer, scorer)
         t_rollout, t_reward, rounds = t_rollout + t2 - t1, t_reward + time.perf_counter() - t2, rounds + 1
         stats_all.append(stats)
-        if recipe.dynamic_sampling:
+        if recipe.sampling.dynamic:
             gid = ro.prompt_index.astype(np.int32)
             keep_rows = np.asarray(nonzero_variance_groups(scores, gid, num_groups=len(batch)))
             keep_prompts = np.unique(gid[keep_rows])
@@ -134,14 +134,14 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
             examples.extend(batch)
             parts.append(ro)
             scores_parts.append(scores)
-        if not recipe.dynamic_sampling or len(examples) >= target or rounds >= recipe.max_gen_batches:
+        if not recipe.sampling.dynamic or len(examples) >= target or rounds >= recipe.sampling.max_gen_batches:
             break
     if not examples:
         raise RuntimeError(f"dynamic sampling: every group had equal rewards in {rounds} generation rounds "
-                           f"(sampling.max_gen_batches={recipe.max_gen_batches})")
+                           f"(sampling.max_gen_batches={recipe.sampling.max_gen_batches})")
     ro = _concat(parts, offsets)
     scores = np.concatenate(scores_parts).astype(np.float32)
-    if recipe.dynamic_sampling and len(examples) > target:
+    if recipe.sampling.dynamic and len(examples) > target:
         ro, scores = _select_groups(ro, np.arange(target), group_size), scores[:target * group_size]
         examples = examples[:target]
     exp = build_experience(ro, scores, recipe, group_size=group_size, max_new_tokens=max_new_tokens,
@@ -170,14 +170,11 @@ def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size
     """
     lengths = ro.response_lengths.astype(np.int32)
     rewards = scores + np.asarray(overlong_reward_penalty(
-        lengths, max_response_length=max_new_tokens, overlong_buffer_len=recipe.overlong_buffer_len,
-        penalty_factor=recipe.overlong_penalty_factor))
+        lengths, max_response_length=max_new_tokens, overlong_buffer_len=recipe.overlong.overlong_buffer_len,
+        penalty_factor=recipe.overlong.overlong_penalty))
     gid = ro.prompt_index.astype(np.int32)
     num_groups = int(gid.max()) + 1
-    kw = dict(num_groups=num_groups)
-    if recipe.adv_estimator == "grpo":
-        kw.update(epsilon=recipe.adv_epsilon, ddof=recipe.adv_ddof)
-    adv = np.asarray(compute_advantages(recipe.adv_estimator, rewards, gid, **kw), np.float32)
+    adv = np.asarray(recipe_advantages(recipe.advantage, rewards, gid, num_groups=num_groups), np.float32)
     responses = [ro.responses[i, :n].tolist() for i, n in enumerate(lengths)]
     R = min(round_up(int(lengths.max()), 64), round_up(max_new_tokens, 8))
     P = max_prompt_length or round_up(max(len(p) for p in ro.prompts), 64)
