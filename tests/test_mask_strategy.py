@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from test_train_step import CFG, SGD, make_batch
 
@@ -53,3 +54,30 @@ def test_custom_mask_through_generic_step():
     for a, b, c in zip(d_mask, d_ref, d_full):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
         np.testing.assert_allclose(a, c, atol=1e-7, rtol=1e-6)
+
+
+def test_the_train_steps_surrogate_is_the_recipes_registered_policy_loss():
+    """masked_policy_loss looks the loss up by the recipe's ``policy_loss`` name (objectives.POLICY_LOSSES, as
+    verl's register_policy_loss): a registered loss is what the step differentiates; an unknown name is refused."""
+    from stapo_jax.algo.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
+    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.train.mask_strategy import masked_policy_loss
+    from stapo_jax.train.train_step import Batch
+
+    @register_policy_loss("doubled_for_test")
+    def doubled(*args, **kwargs):
+        s, d, m = compute_policy_loss(*args, **kwargs)
+        return 2.0 * s, d, m
+
+    try:
+        lp = jnp.array([[-1.0, -0.5, -2.0]])
+        mb = Batch(input_ids=jnp.zeros((1, 4), jnp.int32), attention_mask=jnp.ones((1, 4), bool),
+                   response_mask=jnp.array([[1, 1, 0]]), advantages=jnp.array([1.0]),
+                   old_log_probs=jnp.array([[-1.2, -0.5, -2.0]]))
+        vanilla = masked_policy_loss(get_recipe("grpo"))(lp, None, mb, None)[0]
+        custom = masked_policy_loss(get_recipe("grpo", policy_loss="doubled_for_test"))(lp, None, mb, None)[0]
+        assert float(vanilla) != 0 and float(custom) == pytest.approx(2 * float(vanilla), rel=1e-6)
+    finally:
+        POLICY_LOSSES.pop("doubled_for_test")
+    with pytest.raises(ValueError, match="policy_loss must be one of"):
+        get_recipe("grpo", policy_loss="doubled_for_test")

@@ -29,7 +29,7 @@ from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
 from stapo_jax.config.schema import from_dict
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
-from stapo_jax.algo.objectives import PolicyLossConfig
+from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.loading import ConfigError
 
@@ -44,7 +44,8 @@ class Recipe:
     """One RL method's settings.
 
     name: recipe name. loss: surrogate settings (verl names). token_mask: ``none`` or a registered mask
-    (``masks.TOKEN_MASKS``, including ones registered later).
+    (``masks.TOKEN_MASKS``, including ones registered later). policy_loss: a registered policy loss
+    (``objectives.POLICY_LOSSES``, verl's ``policy_loss.loss_mode``; ``vanilla`` serves every preset).
     s2t / top_entropy / cov: settings of the corresponding masks. advantage: the estimator and its GRPO
     normalisation (:class:`~stapo_jax.algo.recipe_settings.AdvantageConfig`). sampling: DAPO's drop-constant-groups
     resampling (``SamplingConfig``). overlong: DAPO overlong reward shaping (``OverlongConfig``, 0 = off).
@@ -55,6 +56,7 @@ class Recipe:
     name: str
     loss: PolicyLossConfig
     token_mask: str = "none"
+    policy_loss: str = "vanilla"
     s2t: S2TConfig = field(default_factory=S2TConfig)
     top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
     cov: CovConfig = field(default_factory=CovConfig)
@@ -67,6 +69,8 @@ class Recipe:
         if self.token_mask != "none" and self.token_mask not in masks.TOKEN_MASKS:  # the live registry
             known = ("none",) + tuple(masks.TOKEN_MASKS)
             raise ValueError(f"token_mask must be one of {known}, got {self.token_mask!r}")
+        if self.policy_loss not in POLICY_LOSSES:  # the live registry
+            raise ValueError(f"policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
         est = self.advantage.adv_estimator
         if est not in ADVANTAGE_ESTIMATORS:  # the live registry (estimators registered later included)
             raise ConfigError(f"algorithm.adv_estimator: {est!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")

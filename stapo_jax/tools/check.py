@@ -31,7 +31,7 @@ import numpy as np
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import masked_quantile
-from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, compute_policy_loss, finalize_metrics, safe_divide
+from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe
 
 __all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "DumpError"]
@@ -140,7 +140,7 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
     lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
     keep, mask_stats = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
                                           old_log_probs=old)
-    s, den, m = compute_policy_loss(lp, old, adv, resp, keep, recipe.loss, entropy=ent,
+    s, den, m = POLICY_LOSSES[recipe.policy_loss](lp, old, adv, resp, keep, recipe.loss, entropy=ent,
                                     ref_log_probs=f("ref_log_probs"), renormalize=recipe.renormalize)
     fm = finalize_metrics(m, den)
     ours = {"loss": safe_divide(s, den), "pg_loss": fm["pg_loss"], "pg_clipfrac": fm["pg_clipfrac"],

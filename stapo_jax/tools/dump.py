@@ -171,7 +171,8 @@ def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entr
       path: output ``.safetensors``. metrics: reported scalars (``loss``, ...).
       trainer: the ``GRPOTrainer`` (``self`` in ``_compute_loss``); its loss settings
         (:func:`trl_loss_settings`) go to the file's metadata for ``check``. None: no settings.
-    Returns: ``path``. Raises: KeyError naming a missing input; ValueError as :func:`trl_loss_settings`. Source: TRL 1.16 ``grpo_trainer.py``.
+    Returns: ``path``. Raises: KeyError naming a missing input; ValueError as :func:`trl_loss_settings`.
+    Source: TRL 1.16 ``grpo_trainer.py``.
     """
     for need in ("completion_mask", "advantages"):
         if need not in inputs:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
-from stapo_jax.algo.objectives import compute_policy_loss
+from stapo_jax.algo.objectives import POLICY_LOSSES
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
 from stapo_jax.algo.registry import register_into
 
@@ -141,19 +141,20 @@ def mask_selects(recipe: Recipe) -> bool:
 
 
 def masked_policy_loss(recipe: Recipe) -> Callable:
-    """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's
-    ``compute_policy_loss`` on a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep``
-    ``[N, R]`` bool (or None) applied the way its registry entry says: a keep mask, or for a selecting mask
-    (``kl_cov``) the ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy.
+    """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
+    policy loss (``objectives.POLICY_LOSSES[recipe.policy_loss]``, signature of ``compute_policy_loss``) on a
+    (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None) applied
+    the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the ``kl_cov_selection``.
+    log_probs / entropy: ``[N, R]`` float32 of the current policy.
     Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
     ``compute_policy_loss_kl_cov`` (selection)."""
-    selects = mask_selects(recipe)
+    selects, policy_loss = mask_selects(recipe), POLICY_LOSSES[recipe.policy_loss]
 
     def surrogate(lp, ent, mb, keep):
-        return compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                                   None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
-                                   rollout_log_probs=mb.rollout_log_probs,
-                                   kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize)
+        return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
+                           None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
+                           rollout_log_probs=mb.rollout_log_probs, kl_cov_selection=keep if selects else None,
+                           renormalize=recipe.renormalize)
 
     return surrogate
 
