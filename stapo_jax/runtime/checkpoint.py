@@ -105,6 +105,8 @@ def export_hf(model, tok, out: str) -> str:
       model: the ``models.qwen3.Qwen3`` to export; tok: its transformers tokenizer; out: target directory.
     Raises:
       models.hf.CheckpointError: a parameter/config mismatch (see ``models.hf.save_hf_checkpoint``).
+    Parameters are written in their own dtype (float32 or bfloat16 safetensors). Source: HF ``save_pretrained``
+    layout (``config.json`` + ``model.safetensors``).
     """
     import shutil
 

@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+    Takes no arrays; returns a Python int port. Raises OSError when no socket can be bound. Source: the OS's
+    ephemeral port (bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -29,7 +31,9 @@ def free_port() -> int:
 
 def process_env(i: int, n: int, port: int, devices: Optional[int], base: Optional[dict] = None) -> dict:
     """The environment of process ``i`` of ``n``: coordinator, process count/id, simulated CPU devices.
-    Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection)."""
+    Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection).
+    Takes no arrays (int ids, a str-to-str environment). Never raises. Source: ``jax.distributed.initialize``'s
+    ``JAX_*`` variables; XLA's ``--xla_force_host_platform_device_count``."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
@@ -61,6 +65,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
       0 if every process exited 0, else the first non-zero exit code observed (124 on timeout).
     Raises:
       ValueError: ``n`` < 1 or an empty ``argv``.
+    argv: str arguments; returns an int exit code.
     """
     if n < 1 or not argv:
         raise ValueError(f"launch: --local must be >= 1 (got {n}) and a command is required")
@@ -120,7 +125,9 @@ def _stop(procs, kill_after_s: float) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``stapo-jax launch --local N [--devices-per-process D] [--command train] [ARGS...]``."""
+    """``stapo-jax launch --local N [--devices-per-process D] [--command train] [ARGS...]``.
+    argv: str arguments; returns the int exit code. Raises: ValueError for ``--local`` or ``--devices-per-process``
+    < 1."""
     p = argparse.ArgumentParser(prog="stapo-jax launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local", type=int, required=True, metavar="N", help="number of JAX processes on this machine")
