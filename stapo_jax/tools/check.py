@@ -49,6 +49,7 @@ def load_dump(path: str) -> dict[str, np.ndarray]:
     """Read a ``.safetensors`` or ``.npz`` dump into ``{name: np.ndarray}``; strips verl's ``actor/`` prefix.
 
     Raises: DumpError for a missing file or an unknown extension.
+    Arrays keep the file's dtypes (float32 statistics, float / bool masks, int group ids).
     """
     if not os.path.isfile(path):
         raise DumpError(f"dump file not found: {path}")
@@ -134,7 +135,9 @@ def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
 
 
 def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
-    """Our values for every comparable field of the dump (float64 numpy; x64 is not needed: float32 math)."""
+    """Our values for every comparable field of the dump (float64 numpy; x64 is not needed: float32 math).
+    Raises: DumpError for a missing / misshaped / non-finite field; ValueError from the loss or mask settings.
+    Source: verl ``compute_policy_loss_vanilla`` / ``agg_loss`` names (conventions.md §1)."""
     _validate(d, recipe.token_mask in ("s2t", "top_entropy"), recipe.loss.use_kl_loss)
     f = lambda k: jnp.asarray(d[k], jnp.float32) if k in d else None  # noqa: E731
     lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
@@ -168,7 +171,9 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
 
 
 def compare(ours: dict, theirs: dict, atol: float, rtol: float) -> tuple[list[tuple], bool]:
-    """Rows ``(name, ours, theirs, abs diff, rel diff, ok)`` for names present on both sides (arrays: max diff)."""
+    """Rows ``(name, ours, theirs, abs diff, rel diff, ok)`` for names present on both sides (arrays: max diff).
+    ours / theirs: ``{name: float64 array}`` (scalars or ``[B]`` / ``[B, T]``). Never raises for matching shapes
+    (ValueError from numpy otherwise). Source: ``numpy.isclose``'s ``atol + rtol * |b|`` rule."""
     rows, all_ok = [], True
     for name in [n for n in ("advantages",) + REPORTED if n in ours and n in theirs]:
         a, b = ours[name], np.asarray(theirs[name], np.float64)
@@ -202,7 +207,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry (dispatched by ``stapo-jax check``). Returns 0 (all within tolerance), 1 (beyond), 2 (bad input)."""
+    """CLI entry (dispatched by ``stapo-jax check``). Returns 0 (all within tolerance), 1 (beyond), 2 (bad input).
+    argv: str arguments; returns the int exit status. Never raises for bad input (prints the error, returns 2).
+    Source: the dump layout of ``stapo_jax.tools.dump`` (verl / TRL field names)."""
     args = _parser().parse_args(argv)
     try:
         from_dump = load_dump_settings(args.dump)

@@ -109,6 +109,7 @@ def dump_verl_batch(data, path: str, *, log_probs, entropy=None, metrics: Option
         :data:`LOSS_SETTING_KEYS` are written to the file's metadata for ``check``. None: no settings.
     Returns: ``path``. Raises: KeyError naming a missing batch field; ValueError for a shape mismatch.
     Source: verl 0.9.1 ``DataProto`` field names (``verl/trainer/ppo/ray_trainer.py``).
+    Dtypes: floating tensors are written as float32, ``group_ids`` int32.
     """
     batch = data.batch
     keys = set(batch.keys())
@@ -173,6 +174,7 @@ def dump_trl_step(inputs: Mapping[str, Any], per_token_logps, path: str, *, entr
         (:func:`trl_loss_settings`) go to the file's metadata for ``check``. None: no settings.
     Returns: ``path``. Raises: KeyError naming a missing input; ValueError as :func:`trl_loss_settings`.
     Source: TRL 1.16 ``grpo_trainer.py``.
+    Dtypes: floating tensors are written as float32.
     """
     for need in ("completion_mask", "advantages"):
         if need not in inputs:
