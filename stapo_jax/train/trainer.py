@@ -28,6 +28,8 @@ from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experien
                                  write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
+from models.attention import resolve_implementation
+from stapo_jax.train.packing import packing_long_rows
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
 from stapo_jax.train.update import (Preemption, all_finite, balance_allowed, num_micro_batches, stop_requested,
                                    update_policy)
@@ -99,8 +101,12 @@ def train(cfg: Config) -> dict[str, Any]:
                        state_shardings=shardings, donate=True, **common)
         first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
         log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+        attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
+        long_rows = packing_long_rows(attention)
+        log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
         if cfg.model.use_remove_padding:
-            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows")
+            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
+                     "one row per micro-batch" if long_rows else "rows of at most P + R tokens")
         # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                 shard_index=0, shard_count=1)
@@ -137,7 +143,7 @@ def train(cfg: Config) -> dict[str, Any]:
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=k,
                                     use_remove_padding=cfg.model.use_remove_padding,
-                                    balance_micro_batches=balance_allowed(recipe))
+                                    balance_micro_batches=balance_allowed(recipe), long_rows=long_rows)
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "

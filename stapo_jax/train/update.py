@@ -78,7 +78,7 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
-                  balance_micro_batches: bool = False):
+                  balance_micro_batches: bool = False, long_rows: bool = True):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -98,6 +98,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       balance_micro_batches: with ``use_remove_padding``, reorder the rows inside each mini-batch (and shard
         block) so its micro-batches hold nearly equal token counts (``packing.balanced_row_order``): fewer padding
         rows. Only where the update does not depend on a row's micro-batch (:func:`balance_allowed`).
+      long_rows: packed rows may be longer than ``P + R`` (one row per micro-batch and shard; only for an
+        attention whose cost follows the segments, ``stapo_jax.train.packing.packing_long_rows``).
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -121,7 +123,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     for s in range(0, exp.num_rows, mini_rows):
         if use_remove_padding:
             lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
-                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
+                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh),
+                                     long_rows=long_rows)
             layouts[s] = jax.tree.map(put, lay)
         lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
                               put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
