@@ -20,10 +20,17 @@ Implementations (``IMPLEMENTATIONS``):
 * ``blockwise``: flash-style attention in pure JAX (Dao et al. 2022, FlashAttention, Alg. 1/2): an outer
   loop over query blocks, an online softmax over key blocks up to the diagonal, and a ``jax.custom_vjp``
   whose backward recomputes each block's probabilities from the saved log-sum-exp, so forward + backward
-  temporaries are O(B · N · T · block) instead of O(B · N · T²). Runs on CPU, GPU and TPU.
+  temporaries are O(B · N · T · block) instead of O(B · N · T²). Query block ``i`` visits only key blocks
+  ``kv_lo[i] .. kv_hi[i]`` that its segments reach in some row (:func:`block_ranges`; the backward likewise),
+  so a row packing short sequences costs about the sum of their squared lengths (verl's varlen flash
+  attention), not T². Runs on CPU, GPU and TPU.
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`` with the segment mask
   (GPU, bfloat16/float16 only). cuDNN skips the non-causal half; the boolean segment mask is turned into a
-  ``[B, 1, T, T]`` bias in the compute dtype by JAX (one per row, not per head).
+  ``[B, 1, T, T]`` bias in the compute dtype by JAX (one per row, not per head). JAX's public API takes no
+  packed-segment form (``query_seq_lengths`` / ``key_value_seq_lengths`` are one length per row: padding only);
+  cuDNN's packed layout (``q_offsets`` / ``kv_offsets``) exists only in the private
+  ``jax._src.cudnn.fused_attention_stablehlo``, so packed rows for cuDNN stay at most ``P + R`` tokens
+  (``stapo_jax.train.packing.packing_long_rows``).
 * ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU), causal mask plus ``SegmentIds``,
   one multi-query kernel per KV head (``make_splash_mqa`` over the G query heads that share it), vmapped
   over batch and KV heads and run under ``jax.shard_map`` on the active mesh (batch over data/fsdp, heads

@@ -194,3 +194,32 @@ def test_trainer_layout_computes_at_most_1_1_tokens_per_useful_token_on_the_math
             assert 1.0 <= ratio <= 1.1, (seed, per_micro, ratio)
             capped = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=k, long_rows=False)
             assert capped.input_ids.shape[1] <= ids.shape[1] and capped.input_ids.size >= lay.input_ids.size
+
+
+def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_batch_of_tokens():
+    """update.token_budget_micro_batches on the MATH length mix: at 16 padded sequences per micro-batch (K = 32)
+    it takes K' = 8 (64 sequences each) and the packed layout computes <= 1.1 tokens per real token; at the paper
+    configs' 1 sequence per micro-batch (K = 512) two sequences fit one padded row's tokens (K' = 256, half the
+    padded cost); every K' layout stays within the padded micro-batch's tokens; full-length rows keep K."""
+    import sys
+    from pathlib import Path
+
+    from stapo_jax.train.update import token_budget_micro_batches
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_packing import length_mix, padded_arrays
+
+    pl, rl = length_mix(512, 0)
+    ids, mask, _, r = padded_arrays(pl, rl, 2)
+    useful, width = int(mask.sum()), ids.shape[1]
+    for k, want, most in ((32, 8, 1.1), (512, 256, 3.3)):
+        kk = token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=k)
+        assert kk == want
+        perm = balanced_row_order(mask.sum(-1), mini_rows=512, num_micro_batches=kk)
+        lay = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=kk)
+        assert lay.input_ids.size / useful <= most and lay.input_ids.size / useful < mask.size / useful / 2
+        assert lay.input_ids.size // kk <= (512 // k) * width   # one padded micro-batch's tokens
+    # two shards: each shard block is budgeted on its own
+    assert token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=16, num_shards=2) == 4
+    full = np.ones((8, 20), bool)
+    assert token_budget_micro_batches(full, mini_rows=8, num_micro_batches=4) == 4

@@ -54,7 +54,8 @@ def first_fit_decreasing(lengths: np.ndarray, row_length: int) -> list[list[int]
     """Bin packing of sequences into rows (first-fit decreasing, ties in index order).
 
     Args: lengths [n] int (tokens per sequence, each <= ``row_length``); row_length (tokens per row).
-    Returns: the sequence indices of each row, in placement order (rows in creation order).
+    Returns: the sequence indices of each row, in placement order (rows in creation order). Never raises (a
+    sequence longer than ``row_length`` gets a row of its own; callers check lengths first).
     """
     rows: list[list[int]] = []
     free: list[int] = []
@@ -136,7 +137,8 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
 
 def tokens_bucket(n: int) -> int:
     """Packed row length for ``n`` tokens, rounded up to a bucket: a multiple of ``max(8, 2 ** (bit_length - 5))``
-    (16 buckets per octave, < 6.25% extra tokens), so a jitted step recompiles only when the bucket changes."""
+    (16 buckets per octave, < 6.25% extra tokens), so a jitted step recompiles only when the bucket changes.
+    ``n``: tokens (int); returns tokens (int >= 8); never raises."""
     n = max(int(n), 1)
     step = 1 << max(n.bit_length() - 5, 3)
     return -(-n // step) * step

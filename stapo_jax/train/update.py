@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
-from stapo_jax.train.packing import balanced_row_order, pack_micro_batches
+from stapo_jax.train.packing import balanced_row_order, micro_batch_rows, pack_micro_batches
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
 
 
@@ -74,6 +74,40 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
                           f"actor.ppo_mini_batch_size, trainer.train_batch_size, actor.ppo_micro_batch_size or "
                           f"mesh.*")
     return k
+
+
+def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, num_micro_batches: int,
+                               num_shards: int = 1, long_rows: bool = True) -> int:
+    """K for a packed, balanced update chosen by tokens: the fewest micro-batches per mini-batch (more sequences
+    each, so one long sequence no longer sets every micro-batch's row) whose packed rows hold no more tokens than
+    one padded micro-batch of the configured K (``mini_rows / num_shards / K`` rows of ``P + R``): the same
+    activation memory, far fewer computed tokens (verl's ``ppo_max_token_len_per_gpu`` with
+    ``use_dynamic_bsz``, in fixed shapes). Candidates are the divisors of the rows per shard up to K; the
+    configured K always fits, so the result is <= K. Only for updates that do not depend on which micro-batch
+    holds a row (:func:`balance_allowed`).
+
+    Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
+    mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
+    long_rows as ``stapo_jax.train.packing.micro_batch_rows``. Returns: int K' in [1, K]. Raises: ValueError
+    as ``packing.balanced_row_order``.
+    """
+    lengths = np.asarray(attention_mask).astype(bool).sum(1)
+    width = np.asarray(attention_mask).shape[1]
+    per = mini_rows // num_shards
+    budget = (per // num_micro_batches) * width
+    for k in [d for d in range(1, num_micro_batches) if per % d == 0]:
+        perm = balanced_row_order(lengths, mini_rows=mini_rows, num_micro_batches=k, num_shards=num_shards)
+        cost = 0
+        for s in range(0, len(lengths), mini_rows):
+            ls = lengths[perm[s:s + mini_rows]]
+            m, L = micro_batch_rows([ls[j::k][i * (per // k):(i + 1) * (per // k)] for j in range(k)
+                                     for i in range(num_shards)], width, long_rows)
+            cost = max(cost, m * L)
+            if cost > budget:
+                break
+        if cost <= budget:
+            return k
+    return num_micro_batches
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
