@@ -166,6 +166,7 @@ def train(cfg: Config) -> dict[str, Any]:
             m.update(exp.metrics)
             n_tokens = float(exp.arrays["attention_mask"].sum())
             m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
+                      "perf/micro_batches": float(kk),
                       "time/coordination": coordination_seconds(),
                       "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
