@@ -10,8 +10,12 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    sequence padded to the mini-batch's longest prompt + longest response (``stapo_jax.train.batching`` layout, rounded
    to 8); packed = ``stapo_jax.train.packing.pack_sequences`` into rows of 1,024 + 15,360 tokens, per micro-batch of
    ``--micro-batch`` sequences and over the whole mini-batch.
-   Also the trainer's own layout (``pack_micro_batches``: rows of the padded width P + R, rows per micro-batch
-   bucketed by ``rows_bucket``), with the strided micro-batches and with balanced ones (``balanced_row_order``).
+   Also the trainer's own layout (``pack_micro_batches``: every micro-batch in the same M rows of L tokens,
+   ``micro_batch_rows``), with the strided micro-batches and with balanced ones (``balanced_row_order``), with
+   rows of at most P + R tokens (``long_rows=False``: xla / cudnn / splash) and with one row per micro-batch
+   (``long_rows=True``: blockwise, whose cost follows the segments; the trainer's default on CPU), and the
+   trainer's default for packed balanced updates: fewer, fuller micro-batches within the tokens of one padded
+   micro-batch (``update.token_budget_micro_batches``).
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
    small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
    mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing
@@ -44,7 +48,7 @@ from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
 from stapo_jax.train.packing import balanced_row_order, pack_micro_batches, pack_sequences  # noqa: E402
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
-from stapo_jax.train.update import update_policy  # noqa: E402
+from stapo_jax.train.update import token_budget_micro_batches, update_policy  # noqa: E402
 
 LENGTHS = Path(__file__).resolve().parent / "data" / "math500_lengths.json"
 MAX_PROMPT, MAX_RESPONSE = 1024, 15360
@@ -86,14 +90,19 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
             rows += pack_sequences(ids, mask, rr, row).input_ids.shape[0]
         out[name] = rows * row / useful
     ids, mask, _, rr = padded_arrays(prompt_len, resp_len, 2)
-    lay = pack_micro_batches(ids, mask, rr, num_micro_batches=len(prompt_len) // micro)
-    out[f"trainer layout (pack_micro_batches, micro-batch of {micro}, rows of P + R = {ids.shape[1]})"] = \
-        lay.input_ids.size / useful
     k = len(prompt_len) // micro
     perm = balanced_row_order(mask.sum(-1), mini_rows=len(prompt_len), num_micro_batches=k)
-    lay = pack_micro_batches(ids[perm], mask[perm], rr, num_micro_batches=k)
-    out["trainer layout with balanced micro-batches (balanced_row_order, the trainer's default)"] = \
-        lay.input_ids.size / useful
+    for long_rows in (False, True):
+        rows = "one row per micro-batch (blockwise)" if long_rows else f"rows of <= P + R = {ids.shape[1]}"
+        lay = pack_micro_batches(ids, mask, rr, num_micro_batches=k, long_rows=long_rows)
+        out[f"trainer layout, micro-batch of {micro}, {rows}, strided micro-batches"] = lay.input_ids.size / useful
+        lay = pack_micro_batches(ids[perm], mask[perm], rr, num_micro_batches=k, long_rows=long_rows)
+        out[f"trainer layout, micro-batch of {micro}, {rows}, balanced micro-batches"] = lay.input_ids.size / useful
+        kk = token_budget_micro_batches(mask, mini_rows=len(prompt_len), num_micro_batches=k, long_rows=long_rows)
+        perm_k = balanced_row_order(mask.sum(-1), mini_rows=len(prompt_len), num_micro_batches=kk)
+        lay = pack_micro_batches(ids[perm_k], mask[perm_k], rr, num_micro_batches=kk, long_rows=long_rows)
+        out[f"trainer default (token budget of {micro} padded rows: {kk} micro-batches of "
+            f"{len(prompt_len) // kk}), {rows}"] = lay.input_ids.size / useful
     return out
 
 

@@ -20,10 +20,17 @@ Implementations (``IMPLEMENTATIONS``):
 * ``blockwise``: flash-style attention in pure JAX (Dao et al. 2022, FlashAttention, Alg. 1/2): an outer
   loop over query blocks, an online softmax over key blocks up to the diagonal, and a ``jax.custom_vjp``
   whose backward recomputes each block's probabilities from the saved log-sum-exp, so forward + backward
-  temporaries are O(B · N · T · block) instead of O(B · N · T²). Runs on CPU, GPU and TPU.
+  temporaries are O(B · N · T · block) instead of O(B · N · T²). Query block ``i`` visits only key blocks
+  ``kv_lo[i] .. kv_hi[i]`` that its segments reach in some row (:func:`block_ranges`; the backward likewise),
+  so a row packing short sequences costs about the sum of their squared lengths (verl's varlen flash
+  attention), not T². Runs on CPU, GPU and TPU.
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`` with the segment mask
   (GPU, bfloat16/float16 only). cuDNN skips the non-causal half; the boolean segment mask is turned into a
-  ``[B, 1, T, T]`` bias in the compute dtype by JAX (one per row, not per head).
+  ``[B, 1, T, T]`` bias in the compute dtype by JAX (one per row, not per head). JAX's public API takes no
+  packed-segment form (``query_seq_lengths`` / ``key_value_seq_lengths`` are one length per row: padding only);
+  cuDNN's packed layout (``q_offsets`` / ``kv_offsets``) exists only in the private
+  ``jax._src.cudnn.fused_attention_stablehlo``, so packed rows for cuDNN stay at most ``P + R`` tokens
+  (``stapo_jax.train.packing.packing_long_rows``).
 * ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU), causal mask plus ``SegmentIds``,
   one multi-query kernel per KV head (``make_splash_mqa`` over the G query heads that share it), vmapped
   over batch and KV heads and run under ``jax.shard_map`` on the active mesh (batch over data/fsdp, heads
@@ -201,12 +208,49 @@ def _scores(qi, kj, scale):
     return jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32) * jnp.float32(scale)
 
 
+def block_ranges(seg: jax.Array, block: int, causal: bool) -> tuple[jax.Array, ...]:
+    """Which key blocks each query block can see, from the segment ids (shared by all rows of the batch).
+
+    Args: seg [B, T] int32 (T a multiple of ``block``; 0 = padding); block (tokens); causal.
+    Returns: ``(kv_lo, kv_hi, q_lo, q_hi)``, [T / block] int32 each: query block ``i`` needs only key blocks
+    ``kv_lo[i] .. kv_hi[i]`` (inclusive) and key block ``j`` only query blocks ``q_lo[j] .. q_hi[j]``, over
+    every row (a superset of the visible blocks: a key outside its query's segment is never in range unless
+    another row or query of the block needs that block). A packed row of short sequences thus costs about
+    the sum of their squared lengths, not T^2. Padding queries (segment 0) see nothing and need only their own
+    block. Computed per row with a sort (any positive segment ids, contiguous or not), O(B T log T).
+    """
+    b, t = seg.shape
+    nb = t // block
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def row(s):  # first and last position of each token's segment id
+        rank = jnp.searchsorted(jnp.sort(s), s).astype(jnp.int32)   # the same rank for equal ids, in [0, T)
+        first = jnp.full((t,), t, jnp.int32).at[rank].min(pos[0])
+        last = jnp.full((t,), -1, jnp.int32).at[rank].max(pos[0])
+        return first[rank], last[rank]
+
+    first, last = jax.vmap(row)(seg)
+    first = jnp.where(seg > 0, first, pos)
+    last = jnp.where(seg > 0, pos if causal else last, pos)
+    lo = first.reshape(b, nb, block).min((0, 2)) // block          # [nb]
+    hi = last.reshape(b, nb, block).max((0, 2)) // block
+    qi, kj = jnp.arange(nb)[:, None], jnp.arange(nb)[None, :]
+    vis = (kj >= lo[:, None]) & (kj <= hi[:, None])                 # [nb q, nb k], diagonal always True
+    big = jnp.int32(nb)
+    kv_lo = jnp.where(vis, kj, big).min(1)
+    kv_hi = jnp.where(vis, kj, -1).max(1)
+    q_lo = jnp.where(vis, qi, big).min(0)
+    q_hi = jnp.where(vis, qi, -1).max(0)
+    return kv_lo, kv_hi, q_lo, q_hi
+
+
 def _forward(q, k, v, seg, scale, block, causal):
     b, t, n, h = q.shape
     nkv = k.shape[2]
     g = n // nkv
     nb = t // block
     qg = q.reshape(b, t, nkv, g, h)
+    kv_lo, kv_hi, _, _ = block_ranges(seg, block, causal)
 
     def q_block(i):
         qi, sq = _slice(qg, i, block), _slice(seg, i, block)
@@ -225,7 +269,7 @@ def _forward(q, k, v, seg, scale, block, causal):
 
         init = (jnp.full((b, nkv, g, block), _NEG, jnp.float32), jnp.zeros((b, nkv, g, block), jnp.float32),
                 jnp.zeros((b, nkv, g, block, h), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, i + 1 if causal else nb, kv_step, init)
+        m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i] + 1, kv_step, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
         return o.astype(q.dtype).transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)  # [B,bq,K,G,H], [B,bq,K,G]
@@ -255,6 +299,7 @@ def _flash_bwd(scale, block, causal, res, do):
     qg = q.reshape(b, t, nkv, g, h)
     dog = do.reshape(b, t, nkv, g, h)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, nkv, g)
+    _, _, q_lo, q_hi = block_ranges(seg, block, causal)
 
     def kv_block(j, carry):
         dq, dk, dv = carry
@@ -276,7 +321,7 @@ def _flash_bwd(scale, block, causal, res, do):
             return dq, dkj, dvj
 
         zero = jnp.zeros((b, block, nkv, h), jnp.float32)
-        dq, dkj, dvj = jax.lax.fori_loop(j if causal else 0, nb, q_step, (dq, zero, zero))
+        dq, dkj, dvj = jax.lax.fori_loop(q_lo[j], q_hi[j] + 1, q_step, (dq, zero, zero))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * block, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * block, axis=1)
         return dq, dk, dv

@@ -10,7 +10,7 @@ import torch
 from flax import nnx
 
 from fixtures_hf import hf_logits, hf_tied, padded_batch  # noqa: F401 (fixtures)
-from models.attention import AttentionError, dot_product_attention, resolve_implementation
+from models.attention import AttentionError, block_ranges, dot_product_attention, resolve_implementation
 from models.decode import greedy_generate
 from models.hf import load_hf_checkpoint
 from models.qwen3 import ConfigError, Qwen3, Qwen3Config
@@ -75,6 +75,35 @@ def test_attention_matches_xla_reference_values_and_gradients(impl, kw, heads):
     alone = dot_product_attention(q[3:4, 11:20], k[3:4, 11:20], v[3:4, 11:20], jnp.ones((1, 9), jnp.int32),
                                   implementation="xla")
     assert _rel(out[3, 11:20], alone[0]) <= REL
+
+
+def test_blockwise_skips_key_blocks_outside_the_segments_and_stays_exact():
+    """block_ranges: a packed row of short sequences needs only the blocks its segments touch; the kernel on such
+    rows (and on non-contiguous segment ids, causal or not) still equals the reference in values and gradients."""
+    seg = np.zeros((2, 64), np.int32)
+    seg[0, :8], seg[0, 8:40], seg[0, 40:48] = 1, 2, 3           # row 0: sequences of 8, 32, 8 tokens, padding
+    seg[1, :16], seg[1, 16:32] = 1, 2                            # row 1: 16 + 16 tokens, padding
+    kv_lo, kv_hi, q_lo, q_hi = (np.asarray(x) for x in block_ranges(jnp.asarray(seg[:1]), 8, True))
+    np.testing.assert_array_equal(kv_lo, [0, 1, 1, 1, 1, 5, 6, 7])   # sequence 2 = blocks 1-4; padding: itself
+    np.testing.assert_array_equal(kv_hi, np.arange(8))
+    np.testing.assert_array_equal(q_lo, np.arange(8))
+    np.testing.assert_array_equal(q_hi, [0, 4, 4, 4, 4, 5, 6, 7])
+    kv_lo2 = np.asarray(block_ranges(jnp.asarray(seg), 8, True)[0])   # over both rows: the earlier start
+    np.testing.assert_array_equal(kv_lo2, [0, 0, 1, 1, 1, 5, 6, 7])   # row 1: block 1 sees block 0
+    np.testing.assert_array_equal(np.asarray(block_ranges(jnp.asarray(seg[1:]), 8, False)[1]), [1, 1, 3, 3, 4, 5, 6, 7])
+    seg = jnp.asarray(seg)
+    q, k, v, w = _inputs(4, 2, seed=3, t=64)
+    q, k, v, w = q[:2], k[:2], v[:2], w[:2]
+    nc = np.asarray(seg).copy()
+    nc[1, 40:48] = 1                                             # row 1: segment 1 again after segment 2
+    for s, causal in ((seg, True), (jnp.asarray(nc), True), (jnp.asarray(nc), False)):
+        ref_val, ref_out, ref_grads = _value_and_grads("xla", q, k, v, w, s, causal=causal)
+        val, out, grads = _value_and_grads("blockwise", q, k, v, w, s, causal=causal, block_size=8)
+        real = np.asarray(s) > 0
+        assert _rel(out[real], ref_out[real]) <= REL
+        for g, r in zip(grads, ref_grads):
+            assert float(jnp.max(jnp.abs(r))) > 0.1
+            assert _rel(g, r) <= REL
 
 
 def test_splash_under_shard_map_on_a_mesh_matches_xla():

@@ -14,9 +14,10 @@ from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.objectives import LOSS_AGG_MODES
-from stapo_jax.train.packing import PackedLayout, gather_response_hidden, pack_micro_batches, pack_sequences, rows_bucket
+from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_response_hidden, micro_batch_rows,
+                                    pack_micro_batches, pack_sequences, packing_long_rows, tokens_bucket)
 from stapo_jax.train.policy import response_log_probs_and_entropy
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.algo.recipes import RECIPES, get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -99,9 +100,9 @@ def test_gather_response_hidden_rejects_indivisible_shards():
         gather_response_hidden(jnp.zeros((4, 5, 2)), jnp.zeros((8, 3), jnp.int32), 3)
 
 
-# every aggregation mode with S2T; the other recipes differ from these only in loss constants (clip ranges,
-# KL) except entropy20's top-entropy mask, which is the other population quantile
-CASES = [("stapo", m) for m in LOSS_AGG_MODES] + [("grpo", "token-mean"), ("entropy20", "seq-mean-token-sum-norm")]
+# every recipe (S2T with its mini-batch threshold, 20-Entropy's top-entropy mask, GRPO / DAPO / JustRL's clip
+# ranges and token sums) x every aggregation mode
+CASES = [(name, m) for name in sorted(RECIPES) for m in LOSS_AGG_MODES]
 
 
 @pytest.mark.parametrize("name,mode", CASES)
@@ -140,16 +141,85 @@ def test_packed_update_equals_padded_update(name, mode):
 
 def test_micro_batch_layouts_are_bucketed_interleaved_and_shard_local():
     p = padded(seed=5)
-    lay = pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=2, num_shards=2)
     t = p["input_ids"].shape[1]
-    m = lay.input_ids.shape[0] // 4   # rows per micro-batch per shard
-    assert lay.input_ids.shape[1] == t and m in (1, 2) and lay.num_shards == 2
-    for j in range(2):   # micro-batch j = rows j, j + 2, ...; its shard s block holds its rows' tokens
-        seg = lay.segment_ids[j::2]
-        for s in range(2):
-            rows = [b for b in range(8) if b % 2 == j][2 * s:2 * s + 2]
-            assert (seg[s * m:(s + 1) * m] > 0).sum() == p["attention_mask"][rows].sum()
-    assert [rows_bucket(n, 64) for n in (1, 3, 8, 9, 11, 17, 33, 64)] == [1, 3, 8, 10, 12, 20, 40, 64]
-    assert rows_bucket(9, 9) == 9   # never more rows than the padded micro-batch
+    for long_rows in (True, False):
+        lay = pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=2, num_shards=2,
+                                 long_rows=long_rows)
+        m = lay.input_ids.shape[0] // 4   # rows per micro-batch per shard
+        assert lay.num_shards == 2 and lay.input_ids.shape[0] == 4 * m
+        for j in range(2):   # micro-batch j = rows j, j + 2, ...; its shard s block holds its rows' tokens
+            seg = lay.segment_ids[j::2]
+            for s in range(2):
+                rows = [b for b in range(8) if b % 2 == j][2 * s:2 * s + 2]
+                assert (seg[s * m:(s + 1) * m] > 0).sum() == p["attention_mask"][rows].sum()
+        fullest = max(p["attention_mask"][j::2][2 * s:2 * s + 2].sum() for j in range(2) for s in range(2))
+        if long_rows:   # one row of the fullest block's tokens, rounded to 8
+            assert m == 1 and lay.input_ids.shape[1] == -(-fullest // 8) * 8
+        else:
+            assert lay.input_ids.shape[1] <= t and m * lay.input_ids.shape[1] >= fullest
+    assert [tokens_bucket(n) for n in (1, 8, 9, 255, 256, 257, 1000, 15361)] == [8, 8, 16, 256, 256, 272, 1024, 15872]
+    assert packing_long_rows("blockwise") and not any(packing_long_rows(a) for a in ("xla", "cudnn", "splash"))
+    # capped rows: the fewest rows of the padded width, then the shortest bucket that fits every block
+    assert micro_batch_rows([np.array([90, 5]), np.array([50, 50])], 100, long_rows=False) == (1, 100)
+    assert micro_batch_rows([np.array([90, 20]), np.array([50, 50])], 100, long_rows=False) == (2, 96)
+    assert micro_batch_rows([np.array([90, 20]), np.array([50, 50])], 100, long_rows=True) == (1, 112)
     with pytest.raises(ValueError, match="num_micro_batches=3"):
         pack_micro_batches(p["input_ids"], p["attention_mask"], R, num_micro_batches=3)
+    with pytest.raises(ValueError, match="padded width 4"):
+        micro_batch_rows([np.array([5, 1])], 4)
+
+
+def test_trainer_layout_computes_at_most_1_1_tokens_per_useful_token_on_the_math_length_mix():
+    """The trainer's default packed layout (balanced micro-batches, one row per micro-batch for blockwise) on the
+    paper-scale length mix of bench/bench_packing.py (MATH-500 solution lengths scaled to a 15,360-token cap):
+    <= 1.1 packed tokens per real token (issue 14's goal) at 8, 16 and 32 sequences per micro-batch; the padded
+    layout computes over 6x."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_packing import length_mix, padded_arrays
+
+    for seed in (0, 1):
+        pl, rl = length_mix(512, seed)
+        ids, mask, _, r = padded_arrays(pl, rl, 2)
+        useful = int(mask.sum())
+        assert mask.size / useful > 6
+        for per_micro in (8, 16, 32):
+            k = 512 // per_micro
+            perm = balanced_row_order(mask.sum(-1), mini_rows=512, num_micro_batches=k)
+            lay = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=k)
+            assert int((lay.segment_ids > 0).sum()) == useful
+            ratio = lay.input_ids.size / useful
+            assert 1.0 <= ratio <= 1.1, (seed, per_micro, ratio)
+            capped = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=k, long_rows=False)
+            assert capped.input_ids.shape[1] <= ids.shape[1] and capped.input_ids.size >= lay.input_ids.size
+
+
+def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_batch_of_tokens():
+    """update.token_budget_micro_batches on the MATH length mix: at 16 padded sequences per micro-batch (K = 32)
+    it takes K' = 8 (64 sequences each) and the packed layout computes <= 1.1 tokens per real token; at the paper
+    configs' 1 sequence per micro-batch (K = 512) two sequences fit one padded row's tokens (K' = 256, half the
+    padded cost); every K' layout stays within the padded micro-batch's tokens; full-length rows keep K."""
+    import sys
+    from pathlib import Path
+
+    from stapo_jax.train.update import token_budget_micro_batches
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_packing import length_mix, padded_arrays
+
+    pl, rl = length_mix(512, 0)
+    ids, mask, _, r = padded_arrays(pl, rl, 2)
+    useful, width = int(mask.sum()), ids.shape[1]
+    for k, want, most in ((32, 8, 1.1), (512, 256, 3.3)):
+        kk = token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=k)
+        assert kk == want
+        perm = balanced_row_order(mask.sum(-1), mini_rows=512, num_micro_batches=kk)
+        lay = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=kk)
+        assert lay.input_ids.size / useful <= most and lay.input_ids.size / useful < mask.size / useful / 2
+        assert lay.input_ids.size // kk <= (512 // k) * width   # one padded micro-batch's tokens
+    # two shards: each shard block is budgeted on its own
+    assert token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=16, num_shards=2) == 4
+    full = np.ones((8, 20), bool)
+    assert token_budget_micro_batches(full, mini_rows=8, num_micro_batches=4) == 4

@@ -50,6 +50,26 @@ class PackedLayout:
         return self.segment_ids > 0
 
 
+def first_fit_decreasing(lengths: np.ndarray, row_length: int) -> list[list[int]]:
+    """Bin packing of sequences into rows (first-fit decreasing, ties in index order).
+
+    Args: lengths [n] int (tokens per sequence, each <= ``row_length``); row_length (tokens per row).
+    Returns: the sequence indices of each row, in placement order (rows in creation order). Never raises (a
+    sequence longer than ``row_length`` gets a row of its own; callers check lengths first).
+    """
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, f in enumerate(free) if f >= lengths[i]), None)
+        if j is None:
+            rows.append([])
+            free.append(int(row_length))
+            j = len(rows) - 1
+        rows[j].append(i)
+        free[j] -= int(lengths[i])
+    return rows
+
+
 def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, row_length: int, *,
                    num_shards: int = 1, row_multiple: int = 1, num_rows: Optional[int] = None) -> PackedLayout:
     """Plan (on the host, numpy) the packed rows of a ``[B, P + R]`` batch.
@@ -82,19 +102,8 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
         i = int(np.argmax(lengths))
         raise ValueError(f"sequence {i} has {lengths[i]} tokens > packing row_length {row_length}")
     per = b // num_shards
-    blocks = []
-    for s in range(num_shards):
-        rows: list[list[int]] = []   # sequence indices per row
-        free: list[int] = []
-        for i in sorted(range(s * per, (s + 1) * per), key=lambda i: -lengths[i]):  # first-fit decreasing
-            j = next((j for j, f in enumerate(free) if f >= lengths[i]), None)
-            if j is None:
-                rows.append([])
-                free.append(row_length)
-                j = len(rows) - 1
-            rows[j].append(i)
-            free[j] -= lengths[i]
-        blocks.append(rows)
+    blocks = [[[s * per + i for i in row] for row in first_fit_decreasing(lengths[s * per:(s + 1) * per], row_length)]
+              for s in range(num_shards)]
     m_shard = -(-max(len(rows) for rows in blocks) // row_multiple) * row_multiple
     if num_rows is not None:
         if num_rows % num_shards or num_rows // num_shards < m_shard:
@@ -126,33 +135,70 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
                         num_shards=num_shards)
 
 
-def rows_bucket(rows: int, cap: int) -> int:
-    """Packed rows per shard rounded up to a bucket, at most ``cap`` (the padded rows per shard): exact up to 8,
-    then to a multiple of ``2 ** (bit_length - 3)`` (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...: four buckets
-    per octave, < 25% extra rows), so a jitted step recompiles only when the bucket changes.
-    Takes and returns a Python int (no arrays). Never raises. Source: verl ``use_remove_padding`` packs rows; the
-    buckets are this project's (bench/bench_packing.py)."""
-    rows = max(int(rows), 1)
-    step = 1 << max(rows.bit_length() - 3, 0)
-    return min(-(-rows // step) * step, max(int(cap), rows))
+def tokens_bucket(n: int) -> int:
+    """Packed row length for ``n`` tokens, rounded up to a bucket: a multiple of ``max(8, 2 ** (bit_length - 5))``
+    (16 buckets per octave, < 6.25% extra tokens), so a jitted step recompiles only when the bucket changes.
+    ``n``: tokens (int); returns tokens (int >= 8); never raises."""
+    n = max(int(n), 1)
+    step = 1 << max(n.bit_length() - 5, 3)
+    return -(-n // step) * step
+
+
+def micro_batch_rows(blocks: list[np.ndarray], width: int, long_rows: bool = True) -> tuple[int, int]:
+    """The packed geometry shared by every micro-batch (one compiled shape): ``(M, L)`` = M rows of L tokens per
+    shard block, as few tokens ``M * L`` as first-fit decreasing allows.
+
+    Rows of at most the padded width ``P + R``: M starts at ``ceil(fullest / width)`` and L is the smallest
+    :func:`tokens_bucket` >= the longest sequence and >= fullest / M into which every block fits (M grows by one
+    when none up to ``width`` does). ``long_rows`` (an attention that skips key blocks outside each query's
+    segment, ``models.attention`` ``blockwise``) also allows one row per block of the fullest block's bucketed
+    tokens (verl's flat varlen row), longer than ``P + R``, and takes whichever computes fewer tokens: the cost
+    then follows the real tokens whatever the longest sequence. Kernels whose cost grows with L^2 however the
+    row is segmented (xla, cudnn, splash) keep ``long_rows`` false.
+
+    Args: blocks: per (micro-batch, shard) block, the [n] int token counts of its sequences; width: the padded
+    width P + R; long_rows: as above. Returns: (M, L). Raises: ValueError: a sequence longer than ``width``.
+    """
+    longest = max(int(x.max()) if len(x) else 0 for x in blocks)
+    fullest = max(int(x.sum()) for x in blocks)
+    if longest > width:
+        raise ValueError(f"a sequence has {longest} tokens > the padded width {width}")
+    m = max(-(-fullest // width), 1)
+    best = None
+    while best is None:
+        L = min(tokens_bucket(max(longest, -(-fullest // m))), width)
+        while True:
+            if all(len(first_fit_decreasing(x, L)) <= m for x in blocks):
+                best = (m, L)
+                break
+            if L >= width:
+                break
+            L = min(tokens_bucket(L + 1), width)
+        m += 1
+    flat = tokens_bucket(fullest)
+    return (1, flat) if long_rows and flat < best[0] * best[1] else best
 
 
 def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, *,
-                       num_micro_batches: int, num_shards: int = 1) -> PackedLayout:
+                       num_micro_batches: int, num_shards: int = 1, long_rows: bool = True) -> PackedLayout:
     """Packed layouts of the K micro-batches of one ``[B, P + R]`` mini-batch, in one :class:`PackedLayout` that
     the train step splits like the rest of its ``Batch`` (``stapo_jax.train.train_step``: micro-batch ``j`` =
     rows ``j, j + K, ...``).
 
-    Each micro-batch is packed with :func:`pack_sequences` into rows of ``L = P + R`` tokens (the padded width,
-    already bucketed by ``stapo_jax.train.batching``) with ``num_shards`` shard blocks; every micro-batch gets
-    the same rows per shard, ``rows_bucket`` of the largest need (zero rows appended to each shard block).
+    Every micro-batch and shard block is packed with :func:`pack_sequences` into the same M rows of L tokens
+    (:func:`micro_batch_rows`), so the transformer computes about the real tokens of the fullest block per
+    micro-batch (with ``balanced_row_order``, about the mean). With ``long_rows`` that is one row of the block's
+    bucketed token count, which may be longer than ``P + R``; attention on it stays per sequence because the
+    blockwise kernel skips key blocks outside a query block's segments (``models.attention.block_ranges``).
+    Without, rows are at most ``P + R`` tokens (for kernels whose cost is quadratic in the row length).
 
     Args:
       input_ids, attention_mask: [B, P + R] (numpy, the ``stapo_jax.train.batching`` layout).
       response_length: R. num_micro_batches: K (divides B). num_shards: S, data-parallel shards (divides B / K).
+      long_rows: see :func:`micro_batch_rows` (``packing_long_rows`` says which attention allows it).
     Returns:
-      :class:`PackedLayout` with ``input_ids`` / ``segment_ids`` / ``positions`` [K * M, L] int32, interleaved
-      so that rows ``j, j + K, ...`` are micro-batch ``j``'s M packed rows (shard-local under a row sharding),
+      :class:`PackedLayout` with ``input_ids`` / ``segment_ids`` / ``positions`` [K * S * M, L] int32, interleaved
+      so that rows ``j, j + K, ...`` are micro-batch ``j``'s S * M packed rows (shard-local under a row sharding),
       ``response_index`` [B, R] int32 (row b's index into micro-batch ``b % K``'s rows of its shard block).
     Raises:
       ValueError: K or S not dividing the rows, or as :func:`pack_sequences`.
@@ -163,22 +209,28 @@ def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, respon
     if k < 1 or b % k or (b // k) % num_shards:
         raise ValueError(f"pack_micro_batches: num_micro_batches={k} x num_shards={num_shards} must divide the "
                          f"batch size {b}")
-    lays = [pack_sequences(ids[j::k], mask[j::k], response_length, t, num_shards=num_shards) for j in range(k)]
-    need = max(lay.input_ids.shape[0] // num_shards for lay in lays)
-    m = rows_bucket(need, b // k // num_shards)
-
-    def rows(x):  # [S * m_j, L] -> [S * m, L], zero rows appended to each shard block
-        x = x.reshape(num_shards, -1, t)
-        return np.pad(x, ((0, 0), (0, m - x.shape[1]), (0, 0))).reshape(num_shards * m, t)
+    lengths = mask.astype(bool).sum(1)
+    per = b // k // num_shards
+    blocks = [lengths[j::k][s * per:(s + 1) * per] for j in range(k) for s in range(num_shards)]
+    m, L = micro_batch_rows(blocks, t, long_rows)
+    lays = [pack_sequences(ids[j::k], mask[j::k], response_length, L, num_shards=num_shards,
+                           num_rows=num_shards * m) for j in range(k)]
 
     def interleave(name):  # micro-batch j's row i -> global row i * K + j (train_step's strided split)
-        return np.stack([rows(getattr(lay, name)) for lay in lays], 1).reshape(num_shards * m * k, t)
+        return np.stack([getattr(lay, name) for lay in lays], 1).reshape(num_shards * m * k, L)
 
     resp = np.zeros((b, response_length), np.int32)
     for j, lay in enumerate(lays):
         resp[j::k] = lay.response_index
     return PackedLayout(input_ids=interleave("input_ids"), segment_ids=interleave("segment_ids"),
                         positions=interleave("positions"), response_index=resp, num_shards=num_shards)
+
+
+def packing_long_rows(attention: str) -> bool:
+    """True when packed rows may be longer than the padded width: the resolved ``model.attention`` (after
+    ``models.attention.resolve_implementation``) is ``blockwise``, whose cost follows the segments; xla, cudnn
+    and splash compute the whole causal L x L square of a row. Never raises."""
+    return attention == "blockwise"
 
 
 def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:

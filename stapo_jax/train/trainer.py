@@ -28,9 +28,11 @@ from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experien
                                  write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
+from models.attention import resolve_implementation
+from stapo_jax.train.packing import packing_long_rows
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
-from stapo_jax.train.update import (Preemption, all_finite, balance_allowed, num_micro_batches, stop_requested,
-                                   update_policy)
+from stapo_jax.train.update import (Preemption, all_finite, balance_allowed, data_parallel_size, num_micro_batches,
+                                   stop_requested, token_budget_micro_batches, update_policy)
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +101,19 @@ def train(cfg: Config) -> dict[str, Any]:
         # returned state after every update (sync_weights below), never reading a donated buffer
         step_kw = dict(num_micro_batches=k, vocab_size=model.config.vocab_size, mesh=mesh,
                        state_shardings=shardings, donate=True, **common)
-        first_fn, step_fn = make_update_steps(recipe, optimizer, **step_kw)
-        log_prob_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+        steps: dict = {}  # K -> (first step, step, old-log-prob fn), compiled on first use
+
+        def steps_for(kk: int):
+            if kk not in steps:
+                steps[kk] = (*make_update_steps(recipe, optimizer, **{**step_kw, "num_micro_batches": kk}),
+                             jax.jit(make_log_prob_fn(num_micro_batches=kk, **common), static_argnums=(1, 4)))
+            return steps[kk]
+        attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
+        long_rows = packing_long_rows(attention)
+        log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
         if cfg.model.use_remove_padding:
-            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows")
+            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
+                     "one row per micro-batch" if long_rows else "rows of at most P + R tokens")
         # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                 shard_index=0, shard_count=1)
@@ -136,10 +147,16 @@ def train(cfg: Config) -> dict[str, Any]:
             t1 = time.perf_counter()
             if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
+            kk = k  # packed + balanced: fewer, fuller micro-batches within one padded micro-batch's tokens
+            if cfg.model.use_remove_padding and balance_allowed(recipe):
+                kk = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=mini_rows,
+                                                num_micro_batches=k, num_shards=data_parallel_size(mesh),
+                                                long_rows=long_rows)
+            first_fn, step_fn, log_prob_fn = steps_for(kk)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
-                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=k,
+                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,
                                     use_remove_padding=cfg.model.use_remove_padding,
-                                    balance_micro_batches=balance_allowed(recipe))
+                                    balance_micro_batches=balance_allowed(recipe), long_rows=long_rows)
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "
@@ -151,6 +168,7 @@ def train(cfg: Config) -> dict[str, Any]:
             m.update(exp.metrics)
             n_tokens = float(exp.arrays["attention_mask"].sum())
             m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
+                      "perf/micro_batches": float(kk),
                       "time/coordination": coordination_seconds(),
                       "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
-from stapo_jax.train.packing import balanced_row_order, pack_micro_batches
+from stapo_jax.train.packing import balanced_row_order, micro_batch_rows, pack_micro_batches
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
 
 
@@ -81,9 +81,43 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     return k
 
 
+def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, num_micro_batches: int,
+                               num_shards: int = 1, long_rows: bool = True) -> int:
+    """K for a packed, balanced update chosen by tokens: the fewest micro-batches per mini-batch (more sequences
+    each, so one long sequence no longer sets every micro-batch's row) whose packed rows hold no more tokens than
+    one padded micro-batch of the configured K (``mini_rows / num_shards / K`` rows of ``P + R``): the same
+    activation memory, far fewer computed tokens (verl's ``ppo_max_token_len_per_gpu`` with
+    ``use_dynamic_bsz``, in fixed shapes). Candidates are the divisors of the rows per shard up to K; the
+    configured K always fits, so the result is <= K. Only for updates that do not depend on which micro-batch
+    holds a row (:func:`balance_allowed`).
+
+    Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
+    mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
+    long_rows as ``stapo_jax.train.packing.micro_batch_rows``. Returns: int K' in [1, K]. Raises: ValueError
+    as ``packing.balanced_row_order``.
+    """
+    lengths = np.asarray(attention_mask).astype(bool).sum(1)
+    width = np.asarray(attention_mask).shape[1]
+    per = mini_rows // num_shards
+    budget = (per // num_micro_batches) * width
+    for k in [d for d in range(1, num_micro_batches) if per % d == 0]:
+        perm = balanced_row_order(lengths, mini_rows=mini_rows, num_micro_batches=k, num_shards=num_shards)
+        cost = 0
+        for s in range(0, len(lengths), mini_rows):
+            ls = lengths[perm[s:s + mini_rows]]
+            m, L = micro_batch_rows([ls[j::k][i * (per // k):(i + 1) * (per // k)] for j in range(k)
+                                     for i in range(num_shards)], width, long_rows)
+            cost = max(cost, m * L)
+            if cost > budget:
+                break
+        if cost <= budget:
+            return k
+    return num_micro_batches
+
+
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
-                  balance_micro_batches: bool = False):
+                  balance_micro_batches: bool = False, long_rows: bool = True):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -103,6 +137,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       balance_micro_batches: with ``use_remove_padding``, reorder the rows inside each mini-batch (and shard
         block) so its micro-batches hold nearly equal token counts (``packing.balanced_row_order``): fewer padding
         rows. Only where the update does not depend on a row's micro-batch (:func:`balance_allowed`).
+      long_rows: packed rows may be longer than ``P + R`` (one row per micro-batch and shard; only for an
+        attention whose cost follows the segments, ``stapo_jax.train.packing.packing_long_rows``).
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -128,7 +164,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     for s in range(0, exp.num_rows, mini_rows):
         if use_remove_padding:
             lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
-                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
+                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh),
+                                     long_rows=long_rows)
             layouts[s] = jax.tree.map(put, lay)
         lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
                               put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
