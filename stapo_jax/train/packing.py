@@ -56,6 +56,7 @@ def first_fit_decreasing(lengths: np.ndarray, row_length: int) -> list[list[int]
     Args: lengths [n] int (tokens per sequence, each <= ``row_length``); row_length (tokens per row).
     Returns: the sequence indices of each row, in placement order (rows in creation order). Never raises (a
     sequence longer than ``row_length`` gets a row of its own; callers check lengths first).
+    Source: the classic first-fit-decreasing bin-packing heuristic (Johnson, 1973).
     """
     rows: list[list[int]] = []
     free: list[int] = []
@@ -138,7 +139,8 @@ def pack_sequences(input_ids: np.ndarray, attention_mask: np.ndarray, response_l
 def tokens_bucket(n: int) -> int:
     """Packed row length for ``n`` tokens, rounded up to a bucket: a multiple of ``max(8, 2 ** (bit_length - 5))``
     (16 buckets per octave, < 6.25% extra tokens), so a jitted step recompiles only when the bucket changes.
-    ``n``: tokens (int); returns tokens (int >= 8); never raises."""
+    ``n``: tokens (int); returns tokens (int >= 8); never raises. Source: this project's buckets
+    (bench/bench_packing.py), in the spirit of verl's padded bucket sizes."""
     n = max(int(n), 1)
     step = 1 << max(n.bit_length() - 5, 3)
     return -(-n // step) * step
@@ -229,7 +231,8 @@ def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, respon
 def packing_long_rows(attention: str) -> bool:
     """True when packed rows may be longer than the padded width: the resolved ``model.attention`` (after
     ``models.attention.resolve_implementation``) is ``blockwise``, whose cost follows the segments; xla, cudnn
-    and splash compute the whole causal L x L square of a row. Never raises."""
+    and splash compute the whole causal L x L square of a row. Takes a str, returns a bool (no arrays, no
+    shapes). Never raises. Source: verl ``use_remove_padding`` (one flat varlen row per micro-batch)."""
     return attention == "blockwise"
 
 
