@@ -225,8 +225,9 @@ def make_scorer(cfg) -> RewardScorer:
 
     No arrays: reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
     ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format`` and ``data.gym.task``.
-    Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, or a
-    non-positive ``timeout_s`` / ``num_workers``. Source: the project's config convention (``docs/conventions.md``).
+    Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
+    non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind. Source: the project's config
+    convention (``docs/conventions.md``).
     """
     r = cfg.reward
     return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,

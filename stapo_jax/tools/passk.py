@@ -66,7 +66,7 @@ def mean_pass_at_k(n: int | Sequence[int], correct: Iterable[int], k: int) -> fl
       PassKError: no problems, mismatched lengths, or an invalid count (see :func:`pass_at_k`).
 
     Source: the unbiased pass@k estimator of Chen et al. 2021 (Codex paper, arXiv:2107.03374), averaged over
-    problems as the STAPO paper's tables report it.
+    problems (the pass@k columns of ``stapo-jax eval``).
     """
     cs = [int(c) for c in correct]
     if not cs:
@@ -106,7 +106,7 @@ def default_ks(n: int) -> list[int]:
     Raises:
       PassKError: ``n`` < 1.
 
-    Source: the power-of-two pass@k budgets of the STAPO paper's pass@k curves (stapo_spec §8).
+    Source: the power-of-two budgets of the pass@k convention (Chen et al. 2021, arXiv:2107.03374).
     """
     if n < 1:
         raise PassKError(f"default_ks: n={n} must be >= 1")
