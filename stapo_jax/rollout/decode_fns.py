@@ -254,8 +254,8 @@ def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample
     """Copy ``prefix`` into row ``slot``. sample_id < 0: take ``state.next_sample_id`` and advance it.
 
     Shapes / dtypes: ``slot``, ``sample_id``, ``limit`` int32 scalars; the prefix cache ``[1, Nkv, P, H]`` is
-    written into row ``slot`` of ``[B, Nkv, S, H]`` (cast to the cache dtype). Never raises (traced; an
-    out-of-range slot is clamped by ``dynamic_update_slice``). Source: JetStream ``Engine.insert``.
+    written into row ``slot`` of ``[B, Nkv, S, H]`` (cast to the cache dtype). Never raises (traced; ``slot`` is
+    not bounds-checked: the engine passes one in ``[0, B)``). Source: JetStream ``Engine.insert``.
     """
     c, pc = state.cache, prefix.cache
     use_counter = sample_id < 0
