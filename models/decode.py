@@ -38,7 +38,12 @@ class DecodeParams:
 
 def unstack_layers(stacked) -> tuple:
     """The stacked layer state ``nnx.state(model.layers)`` (leaves [L, ...]) -> tuple of L per-layer states
-    (copies; jittable)."""
+    (copies; jittable).
+
+    Dtypes kept (bfloat16 / float32 leaves stay so). Raises IndexError when ``stacked`` has no leaves. Source: the
+    ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for per-layer KV caches as JetStream /
+    MaxText decode do.
+    """
     n = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
@@ -53,6 +58,9 @@ def split_layers(state, unstack=_unstack_jit) -> DecodeParams:
     :func:`unstack_layers`; the engine passes one jitted with its shardings).
     Raises:
       KeyError: ``state`` has no ``"layers"`` entry (not a Qwen3 state).
+
+    Shapes / dtypes: layer leaves [L, ...] become L leaves [...] of the same dtype. Source: the ``nnx.scan``
+    stacked-layer layout of :class:`Qwen3` (Flax NNX ``nnx.split``).
     """
     rest = nnx.State({k: v for k, v in state.items() if k != LAYERS_KEY})
     return DecodeParams(rest=rest, layers=tuple(unstack(state[LAYERS_KEY])))
@@ -63,6 +71,9 @@ def merge_model(graphdef, params) -> tuple[Qwen3, Optional[tuple]]:
 
     With :class:`DecodeParams` the model's stacked layer variables hold shape-only placeholders
     (``jax.ShapeDtypeStruct``): only the cached path, which reads ``layers``, may run on it.
+
+    Never raises for a state of ``graphdef`` (Flax ``nnx.merge`` raises ValueError for a mismatched state).
+    Source: Flax NNX ``nnx.split`` / ``nnx.merge``.
     """
     if not isinstance(params, DecodeParams):
         return nnx.merge(graphdef, params), None
@@ -73,7 +84,11 @@ def merge_model(graphdef, params) -> tuple[Qwen3, Optional[tuple]]:
 
 
 def last_valid_index(attention_mask: jax.Array) -> jax.Array:
-    """Index of the last real token per row: [B] int32 from a [B, T] mask (0 for an all-padding row)."""
+    """Index of the last real token per row: [B] int32 from a [B, T] mask (0 for an all-padding row).
+
+    Never raises (traced). Source: HF transformers' last-non-padding-token index (sequence-classification pooling
+    convention).
+    """
     m = attention_mask.astype(bool)
     t = m.shape[-1]
     return (t - 1 - jnp.argmax(m[:, ::-1], axis=-1)).astype(jnp.int32)
@@ -91,6 +106,9 @@ def prefill(graphdef, state, input_ids: jax.Array, attention_mask: jax.Array, ca
         each other with the model's configured attention kernel, ``config.attention``).
     Returns:
       logits [B, V] float32 at each row's last real token; the updated cache.
+
+    Raises nothing of its own (shape errors of mismatched inputs come from JAX at trace time). Source: HF
+    transformers ``past_key_values`` prefill / JetStream ``Engine.prefill``.
     """
     model, layers = merge_model(graphdef, state)
     hidden, cache = model(input_ids, attention_mask, cache=cache, layers=layers, prefill=True)
@@ -110,6 +128,9 @@ def decode_step(graphdef, state, tokens: jax.Array, cache: KVCache, active: jax.
       active: optional [B] bool; inactive rows write a masked (invisible) key and keep their position.
     Returns:
       logits [B, V] float32; the updated cache.
+
+    Raises nothing of its own (shape errors come from JAX at trace time). Source: HF transformers
+    incremental decoding with ``past_key_values`` / JetStream ``Engine.generate``.
     """
     model, layers = merge_model(graphdef, state)
     mask = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
@@ -131,6 +152,8 @@ def greedy_generate(model: Qwen3, input_ids, attention_mask, max_new_tokens: int
       there is no EOS id) and lengths [B] int32 (tokens generated per row, EOS included).
     Raises:
       ValueError: ``max_new_tokens`` <= 0 or prompt/mask shape mismatch.
+
+    Source: HF transformers ``generate(do_sample=False)`` (greedy search, EOS kept in the output).
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be > 0")

@@ -98,6 +98,9 @@ def resolve_checkpoint(path_or_id: Union[str, os.PathLike], revision: Optional[s
       revision: hub revision (branch, tag or commit) for a repo id.
     Raises:
       CheckpointError: the path does not exist and is not a repo id, or the hub cannot be reached (offline).
+
+    No arrays: str / path in, a ``pathlib.Path`` out. Source: HF transformers ``from_pretrained`` resolution
+    (local directory first, else ``huggingface_hub.snapshot_download``).
     """
     p = Path(path_or_id).expanduser()
     if p.is_dir():
@@ -125,6 +128,9 @@ def read_config(ckpt_dir: Union[str, os.PathLike], **overrides) -> Qwen3Config:
     Raises:
       CheckpointError: no config.json, invalid JSON, or not a Qwen3 config (``model_type`` /
         ``architectures``); the message names the file and the values found.
+
+    No arrays: int / float / bool / str fields of config.json become ``Qwen3Config`` fields. Source: HF
+    transformers ``Qwen3Config`` (``config.json``, ``model_type: qwen3``).
     """
     f = Path(ckpt_dir) / "config.json"
     if not f.is_file():
@@ -196,6 +202,9 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
       CheckpointError: not a Qwen3 config; a missing tensor or one of the wrong shape (message names the
         tensor, the expected and actual shapes and the file); with ``strict``, tensors the model does not
         have (names up to 10 of them and their files); unreadable/absent files; hub unreachable.
+
+    Source: HF transformers ``Qwen3ForCausalLM`` safetensors names and ``[out, in]`` layout (transposed to
+    Flax's ``[in, out]`` kernels).
     """
     ckpt = resolve_checkpoint(path_or_id, revision)
     overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat,
@@ -318,6 +327,9 @@ def iter_hf_tensors(model_or_state, config: Qwen3Config, dtype: Optional[str] = 
       HF tensor name and a C-contiguous numpy array in HF's ``[out, in]`` layout.
     Raises:
       CheckpointError: a parameter with no HF name, or ``lm_head`` present/absent against the config.
+
+    Source: HF transformers ``Qwen3ForCausalLM`` state-dict names and ``[out, in]`` weight layout (as
+    ``save_pretrained`` writes them).
     """
     state = _param_state(model_or_state)
     flat = {param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}

@@ -54,6 +54,8 @@ def canonical_name(name: str) -> str:
 
     Raises:
       KeyError: an unknown preset; the message lists the known names.
+
+    No arrays: str in, str out. Source: the HF hub model names of the Qwen3 family (``Qwen/Qwen3-8B-Base``).
     """
     key = name.split("/")[-1].lower()
     if not key.startswith("qwen3-"):
@@ -72,6 +74,8 @@ def preset(name: str, **overrides) -> Qwen3Config:
       overrides: ``Qwen3Config`` fields, e.g. ``dtype="bfloat16"``, ``remat="full"``.
     Raises:
       KeyError: unknown preset name.
+
+    Source: the ``config.json`` numbers of the HF hub Qwen3 checkpoints (``Qwen/Qwen3-*``).
     """
     return Qwen3Config(**{**PRESETS[canonical_name(name)], **overrides})
 

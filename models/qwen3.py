@@ -218,6 +218,9 @@ def init_cache(config: Qwen3Config, batch_size: int, max_length: int, dtype=None
     Memory: 2 · L · B · S · num_key_value_heads · head_dim · itemsize bytes.
     Raises:
       ValueError: non-positive ``batch_size`` or ``max_length``.
+
+    Dtypes: keys / values in ``dtype`` (default ``config.dtype``, e.g. bfloat16 / float32), ``key_mask`` bool,
+    ``length`` / ``next_position`` int32. Source: HF transformers ``StaticCache`` (preallocated KV slots).
     """
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"init_cache: batch_size={batch_size} and max_length={max_length} must be positive")
@@ -231,13 +234,15 @@ def init_cache(config: Qwen3Config, batch_size: int, max_length: int, dtype=None
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """``max(cumsum(mask) - 1, 0)`` along the last axis: [B, T] int32 (verl ``compute_position_id_with_mask``)."""
+    """``max(cumsum(mask) - 1, 0)`` along the last axis: [B, T] int32 (verl ``compute_position_id_with_mask``).
+    Never raises (traced)."""
     m = attention_mask.astype(jnp.int32)
     return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """Rotate-half RoPE tables: cos, sin of shape [B, T, head_dim] in float32 (HF ``Qwen3RotaryEmbedding``)."""
+    """Rotate-half RoPE tables: cos, sin of shape [B, T, head_dim] in float32 (HF ``Qwen3RotaryEmbedding``).
+    Never raises (traced). Source: RoFormer (Su et al. 2021) as HF transformers implements it."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -250,7 +255,8 @@ def _rotate_half(x):
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, N, H]; cos/sin: [B, T, H]. Cast to x's dtype first, as HF does."""
+    """x: [B, T, N, H]; cos/sin: [B, T, H]. Cast to x's dtype first, as HF does.
+    Returns [B, T, N, H] in x's dtype; never raises (traced). Source: HF ``apply_rotary_pos_emb``."""
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     return x * cos + _rotate_half(x) * sin
@@ -326,6 +332,8 @@ def write_rows(cache: jax.Array, update: jax.Array, index: jax.Array) -> jax.Arr
     in-place 16-bit-float update and converts the whole cache to float32 and back (2x the cache in
     temporaries, every step), so there the rows are written one by one in a ``fori_loop``, which it does
     update in place. TPU/GPU take the batched form for every dtype.
+
+    Never raises (traced). Source: HF transformers ``StaticCache.update`` (per-row write at the cache position).
     """
     update = update.astype(cache.dtype)
     if jnp.dtype(cache.dtype).itemsize == 2 and jax.default_backend() == "cpu":
@@ -351,6 +359,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
       scale: logit scale (``head_dim ** -0.5``).
     Returns:
       [B, T, N, H] in q's dtype (query head n uses KV head ``n // G``, as HF ``repeat_kv``).
+
+    Never raises (traced; mismatched shapes fail at trace time). Source: ``jax.nn.dot_product_attention``
+    (XLA implementation) and HF ``repeat_kv`` grouped-query attention.
     """
     b, t, n, h = q.shape
     nkv, s = k.shape[1], k.shape[2]
@@ -531,7 +542,9 @@ class Qwen3(nnx.Module):
 
 
 def param_count(config: Qwen3Config) -> int:
-    """Number of parameters, from abstract shapes only (``nnx.eval_shape``; nothing is allocated)."""
+    """Number of parameters, from abstract shapes only (``nnx.eval_shape``; nothing is allocated).
+    No arrays: returns an int; never raises (a ``Qwen3Config`` is validated when built: ConfigError).
+    Source: as HF ``model.num_parameters()`` (tied embeddings counted once)."""
     abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     total = 0

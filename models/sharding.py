@@ -84,6 +84,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Optional[
     Raises:
       ShardingError: more than one ``-1``, a size < 1, or a product that does not divide / equal the
         device count.
+
+    No arrays: int axis sizes in, a ``Mesh`` out. Source: the data / fsdp / tensor axes of MaxText and verl's
+    FSDP + tensor-parallel layout (``jax.make_mesh``).
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
@@ -154,6 +157,9 @@ def logical_to_spec(axes: Sequence[str | None], mesh_axis_names: Sequence[str]) 
       A ``PartitionSpec`` with one entry per dimension; mesh axes absent from the mesh are dropped.
     Raises:
       KeyError: an unknown logical axis name.
+
+    No arrays: str (or None) axis names in, a ``PartitionSpec`` out. Source: Flax ``logical_to_mesh_axes``
+    (MaxText ``logical_axis_rules``).
     """
     out = []
     for a in axes:
@@ -184,6 +190,9 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
       ``x``, constrained to the derived ``PartitionSpec`` when a mesh is active.
     Raises:
       KeyError: an unknown logical axis name (only checked while a mesh is active).
+
+    Dtypes: ``x`` of any dtype, returned unchanged in value and dtype. Source: ``jax.lax.with_sharding_constraint``
+    on Flax-style logical axes (MaxText ``nn.with_logical_constraint``).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -195,7 +204,11 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 
 def param_path(path) -> str:
-    """Dotted name of a pytree path into an NNX state (``("layers", "mlp", "up_proj", "kernel")``)."""
+    """Dotted name of a pytree path into an NNX state (``("layers", "mlp", "up_proj", "kernel")``).
+
+    No arrays: a pytree key path in, a str out; never raises. Source: the HF-style dotted parameter names
+    (``model.layers.mlp.up_proj.kernel``) of ``jax.tree_util`` key paths.
+    """
     keys = []
     for k in path:
         key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
@@ -210,6 +223,9 @@ def param_logical_axes(name: str, ndim: int, rules=PARAM_RULES) -> tuple[Optiona
 
     Raises:
       ShardingError: no rule matches ``name`` or the matching rule has the wrong rank.
+
+    No arrays: ``name`` a str, ``ndim`` an int (the parameter's rank, e.g. 3 for a stacked ``[L, D, F]`` kernel);
+    returns a tuple of str / None, one per dimension. Source: t5x / MaxText regex partition rules.
     """
     for pattern, logical in (PARAM_RULES if rules is None else rules):
         if re.search(pattern, name):
@@ -263,6 +279,9 @@ def param_shardings(state, mesh: Mesh, rules=PARAM_RULES):
       target or ``jax.jit`` in/out shardings.
     Raises:
       ShardingError: a parameter without a rule.
+
+    Dtypes: leaves of any dtype (or ``jax.ShapeDtypeStruct``); only shapes are read. Source: t5x / MaxText rule
+    -based parameter partitioning (FSDP over ``fsdp``, Megatron-style tensor parallelism over ``tensor``).
     """
     specs = param_specs(state, dict(mesh.shape), rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
@@ -275,6 +294,9 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=PARAM_RULES) -> nnx.Module:
       ``model`` (same object), its arrays now ``NamedSharding``-placed.
     Raises:
       ShardingError: a parameter without a rule.
+
+    Dtypes kept (no cast). Source: Flax NNX ``nnx.state`` / ``nnx.update`` with ``jax.device_put`` (t5x / MaxText
+    partition rules).
     """
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
@@ -282,7 +304,11 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=PARAM_RULES) -> nnx.Module:
 
 
 def describe(state, mesh: Mesh, rules=PARAM_RULES) -> dict[str, str]:
-    """Parameter name -> ``str(PartitionSpec)``, for logs and ``stapo-jax plan``."""
+    """Parameter name -> ``str(PartitionSpec)``, for logs and ``stapo-jax plan``.
+
+    Shapes: only the parameters' ranks / shapes are read (any dtype); returns a dict of str. Raises
+    ShardingError for a parameter without a rule. Source: t5x / MaxText partition-rule logging.
+    """
     specs = param_specs(state, dict(mesh.shape), rules)
     leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
     return {param_path(p): str(s) for p, s in leaves}

@@ -1,10 +1,11 @@
 """Code-quality rules from the project brief (issue 11), checked by reading the source with ``ast``.
 
-* Every public function, class and public method has a docstring; in ``STRICT_DIRS`` (the pure algorithm
-  ``stapo_jax/algo``, the update core ``stapo_jax/train``, ``config``, ``data`` and ``runtime``) every public
+* Every public function, class and public method has a docstring; in ``STRICT_DIRS`` (every directory of
+  ``DOCSTRING_DIRS``, less the files in ``STRICT_PENDING``) every public module-level
   function's docstring also names its source (paper / peer) and states shapes (``[B, T]``-style or the word
   "shape"/"scalar"), dtypes (``float32``, ``bool``, ``int``, ... or "no arrays"), and says what it raises (a
-  ``Raises`` line, or "raises"/"never raises"/"errors"). The other directories need a docstring only.
+  ``Raises`` line, or "raises"/"never raises"/"errors"). The files in ``STRICT_PENDING`` need a docstring only
+  (their strict findings are printed by the script run, as ``docstring-pending``).
 * No module imports another project module's private (``_name``) names.
 * No file in ``stapo_jax/`` or ``models/`` is over 600 lines.
 
@@ -33,10 +34,16 @@ DOCSTRING_DIRS = ("stapo_jax/algo", "stapo_jax/rewards", "stapo_jax/data", "stap
                   "stapo_jax/runtime", "stapo_jax/tools", "stapo_jax/train", "stapo_jax/rollout", "models")
 # Files inside DOCSTRING_DIRS being rewritten elsewhere: reported, not yet asserted (none today).
 PENDING: tuple[str, ...] = ()
-# Directories where a function must also name its source, state shapes and dtypes and say what it raises.
-STRICT_DIRS = ("stapo_jax/algo", "stapo_jax/train", "stapo_jax/config", "stapo_jax/data", "stapo_jax/runtime")
-# Files in STRICT_DIRS held to the plain docstring rule only while another branch (multi-host SFT) rewrites them.
-STRICT_PENDING: tuple[str, ...] = ("stapo_jax/train/sft.py", "stapo_jax/runtime/distributed.py")
+# Directories where a function must also name its source, state shapes and dtypes and say what it raises:
+# all of them.
+STRICT_DIRS = DOCSTRING_DIRS
+# Files in STRICT_DIRS held to the plain docstring rule only, each because another branch is rewriting it now
+# (its strict docstrings land with that rewrite): multi-host SFT (train/sft.py, runtime/distributed.py), the
+# attention kernels (models/attention.py, models/splash.py), sequence packing (train/packing.py) and the
+# multi-process sampler (rollout/multihost.py).
+STRICT_PENDING: tuple[str, ...] = ("stapo_jax/train/sft.py", "stapo_jax/runtime/distributed.py",
+                                   "models/attention.py", "models/splash.py", "stapo_jax/train/packing.py",
+                                   "stapo_jax/rollout/multihost.py")
 PRIVATE_IMPORT_DIRS = ("stapo_jax", "models", "bench", "launch", "tests")
 MAX_LINES = 600
 
@@ -67,10 +74,11 @@ def _public_defs(tree: ast.Module):
                         yield f"{node.name}.{sub.name}", sub
 
 
-def docstring_findings(path: Path) -> list[str]:
+def docstring_findings(path: Path, exempt: tuple[str, ...] | None = None) -> list[str]:
+    """Findings of one file; ``exempt`` (default ``STRICT_PENDING``) lists files held to the plain rule."""
     rel = _rel(path)
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    strict = rel.startswith(STRICT_DIRS) and rel not in STRICT_PENDING
+    strict = rel.startswith(STRICT_DIRS) and rel not in (STRICT_PENDING if exempt is None else exempt)
     out = []
     for qual, node in _public_defs(tree):
         doc = ast.get_docstring(node)
@@ -174,6 +182,9 @@ if __name__ == "__main__":
     for d in ALL_DIRS:
         for p in _py_files(d):
             rows += [("docstring", f) for f in docstring_findings(p)]
+            if _rel(p) in STRICT_PENDING:  # exempt from the strict rule for now: report what it still lacks
+                rows += [("docstring-pending", f) for f in docstring_findings(p, exempt=())
+                         if f not in docstring_findings(p)]
     for d in PRIVATE_IMPORT_DIRS:
         for p in _py_files(d):
             rows += [("private-import", f) for f in private_import_findings(p)]
@@ -182,5 +193,6 @@ if __name__ == "__main__":
             rows += [("long-file", f) for f in long_file_findings(p)]
     for kind, f in rows:
         print(f"{kind:15s} {f}")
-    counts = {k: sum(1 for kind, _ in rows if kind == k) for k in ("docstring", "private-import", "long-file")}
+    counts = {k: sum(1 for kind, _ in rows if kind == k)
+              for k in ("docstring", "docstring-pending", "private-import", "long-file")}
     print("counts:", counts)

@@ -221,7 +221,14 @@ class RewardScorer:
 
 
 def make_scorer(cfg) -> RewardScorer:
-    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``)."""
+    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``).
+
+    No arrays: reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
+    ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format`` and ``data.gym.task``.
+    Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
+    non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind. Source: the project's config
+    convention (``docs/conventions.md``).
+    """
     r = cfg.reward
     return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
                         gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format)
@@ -238,6 +245,10 @@ def score(responses: Sequence[str], golds: Sequence[Any], kind: str, *, timeout_
     created on first use, reused, and shut down at interpreter exit (or by :func:`shutdown`).
 
     Returns / Raises: as :meth:`RewardScorer.score` (plus ValueError for an unknown ``kind``).
+
+    Shapes / dtypes: ``responses`` and ``golds`` are length-B sequences (str responses; str golds, dict entries for
+    ``gym``); returns ``(scores [B] float32, stats)`` with scalar float stats. Source: verl's ``compute_score``
+    convention (one scalar reward per response).
     """
     key = (kind, float(timeout_s), int(num_workers), bool(boxed_normalize), gym_task, gym_answer_format)
     with _SCORERS_LOCK:
@@ -251,14 +262,21 @@ def score(responses: Sequence[str], golds: Sequence[Any], kind: str, *, timeout_
 
 def active_scorers() -> dict[tuple, RewardScorer]:
     """A copy of the scorers :func:`score` has created and not yet shut down, keyed by
-    ``(kind, timeout_s, num_workers, boxed_normalize, gym_task, gym_answer_format)``. Never raises."""
+    ``(kind, timeout_s, num_workers, boxed_normalize, gym_task, gym_answer_format)``. Never raises.
+
+    No arrays: returns a dict of tuple keys (str / float / int / bool fields) to scorers. Source: this module's
+    scorer cache (no peer equivalent).
+    """
     with _SCORERS_LOCK:
         return dict(_SCORERS)
 
 
 @atexit.register
 def shutdown() -> None:
-    """Close every scorer created by :func:`score` (their worker pools) and forget them. Never raises."""
+    """Close every scorer created by :func:`score` (their worker pools) and forget them. Never raises.
+
+    No arrays, returns None. Source: this module's scorer cache (no peer equivalent).
+    """
     with _SCORERS_LOCK:
         for scorer in _SCORERS.values():
             scorer.close()

@@ -57,7 +57,11 @@ class FinalAnswer(NamedTuple):
 
 
 def answer_region(response: str, require_think_close: bool = False) -> Optional[str]:
-    """The part of ``response`` that may hold the final answer, or None for unfinished reasoning."""
+    """The part of ``response`` that may hold the final answer, or None for unfinished reasoning.
+
+    No arrays: ``response`` is a str, the result a str (suffix of ``response``) or None; never raises. Source: TRL
+    ``reasoning_accuracy_reward`` (text after ``</think>``; huggingface/trl#4563), the module's policy rule 1.
+    """
     close = response.rfind(THINK_CLOSE)
     if close >= 0:
         return response[close + len(THINK_CLOSE):]
@@ -74,6 +78,10 @@ def final_answer(response: str, require_think_close: bool = False) -> FinalAnswe
       require_think_close: the run uses a thinking template; no ``</think>`` means no answer.
     Returns:
       :class:`FinalAnswer` (``text`` is the raw, un-normalised answer string or None).
+
+    No arrays: str in, :class:`FinalAnswer` (str-or-None ``text``, str ``reason``) out; pure string processing,
+    never raises on a str. Source: the policy of issue 13 (module docstring), boxes brace-matched as verl's
+    ``math_dapo.last_boxed_only_string``.
     """
     region = answer_region(response, require_think_close)
     if region is None:
@@ -152,6 +160,10 @@ def normalize(answer: str) -> Normalized:
     Examples: ``"1{,}000{,}000"`` -> ``"1000000"``; ``"5\\text{ cm}^2"`` -> ``"5"``; ``"30^\\circ"`` ->
     ``"30"``; ``"12.5\\%"`` -> ``("12.5", percent=True)``; ``"3.2e-5"`` -> ``"3.2\\times10^{-5}"``;
     ``"2 1/2"`` -> ``"(2+\\frac{1}{2})"``; ``"x \\in [2, 5]"`` -> ``"[2, 5]"``.
+
+    No arrays: str in, :class:`Normalized` (str ``text``, bool ``percent``) out; never raises on a str. Source: the
+    Minerva / Hendrycks MATH normalisation convention (as in verl's ``math_dapo.normalize_final_answer``), extended
+    for issue 13.
     """
     s = answer.strip()
     s = s.replace("\\$", "").replace("$", "")

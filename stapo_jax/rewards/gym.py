@@ -22,6 +22,9 @@ def make_entries(task: str, size: int, seed: int, config: Optional[dict[str, Any
 
     Raises:
       ValueError: unknown task name or a config reasoning-gym rejects (message names the task).
+
+    No arrays: ``task`` a str, ``size`` / ``seed`` ints, ``config`` a dict; returns ``size`` dict entries
+    (``question`` str, ``answer`` str, ``metadata`` dict). Source: ``reasoning_gym.create_dataset``.
     """
     import reasoning_gym
 
@@ -41,6 +44,9 @@ def train_val_entries(task: str, size: int, seed: int, config: Optional[dict[str
       entries; questions also in ``train`` are dropped and counted. reasoning-gym seeds item ``i`` with
       ``seed + i``, so the default ``val_seed = seed + size`` continues the training stream without reusing
       one of its seeds (``seed + 1`` would reproduce ``train[1:]``).
+
+    No arrays: entries are dicts of str / dict fields; ``n_overlap_dropped`` an int. Raises ValueError (from
+    :func:`make_entries`) for an unknown task or a rejected config.
     """
     train = make_entries(task, size, seed, config)
     if val_size <= 0:
@@ -52,7 +58,13 @@ def train_val_entries(task: str, size: int, seed: int, config: Optional[dict[str
 
 
 def extract_answer(response: str, answer_format: AnswerFormat = "boxed") -> Optional[str]:
-    """The answer string the task is scored on, or None if the response has none in that format."""
+    """The answer string the task is scored on, or None if the response has none in that format.
+
+    No arrays: str in, str or None out. Source: reasoning-gym's ``utils.extract_answer`` (``answer_tag``) and verl
+    ``math_dapo`` box extraction (``boxed``).
+    Raises:
+      ValueError: ``answer_format`` is not ``boxed``, ``answer_tag`` or ``raw``.
+    """
     if answer_format == "boxed":
         ans = extract_last_boxed(response)
         return None if ans is None else ans.strip()
@@ -85,5 +97,8 @@ def score_one(response: str, entry: dict[str, Any], task: str, answer_format: An
 
 
 def init_worker() -> None:
-    """Pool-worker initializer: import reasoning-gym once."""
+    """Pool-worker initializer: import reasoning-gym once.
+
+    No arrays, returns None; raises ImportError if reasoning-gym is not installed. Source: reasoning-gym.
+    """
     import reasoning_gym  # noqa: F401

@@ -22,14 +22,23 @@ def _configs():
 
 
 def init_worker() -> None:
-    """Pool-worker initializer: import math-verify once and silence its "timeout disabled" warning."""
+    """Pool-worker initializer: import math-verify once and silence its "timeout disabled" warning.
+
+    No arrays, returns None; raises ImportError if math-verify is not installed. Source: math-verify's logger
+    name (``math_verify``).
+    """
     import math_verify  # noqa: F401
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def parse_gold(gold: str) -> list:
-    """math-verify parse of a gold answer string (wrapped in ``\\boxed{}``); [] if unparseable."""
+    """math-verify parse of a gold answer string (wrapped in ``\\boxed{}``); [] if unparseable.
+
+    No arrays: str in, math-verify's list of parsed answers (sympy expr, str) out. Never raises on a str
+    (math-verify's ``raise_on_error=False`` default: an unparseable gold gives []). Source: verl
+    ``utils/reward_score/math_verify.py`` (gold wrapped as ``\\boxed{gold}``).
+    """
     from math_verify import parse
 
     gold_cfg, _ = _configs()

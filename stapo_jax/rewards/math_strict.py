@@ -37,7 +37,11 @@ DEFAULT_REL_TOL = 1e-9
 
 def init_worker() -> None:
     """Pool-worker initializer: silence math-verify's warnings and warm the worker up (imports, the LaTeX
-    parser, sympy's evalf), so a worker's first item does not spend its timeout on start-up."""
+    parser, sympy's evalf), so a worker's first item does not spend its timeout on start-up.
+
+    No arrays, returns None; raises ImportError if math-verify is missing. Source: math-verify's logger names
+    (``math_verify``, ``latex2sympy2_extended``).
+    """
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
     verify_strict("so \\boxed{\\frac{1}{2} \\text{ cm}}", "0.5")
@@ -94,6 +98,10 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
 
     ``expr`` is a sympy object, or the normalised string when math-verify cannot parse it (text answers),
     or None for an empty answer. Cached: the rollouts of a group often share their answer.
+
+    No arrays: str in; ``expr`` a sympy object / str / None, ``percent`` a bool, the text a str. Never raises on a
+    str (math-verify's ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed
+    ``LatexExtractionConfig`` (verl ``utils/reward_score/math_verify.py`` convention).
     """
     from math_verify import parse
 
@@ -112,13 +120,22 @@ def parse_answer(text: str) -> tuple[Any, bool, str]:
 
 
 def parse_gold(gold: str) -> tuple[Any, bool, str]:
-    """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold)."""
+    """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold).
+
+    No arrays: str in, ``(sympy expr / str / None, bool, str)`` out; never raises on a str. Source: as
+    :func:`parse_answer` (verl's gold-in-``\\boxed{}`` convention).
+    """
     return parse_answer(gold)
 
 
 def parse_prediction(response: str, require_think_close: bool = False) -> tuple[Any, bool, str, str]:
     """The graded answer of a response: ``(expr, percent, normalised_text, reason)``; ``expr`` is None when
-    the policy gives no answer (``reason`` says why, see :class:`stapo_jax.rewards.answer.FinalAnswer`)."""
+    the policy gives no answer (``reason`` says why, see :class:`stapo_jax.rewards.answer.FinalAnswer`).
+
+    No arrays: ``response`` a str, the result ``(sympy expr / str / None, bool, str, str)``; never raises on a str.
+    Source: the final-answer policy of :mod:`stapo_jax.rewards.answer`, then math-verify's anchored
+    ``ExprExtractionConfig`` / ``LatexExtractionConfig``.
+    """
     fa = final_answer(response, require_think_close)
     if fa.text is None:
         return None, False, "", fa.reason
@@ -179,6 +196,10 @@ def numbers_equal(a: Any, b: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     digits and below 1e-280 at 300 digits (so ``sqrt(2**400 + 1)`` differs from ``2**200``). Either side with
     a decimal: relative difference at most ``rel_tol``. Never an absolute threshold: values of any magnitude
     (``1/2006!``, ``1e-300``, ``10**100``) compare by their leading digits.
+
+    No arrays: ``a`` / ``b`` sympy numbers, ``rel_tol`` a float; returns a bool. Raises nothing of its own (sympy
+    errors from ``evalf`` propagate; the pool counts them as errors). Source: replaces math-verify's rounding
+    comparison (huggingface/Math-Verify#14, #21), issue 13.
     """
     from sympy import Rational
 
@@ -224,6 +245,10 @@ def exprs_equal(gold: Any, pred: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     """Gold-first equality of two parsed answers: :func:`numbers_equal` for numbers and elementwise for
     numeric tuples, finite sets, intervals, unions and matrices; inequality <-> interval conversion;
     otherwise ``math_verify.verify(gold, pred, strict=True)``.
+
+    No arrays: parsed answers (sympy objects, str or None), ``rel_tol`` a float; returns a bool. Raises nothing of
+    its own (sympy / math-verify errors propagate; the pool counts them). Source: ``math_verify.verify`` (gold
+    first, ``strict=True``) plus the issue-13 layer (module docstring).
     """
     from sympy import Eq, FiniteSet, Interval, MatrixBase, Tuple, Union
 
@@ -324,5 +349,10 @@ def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
 
 
 def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, require_think_close: bool = False) -> float:
-    """Pool entry point: 1.0 if :func:`verify_strict` accepts, else 0.0."""
+    """Pool entry point: 1.0 if :func:`verify_strict` accepts, else 0.0.
+
+    No arrays: str response and gold, float ``rel_tol``; returns a float (1.0 / 0.0). Raises TypeError (a non-str
+    argument) or ValueError (``rel_tol <= 0``) from :func:`verify_strict`. Source: verl's ``compute_score``
+    pool-entry convention (one float per response).
+    """
     return 1.0 if verify_strict(response, gold, rel_tol, require_think_close) else 0.0

@@ -26,6 +26,11 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     ``rollout.temperature/top_p/top_k`` (top_k null = off); stop ids from the tokenizer
     (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
     ``trainer.seed`` unless given.
+
+    No arrays: reads int / float / bool config fields; returns an ``EngineConfig`` whose ``eos_token_ids`` is a
+    tuple of int ids. Raises ``EngineConfigError`` (a ValueError naming the field) for a non-positive slot count
+    or length. Source: JetStream's ``max_concurrent_decodes`` / prefill / decode-length engine settings; sampling
+    as HF transformers ``generate`` (temperature, top_p, top_k).
     """
     from stapo_jax.rollout.engine import EngineConfig
     from stapo_jax.rollout.sampling import SamplingParams
@@ -51,7 +56,13 @@ def multihost_rollout(model: Any, config: Any, cfg_mesh: Any = None, tokenizer: 
     """This process's sampler replica in a multi-process job: a ``Qwen3Engine`` with ``config``
     (``EngineConfig``) over the local devices (``multihost.local_mesh(cfg_mesh)``), holding a full copy of
     ``model``'s (global, sharded) parameters gathered chunk by chunk, wrapped in ``MultiHostRollout`` (global
-    results on every process). Every process must call it."""
+    results on every process). Every process must call it.
+
+    No arrays passed in or out directly: ``model`` a Flax NNX ``Qwen3`` (bfloat16 / float32 parameters), ``config``
+    an ``EngineConfig``, ``pad_token_id`` / ``steps_per_sync`` ints. Raises ``EngineConfigError`` (ValueError) for
+    an invalid ``config``; errors of the parameter gather propagate. Source: one sampler replica per process,
+    as verl's hybrid engine (a rollout worker next to each training worker).
+    """
     from flax import nnx
 
     from stapo_jax.rollout.driver import RolloutDriver
@@ -70,7 +81,12 @@ def inprocess_rollout(cfg: Any, model: Any, config: Any, mesh: Any = None, token
     """The in-process sampler for ``model`` with ``config`` (``EngineConfig``): one ``RolloutDriver`` over
     ``mesh`` in a single process, one replica per process (:func:`multihost_rollout`) in a multi-process job.
     Training (:func:`build_rollout`) and ``stapo-jax eval`` both build their sampler here, so both honour
-    ``rollout.steps_per_sync`` and the multi-process layout. Every process must call it."""
+    ``rollout.steps_per_sync`` and the multi-process layout. Every process must call it.
+
+    No arrays passed in or out directly: ``cfg`` the run config (int ``rollout.steps_per_sync``), ``model`` a Flax
+    NNX ``Qwen3``, ``config`` an ``EngineConfig``. Raises ``EngineConfigError`` (ValueError) for an invalid
+    ``config``. Source: verl's hybrid-engine layout (sampler in the trainer's process); engine API of JetStream.
+    """
     import jax
 
     from stapo_jax.rollout.driver import RolloutDriver
@@ -97,6 +113,9 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
       ``rollout.server_address`` with ``rollout.request_timeout_s`` / ``rollout.max_retries``).
     Raises:
       ValueError: ``inprocess`` without a model, or an unknown mode.
+
+    No arrays: configuration in, a sampler object out (its ``generate`` returns int32 ``[B*n, T]`` token arrays).
+    Source: verl's ``rollout.mode`` / JetStream gRPC server convention.
     """
     from stapo_jax.rollout.sampling import SamplingParams
 

@@ -66,6 +66,8 @@ def install() -> None:
     Returns:
       None. Side effects: ``jax.tree_map`` (if missing) and ``sys.modules["seqio"]``,
       ``sys.modules["seqio.vocabularies"]`` (only if the real seqio cannot be found).
+
+    No arrays; never raises. Source: JetStream 0.2.2 (``jetstream.core.orchestrator``), conventions §7.
     """
     global _installed
     if _installed:
@@ -84,6 +86,9 @@ def import_orchestrator() -> types.ModuleType:
 
     Returns:
       The ``jetstream.core.orchestrator`` module.
+
+    No arrays; raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
+    ``jetstream.core.orchestrator`` (conventions §7).
     """
     install()
     root = logging.getLogger()
@@ -107,6 +112,9 @@ def import_server_lib(host: str = DEFAULT_HOST) -> types.ModuleType:
       The ``jetstream.core.server_lib`` module with ``_HOST`` set.
     Raises:
       ValueError: ``host`` is empty.
+
+    No arrays: ``host`` a str. Also raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
+    ``jetstream.core.server_lib`` (``_HOST``).
     """
     if not host:
         raise ValueError("server host must be a non-empty string, e.g. '127.0.0.1'")

@@ -97,7 +97,12 @@ class StepOutput:
 
 
 def fit_axes(mesh, axes: Sequence[str], dim: int):
-    """The mesh axes (from the left) whose size product divides ``dim``; None when none do."""
+    """The mesh axes (from the left) whose size product divides ``dim``; None when none do.
+
+    No arrays: ``mesh`` a ``jax.sharding.Mesh``, ``axes`` str axis names, ``dim`` an int; returns a str, a tuple of
+    str, or None (a ``PartitionSpec`` entry); never raises. Source: the JAX ``PartitionSpec`` convention
+    (a dimension is sharded over axes whose size product divides it).
+    """
     axes = [a for a in axes if a in mesh.shape]
     while axes and dim % math.prod(mesh.shape[a] for a in axes):
         axes.pop()
@@ -106,7 +111,13 @@ def fit_axes(mesh, axes: Sequence[str], dim: int):
 
 def decode_state_shardings(mesh, model_config: Qwen3Config, config: EngineConfig) -> DecodeState:
     """``NamedSharding``s of the :class:`DecodeState` of an engine: the slot axis over ``data``/``fsdp`` and KV
-    heads over ``tensor`` where the sizes divide, everything else replicated."""
+    heads over ``tensor`` where the sizes divide, everything else replicated.
+
+    No arrays: returns a :class:`DecodeState` pytree of ``NamedSharding`` leaves (KV cache per layer
+    ``[B, Nkv, S, H]`` as ``P(b, h, None, None)``, ``[B]`` int32 / bool counters as ``P(b)``, scalars replicated).
+    Never raises (undividable axes are replicated). Source: JetStream's slot-major decode state; MaxText-style
+    logical sharding of KV heads over ``tensor``.
+    """
     c = model_config
     b = fit_axes(mesh, ("data", "fsdp"), config.max_concurrent_decodes)
     h = fit_axes(mesh, ("tensor",), c.num_key_value_heads)
@@ -153,7 +164,13 @@ class DecodeSpec:
 
 def decode_param_shardings(stacked, num_layers: int) -> DecodeParams:
     """Shardings of :class:`~models.decode.DecodeParams` from the stacked parameters' ``NamedSharding`` tree
-    (``models.sharding.param_shardings``): each layer leaf keeps its stacked spec without the layer axis."""
+    (``models.sharding.param_shardings``): each layer leaf keeps its stacked spec without the layer axis.
+
+    No arrays: ``stacked`` a pytree of ``NamedSharding`` (layer leaves spec ``[L, ...]``), ``num_layers`` an int;
+    returns a ``DecodeParams`` pytree of ``NamedSharding`` (layer specs ``[...]``). Raises KeyError when
+    ``stacked`` has no ``"layers"`` entry. Source: the NNX ``nnx.scan`` stacked-layer convention of
+    :mod:`models.qwen3`.
+    """
     is_ns = lambda x: isinstance(x, NamedSharding)  # noqa: E731
     rest = nnx.State({k: v for k, v in stacked.items() if k != LAYERS_KEY})
     layer = jax.tree.map(lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:])), stacked[LAYERS_KEY], is_leaf=is_ns)
@@ -193,6 +210,10 @@ def as_decode_params(params):
     leaves (shape without the leading layer axis) with :func:`decode_param_shardings`.
 
     Raises: KeyError (from ``split_layers``) when the state has no ``"layers"`` entry.
+
+    Shapes / dtypes: stacked layer leaves ``[L, ...]`` (any float dtype) become ``L`` leaves ``[...]``. Source:
+    the stacked-layer layout of :mod:`models.qwen3` (``nnx.scan``), unstacked for the per-layer KV cache as in
+    JetStream / MaxText decode.
     """
     if isinstance(params, DecodeParams):
         return params
@@ -206,7 +227,12 @@ def as_decode_params(params):
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill_jit(spec: DecodeSpec, params, tokens, true_length, ok) -> Prefix:
-    """tokens [P] int32 (right-padded; negative = marker), true_length [] int32, ok [] bool -> Prefix."""
+    """tokens [P] int32 (right-padded; negative = marker), true_length [] int32, ok [] bool -> Prefix.
+
+    Never raises on bad requests (invalid ones give ``valid = False``; a JetStream orchestrator thread must not
+    raise). Cache ``[1, Nkv, P, H]`` in ``spec.config.cache_dtype``. Source: JetStream ``Engine.prefill``
+    (prefix = KV cache + first token).
+    """
     mc = spec.model_config
     p = tokens.shape[0]
     n_cache = jnp.clip(true_length - 1, 0, p)
@@ -225,7 +251,12 @@ def prefill_jit(spec: DecodeSpec, params, tokens, true_length, ok) -> Prefix:
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample_id, limit) -> DecodeState:
-    """Copy ``prefix`` into row ``slot``. sample_id < 0: take ``state.next_sample_id`` and advance it."""
+    """Copy ``prefix`` into row ``slot``. sample_id < 0: take ``state.next_sample_id`` and advance it.
+
+    Shapes / dtypes: ``slot``, ``sample_id``, ``limit`` int32 scalars; the prefix cache ``[1, Nkv, P, H]`` is
+    written into row ``slot`` of ``[B, Nkv, S, H]`` (cast to the cache dtype). Never raises (traced; ``slot`` is
+    not bounds-checked: the engine passes one in ``[0, B)``). Source: JetStream ``Engine.insert``.
+    """
     c, pc = state.cache, prefix.cache
     use_counter = sample_id < 0
     sample_id = jnp.where(use_counter, state.next_sample_id, sample_id)
@@ -253,7 +284,10 @@ def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample
 def init_fn(spec: DecodeSpec, rng) -> DecodeState:
     """A fresh :class:`DecodeState` of ``B = max_concurrent_decodes`` free slots: an empty cache
     ``[B, Nkv, cache_length, H]`` (cache dtype), every slot ``done``, ``limit`` = ``max_decode_length``, int32
-    counters at 0; ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``."""
+    counters at 0; ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``.
+
+    Never raises. Source: JetStream ``Engine.init_decode_state``.
+    """
     b, cfg = spec.config.max_concurrent_decodes, spec.config
     zeros = jnp.zeros((b,), jnp.int32)
     state = DecodeState(
@@ -265,7 +299,13 @@ def init_fn(spec: DecodeSpec, rng) -> DecodeState:
 
 
 def step_body(spec: DecodeSpec, params, state: DecodeState, sampling: SamplingParams):
-    """One token for every slot; see :meth:`Qwen3Engine.step`."""
+    """One token for every slot; see :meth:`Qwen3Engine.step`.
+
+    Shapes / dtypes: ``next_token`` / ``generated`` / ``limit`` [B] int32, ``done`` [B] bool; returns the new state
+    and ``StepOutput`` with ``result.data`` [B, 3] int32 (token, valid, length), ``log_probs`` [B] float32 and
+    ``done`` [B] bool. Never raises (traced). Source: JetStream ``Engine.generate`` / ``ResultTokens`` layout;
+    per-sample keys ``fold_in(fold_in(rng, sample_id), n)`` so results do not depend on the slot.
+    """
     active = ~state.done
     logits, cache = model_decode.decode_step(spec.graphdef, params, state.next_token, state.cache, active)
     keys = jax.vmap(lambda sid, n: jax.random.fold_in(jax.random.fold_in(state.rng, sid), n))(
@@ -286,7 +326,12 @@ def step_body(spec: DecodeSpec, params, state: DecodeState, sampling: SamplingPa
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
 def step_jit(spec: DecodeSpec, params, state: DecodeState, sampling: SamplingParams, num_steps: int = 1):
-    """``num_steps`` decode steps in one call; outputs gain a leading [num_steps] axis when > 1."""
+    """``num_steps`` decode steps in one call; outputs gain a leading [num_steps] axis when > 1.
+
+    Shapes / dtypes: as :func:`step_body` (``[num_steps, B, 3]`` int32 data, ``[num_steps, B]`` float32 log_probs
+    and bool done when ``num_steps > 1``); ``num_steps`` a static int. Never raises (traced). Source: JetStream
+    ``Engine.generate``, several steps per host sync via ``jax.lax.scan``.
+    """
     if num_steps == 1:
         return step_body(spec, params, state, sampling)
     return jax.lax.scan(lambda st, _: step_body(spec, params, st, sampling), state, None, length=num_steps)
@@ -299,6 +344,10 @@ step_fn = DecodeJit(step_jit)
 def abstract_decode_spec(graphdef, model_config: Qwen3Config, config: EngineConfig, mesh,
                          eos_token_ids: Sequence[int]) -> DecodeSpec:
     """The :class:`DecodeSpec` an engine over ``graphdef`` / ``model_config`` with ``config`` on ``mesh`` uses,
-    built without placing any weight (for ``stapo_jax.tools.plan``: ``step_fn.lower(spec, abstract_params, ...)``)."""
+    built without placing any weight (for ``stapo_jax.tools.plan``: ``step_fn.lower(spec, abstract_params, ...)``).
+
+    No arrays: ``eos_token_ids`` ints; returns a hashable ``DecodeSpec`` (static jit argument). Never raises.
+    Source: JAX AOT ``jit(...).lower`` on abstract arguments (``jax.ShapeDtypeStruct``).
+    """
     return DecodeSpec(graphdef, model_config, config, tuple(eos_token_ids),
                       decode_state_shardings(mesh, model_config, config))

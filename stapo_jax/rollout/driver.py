@@ -118,7 +118,12 @@ def validate_prompts(prompts: Sequence[Sequence[int]], max_prompt_length: int, v
 
 
 def check_generation_args(num_samples: int, max_new_tokens: int, limit: int) -> None:
-    """Raise RolloutInputError unless ``1 <= num_samples`` and ``1 <= max_new_tokens <= limit``."""
+    """Raise RolloutInputError unless ``1 <= num_samples`` and ``1 <= max_new_tokens <= limit``.
+
+    No arrays: three ints (bools rejected); returns None. ``RolloutInputError`` is a ValueError naming the
+    argument. Source: HF transformers ``generate`` names (``num_return_sequences`` = group size,
+    ``max_new_tokens``).
+    """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
         raise RolloutInputError(f"num_samples (group size) must be an int >= 1, got {num_samples!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -138,6 +143,12 @@ def assemble_batch(prompts: list[np.ndarray], num_samples: int, max_new_tokens: 
       row_log_probs: N sequences of the same lengths, or None.
     Returns:
       The batch; a row's finish reason is ``"eos"`` iff its last token is in ``eos_token_ids``.
+
+    Shapes / dtypes: ``prompts`` P int32 id arrays; the batch has ``responses`` [N, max_new_tokens] int32
+    (``pad_token_id`` after each row), ``response_mask`` [N, max_new_tokens] int32, ``rollout_log_probs``
+    [N, max_new_tokens] float32 or None, ``response_lengths`` [N] int32, ``prompt_index`` [N] int32 (N = P * G).
+    Raises ValueError (numpy broadcast) when a row is longer than ``max_new_tokens`` or its log-probs differ in
+    length. Source: verl's ``DataProto`` rollout layout (``responses``, ``response_mask``, ``rollout_log_probs``).
     """
     n, m = len(rows), max_new_tokens
     responses = np.full((n, m), pad_token_id, np.int32)

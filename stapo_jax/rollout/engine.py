@@ -126,7 +126,11 @@ class EngineConfig:
 
 def engine_stop_ids(model_config: Qwen3Config, config: EngineConfig) -> tuple[int, ...]:
     """The stop ids an engine uses: ``config.eos_token_ids``, or the model config's EOS ids plus Qwen3's
-    (``stapo_jax.data.tokenizer.QWEN3_STOP_IDS``) that lie inside its vocabulary, sorted."""
+    (``stapo_jax.data.tokenizer.QWEN3_STOP_IDS``) that lie inside its vocabulary, sorted.
+
+    No arrays: returns a tuple of int token ids; never raises. Source: HF transformers ``generation_config``
+    ``eos_token_id`` plus Qwen3's ``<|im_end|>`` / ``<|endoftext|>`` ids.
+    """
     if config.eos_token_ids is not None:
         return tuple(config.eos_token_ids)
     vocab = model_config.vocab_size
@@ -191,7 +195,11 @@ class HFTokenizer(tokenizer_api.Tokenizer):
 
 
 def load_tokenizer(path: Optional[str]):
-    """A transformers tokenizer from a local directory (``AutoTokenizer``), or None for ``path`` None/""."""
+    """A transformers tokenizer from a local directory (``AutoTokenizer``), or None for ``path`` None/"".
+
+    No arrays: ``path`` a str or None. Raises OSError (from transformers) when ``path`` holds no tokenizer files.
+    Source: HF transformers ``AutoTokenizer.from_pretrained``.
+    """
     if not path:
         return None
     from transformers import AutoTokenizer

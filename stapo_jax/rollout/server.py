@@ -33,6 +33,9 @@ def serving_prefill_length(max_prompt_length: int) -> int:
 
     Raises:
       EngineConfigError: ``max_prompt_length`` < 1 or larger than the biggest bucket (32767).
+
+    No arrays: int in, int out. Source: JetStream ``token_utils`` padding buckets (``DEFAULT_PREFILL_BUCKETS``) and
+    its BOS-marker convention for token requests.
     """
     need = int(max_prompt_length) + 1
     if max_prompt_length < 1 or need > PREFILL_BUCKETS[-1]:
@@ -53,6 +56,9 @@ def serve(engine: Qwen3Engine, port: int, host: str = compat.DEFAULT_HOST, threa
       ``jetstream.core.server_lib.JetStreamServer`` (call ``.stop()``).
     Raises:
       EngineConfigError: ``max_prefill_length`` not a bucket; ValueError: bad port.
+
+    No arrays: ``port`` / ``threads`` ints, ``host`` a str. Source: JetStream ``server_lib.run`` (orchestrator +
+    gRPC ``Decode`` service).
     """
     if engine.max_prefill_length not in PREFILL_BUCKETS:
         raise EngineConfigError(f"max_prefill_length={engine.max_prefill_length} must be one of JetStream's "
@@ -76,7 +82,11 @@ def serve(engine: Qwen3Engine, port: int, host: str = compat.DEFAULT_HOST, threa
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``stapo-jax serve`` argument parser: positional ``key.sub=value`` overrides, ``--config``,
-    ``--host``, ``--port`` (int), ``--seed`` (int). Parsing bad arguments exits 2 (argparse's SystemExit)."""
+    ``--host``, ``--port`` (int), ``--seed`` (int). Parsing bad arguments exits 2 (argparse's SystemExit).
+
+    No arrays: returns an ``argparse.ArgumentParser`` (str / int options). Building it never raises. Source: the
+    project CLI convention (``stapo-jax <command>``, verl-style dotted ``key.sub=value`` overrides).
+    """
     p = argparse.ArgumentParser(prog="stapo-jax serve",
                                 description="Serve rollouts of a Qwen3 policy with JetStream's gRPC orchestrator.")
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value (e.g. model.path=DIR)")
@@ -96,6 +106,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Returns:
       0 after a clean shutdown, 2 on a configuration error.
+
+    No arrays: ``argv`` a sequence of str; returns an int exit code. Configuration errors (ConfigError,
+    EngineConfigError, ValueError, FileNotFoundError) are printed and give 2, not raised; argparse errors exit 2
+    (SystemExit). Source: JetStream's server process convention (serve until a signal).
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

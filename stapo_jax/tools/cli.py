@@ -31,6 +31,9 @@ def quiet_third_party_startup() -> None:
       logger is raised to WARNING (a real backend failure is still reported);
     * transformers' ``PyTorch was not found...`` advice (``make run`` installs no torch; only the HF export's
       ``from_pretrained`` needs it): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the user set it.
+
+    No arrays, returns None; never raises. Source: JAX's ``jax._src.xla_bridge`` logger and HF transformers'
+    ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` environment variable.
     """
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
@@ -44,7 +47,12 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code."""
+    """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code.
+
+    No arrays: ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
+    / FileNotFoundError / NotADirectoryError / IsADirectoryError of a subcommand are printed as one line (exit 2),
+    not raised; other errors propagate. Source: the git-style ``COMMAND [ARGS...]`` CLI convention.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())

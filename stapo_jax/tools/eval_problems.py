@@ -46,6 +46,9 @@ def load_problems(source: str, *, data_dir: Optional[str] = None, prompt_key: st
       FileNotFoundError: a local path or a benchmark file that does not exist.
       EvalDataError: unreadable rows, a missing/empty problem or answer field (names file, row and key),
         no rows, or an HF id that cannot be fetched.
+
+    No arrays: a list of :class:`Problem` (int index, str problem, str answer). Source: the HF datasets
+    ``problem`` / ``answer`` field convention (MATH-500, AIME; verl's ``data.prompt_key``).
     """
     if limit is not None and limit < 1:
         raise EvalDataError(f"limit={limit} must be >= 1 (or None for all problems)")
@@ -138,6 +141,8 @@ def format_prompts(problems: Sequence[Problem], tokenizer: Any, data_cfg: Any) -
       One string per problem.
     Raises:
       stapo_jax.config.schema.ConfigError: a chat template is requested but the tokenizer has none.
+
+    No arrays: returns a list of str of length ``len(problems)``.
     """
     from stapo_jax.data.prompts import format_prompt
 

@@ -73,6 +73,11 @@ def evaluate_benchmark(name: str, problems: Sequence[Problem], prompts: Sequence
     Raises:
       ValueError: mismatched problems/prompts, ``n_samples`` < 1, no grader, or a generator that returned the
         wrong number of prompts/samples (named).
+
+    Shapes / dtypes: P prompts (str) and P problems; the generator returns P groups of ``n_samples`` completions;
+    each grader gives N = P * n_samples float scores (stored as float64 [N]); ``avg_at_n`` and ``pass_at_k`` are
+    float percentages (0..100); ``correct`` is P int counts. Source: the paper's avg@N protocol (Table 2) and the
+    unbiased pass@k estimator of Chen et al. 2021 (:func:`stapo_jax.tools.passk.mean_pass_at_k`).
     """
     if len(problems) != len(prompts):
         raise ValueError(f"{name}: {len(problems)} problems but {len(prompts)} prompts")
@@ -210,6 +215,10 @@ def make_graders(names: Sequence[str], *, timeout_s: float = 10.0, num_workers: 
 
     Raises:
       ValueError: an unknown grader name.
+
+    No arrays in: names are str, ``timeout_s`` float seconds, ``num_workers`` an int; each grader returns
+    ``(scores [N] float32, stats)``. Source: math-verify (gold first) and JustRL / verl ``math_dapo`` strict-box
+    match.
     """
     from stapo_jax.rewards import RewardScorer
 
@@ -260,6 +269,12 @@ def engine_generator(driver: Any, tokenizer: Any, *, batch_prompts: Optional[int
         progress bar's ``update``).
     Returns:
       The generator function.
+
+    No arrays out: the generator returns P lists (str prompts in) of ``num_samples`` :class:`Completion`
+    (str text, int num_tokens, bool truncated); it reads the driver's int32 ``responses`` [P*G, T] and
+    ``response_lengths`` [P*G]. Building it never raises; the generator raises ``RolloutInputError`` (ValueError)
+    from the driver for a bad ``num_samples`` / ``max_new_tokens``. Source: HF transformers ``generate`` sampling
+    (temperature, top_p) and ``decode(skip_special_tokens=True)``.
     """
     from stapo_jax.rollout.sampling import SamplingParams
 
@@ -299,7 +314,11 @@ def _paper_size(cfg) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's ``argparse`` parser (see the module docstring for the options)."""
+    """The command's ``argparse`` parser (see the module docstring for the options).
+
+    No arrays: returns an ``argparse.ArgumentParser`` (str / int / bool options); building it never raises
+    (parsing bad arguments exits 2). Source: the project CLI convention (verl-style dotted overrides).
+    """
     p = argparse.ArgumentParser(
         prog="stapo-jax eval",
         description="Evaluate a Qwen3 checkpoint on AIME24/AIME25/AMC23 (avg@32) and MATH-500/Minerva/"
@@ -328,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``stapo-jax eval``; returns the exit code (0 on success, 2 on a configuration or data error)."""
+    """``stapo-jax eval``; returns the exit code (0 on success, 2 on a configuration or data error).
+
+    No arrays: ``argv`` a sequence of str; returns an int exit code. ConfigError / DataError / EvalDataError /
+    FileNotFoundError and too-long prompts are printed (exit 2), not raised; argparse errors exit 2.
+    """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     from stapo_jax.config.schema import ConfigError, load_config

@@ -64,6 +64,9 @@ def mean_pass_at_k(n: int | Sequence[int], correct: Iterable[int], k: int) -> fl
       ``100 * mean_q pass@k(n_q, c_q, k)`` as a float.
     Raises:
       PassKError: no problems, mismatched lengths, or an invalid count (see :func:`pass_at_k`).
+
+    Source: the unbiased pass@k estimator of Chen et al. 2021 (Codex paper, arXiv:2107.03374), averaged over
+    problems (the pass@k columns of ``stapo-jax eval``).
     """
     cs = [int(c) for c in correct]
     if not cs:
@@ -97,6 +100,13 @@ def default_ks(n: int) -> list[int]:
 
     >>> default_ks(32), default_ks(4), default_ks(6)
     ([1, 2, 4, 8, 16, 32], [1, 2, 4], [1, 2, 4, 6])
+
+    No arrays: int in, list of int out.
+
+    Raises:
+      PassKError: ``n`` < 1.
+
+    Source: the power-of-two budgets of the pass@k convention (Chen et al. 2021, arXiv:2107.03374).
     """
     if n < 1:
         raise PassKError(f"default_ks: n={n} must be >= 1")

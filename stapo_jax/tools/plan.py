@@ -53,7 +53,8 @@ class PlanError(ValueError):
 
 def plan_model_config(cfg) -> Any:
     """The ``Qwen3Config`` of ``cfg.model``; a hub id in ``model.path`` that is not a local directory is
-    resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens."""
+    resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens.
+    No arrays; raises PlanError (unknown hub id), CheckpointError (bad config.json). Source: HF ``config.json``."""
     import dataclasses as dc
 
     from models.presets import canonical_name, preset
@@ -143,7 +144,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
       optimizer and engine settings.
     Raises:
       PlanError: see :func:`_mesh_sizes`; the mini-batch does not split over the data shards and micro-batches.
-    """
+    No arrays: int / float / bool / str fields. Source: verl's ``ppo_mini_batch_size`` / ``ppo_micro_batch_size``."""
     from stapo_jax.config.schema import ConfigError
 
     sizes, kind = _mesh_sizes(mesh, cfg, devices)
@@ -240,7 +241,7 @@ def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
     * ``"trainer"``: what ``stapo_jax.train.train_step.TrainState.create`` places (``optimizer_state_shardings``:
       AdamW moments sharded like their parameters, scalars replicated);
     * ``"replicated"``: the what-if of a plain ``jit(optimizer.init)``, whose moments XLA replicates.
-    """
+    Leaves ``jax.ShapeDtypeStruct`` (param_dtype, int32 step); PlanError for another opt_state. Source: optax."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -327,7 +328,8 @@ def _spec_recipe(spec: dict):
 def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
     """The static ``DecodeSpec`` of ``stapo_jax.rollout.decode_fns``' jitted prefill/insert/step functions for a
     model and engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model),
-    so the very functions the engine runs can be lowered with abstract arguments."""
+    so the very functions the engine runs can be lowered with abstract arguments.
+    No arrays; never raises. Source: JetStream's engine functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
     from stapo_jax.rollout.decode_fns import abstract_decode_spec
     from stapo_jax.rollout.engine import engine_stop_ids
 
@@ -364,7 +366,7 @@ def run_plan(spec: dict) -> dict:
       ``{"spec": spec, "train": {...}, "decode": {...}, "analytic": {...}}``; byte counts are per device.
     Raises:
       PlanError: this process sees a different number of devices.
-    """
+    No arrays: int / float / str dicts. Source: XLA ``compiled.memory_analysis()`` / ``cost_analysis()``."""
     import jax
 
     from models.qwen3 import Qwen3Config
@@ -396,7 +398,8 @@ def analytic(spec: dict, qcfg) -> dict:
     remat recompute (``full``: the decoder forward again; ``dots_no_batch``: the attention score/value
     matmuls, which have batch dimensions; ``dots``/``none``: none). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
     case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
-    """
+    No arrays: int / float counts; raises KeyError for a spec not from :func:`make_spec`. Source: Kaplan et al. 2020
+    (forward = 2 x params x tokens, backward = 2 x forward)."""
     d, f, layers = qcfg.hidden_size, qcfg.intermediate_size, qcfg.num_hidden_layers
     nh, nkv, h, v = qcfg.num_attention_heads, qcfg.num_key_value_heads, qcfg.head_dim, qcfg.vocab_size
     layer = d * nh * h * 2 + d * nkv * h * 2 + 3 * d * f
@@ -443,7 +446,8 @@ def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
 
     Raises:
       RuntimeError: the subprocess failed (its output tail is in the message).
-    """
+    No arrays (int / float / str dicts); ``timeout_s`` seconds, past it ``subprocess.TimeoutExpired``. Source: JAX
+    ``--xla_force_host_platform_device_count``."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -464,7 +468,8 @@ def _gb(x: Optional[float]) -> str:
 
 
 def format_report(result: dict) -> str:
-    """Human-readable report of :func:`run_plan`'s result (per-device memory in GB = 1e9 bytes; FLOPs)."""
+    """Human-readable report of :func:`run_plan`'s result (per-device memory in GB = 1e9 bytes; FLOPs).
+    No arrays: str out. Raises KeyError for a result not from :func:`run_plan`. Source: XLA ``memory_analysis``."""
     s, a = result["spec"], result["analytic"]
     m = s["model"]
     hbm = s.get("hbm_gb")
@@ -527,7 +532,8 @@ def format_report(result: dict) -> str:
 
 
 def fits(result: dict) -> Optional[bool]:
-    """True/False when the device memory is known: every planned phase's peak fits; None otherwise."""
+    """True/False when the device memory is known: every planned phase's peak fits; None otherwise.
+    No arrays: bool / None (bytes as int / float); KeyError for a foreign result. Source: XLA memory_analysis."""
     hbm = result["spec"].get("hbm_gb")
     if not hbm:
         return None
@@ -540,7 +546,8 @@ def fits(result: dict) -> Optional[bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's ``argparse`` parser (see the module docstring for the options)."""
+    """The command's ``argparse`` parser (see the module docstring for the options).
+    No arrays: str / int / float options; never raises (bad arguments exit 2). Source: verl-style dotted overrides."""
     p = argparse.ArgumentParser(prog="stapo-jax plan", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value")
     p.add_argument("--config", help="run config YAML (e.g. configs/paper/qwen3-14b-base-stapo.yaml)")
@@ -559,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``stapo-jax plan``; exit code 0 (fits or unknown memory), 1 (does not fit), 2 (bad input)."""
+    """``stapo-jax plan``; exit code 0 (fits or unknown memory), 1 (does not fit), 2 (bad input).
+    No arrays: argv str, int exit code; ConfigError / PlanError / FileNotFoundError / KeyError exit 2, not raised."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         spec = json.loads(Path(args.worker[0]).read_text())

@@ -30,7 +30,12 @@ HELDOUT = "val/acc"
 
 def run_label(run_dir: str) -> str:
     """``<run name> (<recipe>)``: the run directory's name and ``algorithm.recipe`` of its ``config.yaml``
-    (just the name when there is no config)."""
+    (just the name when there is no config).
+
+    No arrays: str path in, str out. Raises ``yaml.YAMLError`` for a malformed ``config.yaml`` (OSError if it
+    cannot be read). Source: the run-directory layout of :mod:`stapo_jax.train` (``config.yaml``,
+    ``algorithm.recipe``).
+    """
     import yaml
 
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.abspath(run_dir))
@@ -52,6 +57,9 @@ def run_series(run_dir: str, summary: Optional[Mapping] = None) -> dict[str, lis
 
     Raises:
       FileNotFoundError: no metrics file; ValueError: a malformed metrics line (see ``read_metrics``).
+
+    No arrays: lists of ``(int step, float value)``. Source: the run's ``metrics.jsonl`` keys (verl metric names,
+    e.g. ``actor/entropy``, ``critic/score/mean``).
     """
     rows = read_metrics(run_dir)
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.abspath(run_dir))
@@ -136,6 +144,9 @@ def plot_run(run_dir: str, out_dir: str | None = None, *, summary: Optional[Mapp
       FileNotFoundError: no metrics file; ValueError: a metrics file without any of the curves, a malformed
         metrics line (file and line named, see :func:`stapo_jax.train.metrics.read_metrics`), or an ``out_dir``
         that is an existing file.
+
+    No arrays: str paths in and out; values plotted as float against int steps. Source: the paper's training-curve
+    figures (entropy, reward, response length, held-out accuracy).
     """
     series = run_series(run_dir, summary)
     base = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.abspath(run_dir))
@@ -162,6 +173,8 @@ def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
       ValueError: fewer than two runs, a label count that differs from the run count, two runs with the same
         label, no metric in common use, or an ``out_dir`` that is a file. FileNotFoundError: a run without
         metrics.
+
+    No arrays: str paths in and out; ``comparison.json`` holds int steps and float values.
     """
     if len(run_dirs) < 2:
         raise ValueError(f"comparing needs at least two runs, got {len(run_dirs)}")
@@ -190,7 +203,11 @@ def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
 
 
 def main(argv: list[str]) -> int:
-    """``stapo-jax plot RUN_DIR [RUN_DIR ...] [--out DIR]``: one run's curves, or several runs overlaid."""
+    """``stapo-jax plot RUN_DIR [RUN_DIR ...] [--out DIR]``: one run's curves, or several runs overlaid.
+
+    No arrays: ``argv`` a list of str; returns 0. Raises what :func:`plot_run` / :func:`compare_runs` raise
+    (ValueError, FileNotFoundError; the ``stapo-jax`` dispatcher prints them, exit 2); argparse errors exit 2.
+    """
     p = argparse.ArgumentParser(prog="stapo-jax plot", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or their metrics.jsonl)")
     p.add_argument("--out", default=None,
