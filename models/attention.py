@@ -60,7 +60,8 @@ class AttentionError(ValueError):
 
 
 def segment_ids_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """[B, T] bool/int attention mask (1 = real token) -> [B, T] int32 segment ids (1 real, 0 padding)."""
+    """[B, T] bool/int attention mask (1 = real token) -> [B, T] int32 segment ids (1 real, 0 padding).
+    Never raises. Source: the segment-id convention of splash attention / MaxText (0 = padding)."""
     return attention_mask.astype(bool).astype(jnp.int32)
 
 
@@ -77,6 +78,7 @@ def resolve_implementation(name: str, dtype, backend: Optional[str] = None) -> s
     Raises:
       AttentionError: unknown name; ``cudnn`` off an NVIDIA GPU or with a dtype other than bf16/fp16.
       (``splash`` is accepted anywhere: off TPU it needs ``interpret=True``, checked by the kernel call.)
+    Source: MaxText's / Tunix's choice (splash on TPU, cuDNN flash on NVIDIA GPU for half precision).
     """
     if name not in IMPLEMENTATIONS:
         raise AttentionError(f"model.attention={name!r}: expected one of {list(IMPLEMENTATIONS)}")
@@ -113,7 +115,9 @@ def _check(q, k, v, segment_ids):
 
 
 def segment_mask(segment_ids: jax.Array, causal: bool = True) -> jax.Array:
-    """[B, 1, T, T] bool: key s visible to query t (same nonzero segment, and s <= t when causal)."""
+    """[B, 1, T, T] bool: key s visible to query t (same nonzero segment, and s <= t when causal).
+    ``segment_ids``: [B, T] int. Never raises. Source: the ``mask`` argument of
+    ``jax.nn.dot_product_attention`` (True = attend), segment semantics as splash attention."""
     seg = segment_ids
     m = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
     if causal:
@@ -139,6 +143,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
       [B, T, N, H] in q's dtype (float32 softmax statistics inside every implementation).
     Raises:
       AttentionError: bad shapes, unknown implementation, or one unavailable here.
+    Source: ``jax.nn.dot_product_attention`` (xla / cudnn), FlashAttention (Dao et al., 2022) for blockwise,
+    ``jax.experimental.pallas.ops.tpu.splash_attention`` for splash.
     """
     _check(q, k, v, segment_ids)
     impl = resolve_implementation(implementation, q.dtype)
@@ -161,7 +167,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
 
 def pad_to_block(t: int, block_size: int) -> tuple[int, int]:
     """(block, padded length) for a length-``t`` axis: one block of T when T <= block_size, else T rounded
-    up to a multiple of ``block_size`` (the padded tail gets segment id 0)."""
+    up to a multiple of ``block_size`` (the padded tail gets segment id 0). Takes and returns Python ints
+    (no arrays, no shapes or dtypes). Raises: AttentionError: ``block_size`` <= 0. Source: this module's
+    tiling (FlashAttention's block loop needs whole blocks)."""
     if block_size <= 0:
         raise AttentionError(f"attention block_size={block_size} must be positive")
     if t <= block_size:
@@ -178,6 +186,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     Returns [B, T, N, H] in q's dtype. Fully masked (padding) queries get 0.
     Memory: forward keeps q, k, v, the output and a float32 log-sum-exp [B, T, N]; temporaries are
     O(B · N · block²) per step, so forward + backward is linear in T.
+    Raises: nothing beyond JAX's shape errors (callers validate through :func:`dot_product_attention`).
+    Source: FlashAttention (Dao et al., 2022), Algorithm 1 (online softmax) and its recomputing backward.
     """
     b, t, n, h = q.shape
     block, tp = pad_to_block(t, block_size)
@@ -218,6 +228,8 @@ def block_ranges(seg: jax.Array, block: int, causal: bool) -> tuple[jax.Array, .
     another row or query of the block needs that block). A packed row of short sequences thus costs about
     the sum of their squared lengths, not T^2. Padding queries (segment 0) see nothing and need only their own
     block. Computed per row with a sort (any positive segment ids, contiguous or not), O(B T log T).
+    Raises: nothing (T not a multiple of ``block`` is the caller's bug: the reshape fails). Source: the
+    block-sparse skipping of splash attention's masks, computed here from segment ids.
     """
     b, t = seg.shape
     nb = t // block

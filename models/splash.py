@@ -67,6 +67,7 @@ def splash_attention(q, k, v, segment_ids, *, scale: float, causal: bool = True,
     Returns [B, T, N, H] in q's dtype.
     Raises:
       AttentionError: off TPU without ``interpret=True`` (the kernel is Mosaic TPU code).
+    Source: ``jax.experimental.pallas.ops.tpu.splash_attention`` (multi-query kernels per KV head, as MaxText).
     """
     if not interpret and jax.default_backend() != "tpu":
         raise AttentionError(f"model.attention='splash' runs on TPU (backend here: {jax.default_backend()}); "
