@@ -14,8 +14,9 @@ from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.objectives import LOSS_AGG_MODES
-from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_response_hidden, micro_batch_rows,
-                                    pack_micro_batches, pack_sequences, packing_long_rows, tokens_bucket)
+from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_response_hidden, gather_slots,
+                                    micro_batch_rows, pack_micro_batches, pack_sequences, packing_long_rows,
+                                    token_budget_slots, tokens_bucket)
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.algo.recipes import RECIPES, get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
@@ -139,6 +140,60 @@ def test_packed_update_equals_padded_update(name, mode):
         assert float(m0["s2t/masked_frac"]) > 0
 
 
+# the diagnostics of a per-micro-batch entropy threshold (no mask: each micro-batch's own quantile) and the count
+# of micro-batches S2T's correction redoes depend on how rows are grouped into micro-batches, not only on the
+# update; every other metric, the loss and the update must match
+GROUPING_METRICS = ("s2t/tau_h", "s2t/frac_below_tau_h", "s2t/correction_passes")
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_variable_count_packed_update_equals_padded_update(name, mode):
+    """Micro-batches of a VARIABLE number of sequences chosen by tokens (``token_budget_slots``: the paper configs'
+    1 sequence per padded micro-batch, K = 8, becomes fewer micro-batches of up to ``n_max`` sequences with
+    dummy slots) give the padded 8-micro-batch step's loss, denominator, metrics and update (fp32, 1e-5),
+    for every recipe (all of them allow regrouping: ``update.balance_allowed``) and aggregation mode: dummy
+    slots count in no seq-mean denominator and in no S2T threshold population."""
+    model = Qwen3(CFG_STEP, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    p = padded(seed=3)
+    lengths = p["attention_mask"].sum(1)
+    k, slots = token_budget_slots(lengths, mini_rows=8, num_micro_batches=8, width=p["input_ids"].shape[1])
+    n_max = len(slots) // k
+    assert 1 < k < 8 and (slots < 0).any() and sorted(slots[slots >= 0]) == list(range(8))
+    assert n_max * k > 8   # variable counts: some micro-batch holds more sequences than another
+    rng = np.random.default_rng(4)
+    rewards = jnp.asarray([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0], jnp.float32)
+    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
+    lp, _ = make_log_prob_fn()(params, graphdef, ids, att, R)
+    arrays = dict(input_ids=p["input_ids"], attention_mask=p["attention_mask"], response_mask=p["response_mask"],
+                  advantages=np.asarray(grpo_advantages(rewards, jnp.repeat(jnp.arange(2), 4))),
+                  old_log_probs=np.asarray(lp) + rng.normal(size=lp.shape).astype(np.float32) * 0.3)
+    recipe = get_recipe(name, loss={"loss_agg_mode": mode}, s2t={"tau_p": 0.05})
+
+    def run(kk, b):
+        state = TrainState.create(model, SGD)
+        new, m = make_train_step(recipe, SGD, seq_chunk=4, num_micro_batches=kk)(state, b)
+        return jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, state.params), m
+
+    d0, m0 = run(8, Batch(**{f: jnp.asarray(v) for f, v in arrays.items()}))
+    slot = {f: gather_slots(v, slots) for f, v in arrays.items()}
+    assert not slot["attention_mask"][slots < 0].any() and not slot["response_mask"][slots < 0].any()
+    lay = on_device(pack_micro_batches(slot["input_ids"], slot["attention_mask"], R, num_micro_batches=k))
+    assert int((lay.segment_ids > 0).sum()) == int(p["attention_mask"].sum())
+    d1, m1 = run(k, Batch(**{f: jnp.asarray(v) for f, v in slot.items()}, packing=lay))
+    assert float(m0["grad_norm"]) > 0 and float(m0["loss_denominator"]) > 0
+    assert m1.keys() == m0.keys()
+    for key in m0:
+        if recipe.token_mask == "none" and key.startswith(("phase/",) + GROUPING_METRICS) or \
+                key == "s2t/correction_passes":
+            continue
+        assert abs(float(m1[key]) - float(m0[key])) <= 1e-5 * max(1.0, abs(float(m0[key]))), key
+    for a, b in zip(jax.tree.leaves(d1), jax.tree.leaves(d0)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    if name == "stapo":
+        assert float(m0["s2t/masked_frac"]) > 0
+
+
 def test_micro_batch_layouts_are_bucketed_interleaved_and_shard_local():
     p = padded(seed=5)
     t = p["input_ids"].shape[1]
@@ -197,10 +252,11 @@ def test_trainer_layout_computes_at_most_1_1_tokens_per_useful_token_on_the_math
 
 
 def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_batch_of_tokens():
-    """update.token_budget_micro_batches on the MATH length mix: at 16 padded sequences per micro-batch (K = 32)
-    it takes K' = 8 (64 sequences each) and the packed layout computes <= 1.1 tokens per real token; at the paper
-    configs' 1 sequence per micro-batch (K = 512) two sequences fit one padded row's tokens (K' = 256, half the
-    padded cost); every K' layout stays within the padded micro-batch's tokens; full-length rows keep K."""
+    """update.token_budget_micro_batches on the MATH length mix: micro-batches of variable sequence counts within
+    one padded micro-batch's tokens compute <= 1.1 tokens per real token at 16 padded sequences per micro-batch
+    (K = 32) and at the paper configs' 1 sequence per micro-batch (K = 512 on one device; 8 shards of K = 64),
+    where equal counts (two sequences per 16K row) computed over 3 tokens per real token; every layout stays within
+    the padded micro-batch's tokens, reads every real row once and gives dummy slots no tokens."""
     import sys
     from pathlib import Path
 
@@ -212,14 +268,21 @@ def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_b
     pl, rl = length_mix(512, 0)
     ids, mask, _, r = padded_arrays(pl, rl, 2)
     useful, width = int(mask.sum()), ids.shape[1]
-    for k, want, most in ((32, 8, 1.1), (512, 256, 3.3)):
-        kk = token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=k)
-        assert kk == want
-        perm = balanced_row_order(mask.sum(-1), mini_rows=512, num_micro_batches=kk)
-        lay = pack_micro_batches(ids[perm], mask[perm], r, num_micro_batches=kk)
-        assert lay.input_ids.size / useful <= most and lay.input_ids.size / useful < mask.size / useful / 2
-        assert lay.input_ids.size // kk <= (512 // k) * width   # one padded micro-batch's tokens
-    # two shards: each shard block is budgeted on its own
-    assert token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=16, num_shards=2) == 4
-    full = np.ones((8, 20), bool)
-    assert token_budget_micro_batches(full, mini_rows=8, num_micro_batches=4) == 4
+    for k, shards in ((32, 1), (512, 1), (64, 8)):
+        kk, slots = token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=k, num_shards=shards)
+        assert kk < k and sorted(slots[slots >= 0]) == list(range(512)) and len(slots) % (shards * kk) == 0
+        lay = pack_micro_batches(gather_slots(ids, slots), gather_slots(mask, slots), r, num_micro_batches=kk,
+                                 num_shards=shards)
+        assert int((lay.segment_ids > 0).sum()) == useful
+        assert 1.0 <= lay.input_ids.size / useful <= 1.1, (k, shards, lay.input_ids.size / useful)
+        assert lay.input_ids.size // (kk * shards) <= (512 // k // shards) * width   # one padded micro-batch
+    # equal counts (the previous layout): at 1 sequence per micro-batch two fit one padded row, 3.2x
+    kk, slots = token_budget_micro_batches(mask, mini_rows=512, num_micro_batches=512, variable_counts=False)
+    assert kk == 256 and sorted(slots) == list(range(512))
+    lay = pack_micro_batches(ids[slots], mask[slots], r, num_micro_batches=kk)
+    assert 3.0 < lay.input_ids.size / useful <= 3.3
+    full = np.ones((8, 20), bool)   # full-length rows keep K and the identity of equal counts
+    kk, slots = token_budget_micro_batches(full, mini_rows=8, num_micro_batches=4)
+    assert kk == 4 and sorted(slots) == list(range(8))
+    with pytest.raises(ValueError, match="num_micro_batches=3"):
+        token_budget_slots(np.ones(8, int), mini_rows=8, num_micro_batches=3, width=4)

@@ -289,14 +289,104 @@ def balanced_row_order(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
     n = mini_rows // num_shards
     perm = np.empty(b, np.int64)
     for start in range(0, b, n):  # one shard block of one mini-batch
-        rows = start + np.argsort(-lengths[start:start + n], kind="stable")
-        members: list[list[int]] = [[] for _ in range(k)]
-        load = np.zeros(k, np.int64)
-        for r in rows:
-            open_ = [j for j in range(k) if len(members[j]) < n // k]
-            j = min(open_, key=lambda j: (load[j], j))
-            members[j].append(int(r))
-            load[j] += lengths[r]
-        for j in range(k):
-            perm[start + j:start + n:k] = members[j]
+        for j, members in enumerate(lightest_first_groups(lengths[start:start + n], k, n // k)):
+            perm[start + j:start + n:k] = start + np.asarray(members, np.int64)
     return perm
+
+
+def lightest_first_groups(lengths: np.ndarray, k: int, cap: Optional[int] = None) -> list[list[int]]:
+    """Longest-processing-time-first assignment of sequences to ``k`` groups: sequences longest first (ties in
+    index order), each to the group with the fewest tokens (ties: the lowest index) among those with fewer than
+    ``cap`` members (None: no cap, so groups hold variable counts).
+
+    Args: lengths [n] int (tokens per sequence); k >= 1 groups; cap: most members per group (k * cap >= n).
+    Returns: k lists of indices into ``lengths``, each in placement order (a group may be empty when n < k).
+    Never raises for valid arguments. Source: Graham's LPT rule (1969), as verl's ``rearrange_micro_batches``
+    (sequences sorted by length, each to the lightest micro-batch).
+    """
+    members: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for r in np.argsort(-np.asarray(lengths), kind="stable"):
+        j = min((j for j in range(k) if cap is None or len(members[j]) < cap), key=lambda j: (load[j], j))
+        members[j].append(int(r))
+        load[j] += int(lengths[r])
+    return members
+
+
+def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches: int, width: int,
+                       num_shards: int = 1, long_rows: bool = True,
+                       variable_counts: bool = True) -> tuple[int, np.ndarray]:
+    """Micro-batches chosen by tokens for a packed update: K' and the slot layout of every mini-batch.
+
+    The budget is the tokens of one padded micro-batch of the configured K: ``mini_rows / num_shards / K`` rows
+    of ``width`` = P + R (the same activation memory). For K' = 1, 2, ..., K the sequences of each mini-batch
+    are assigned to its S x K' (shard, micro-batch) groups by :func:`lightest_first_groups` (group ``s * K' +
+    j`` = micro-batch ``j`` on shard ``s``: sequences may change shard, which an update that does not depend on
+    a row's micro-batch does not see either, its sums and populations being over the whole mini-batch), first
+    with VARIABLE counts (no cap; verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``, in fixed shapes),
+    then, where K' divides the block, with equal counts; the first K' whose shared packed geometry
+    (:func:`micro_batch_rows` over the groups, M rows of L tokens) holds at most the budget wins. The configured
+    K with equal counts always fits (at most one padded row per sequence), so K' <= K.
+
+    Micro-batch ``j`` of shard ``s`` of mini-batch ``q`` owns the slot rows ``base + j + K' * i`` (``i <
+    n_max``, ``base = (q * S + s) * K' * n_max``): the train step's strided split of a ``[S * K' * n_max]``
+    mini-batch, shard-local under a row sharding. ``n_max`` is the most sequences any micro-batch of the update
+    holds; the other slots are dummies (-1): :func:`gather_slots` gives them all-zero masks, so they have no
+    tokens, no response tokens and no weight in any loss, denominator, threshold population or metric.
+
+    Args:
+      lengths: [B] int tokens per sequence (``attention_mask.sum(-1)``), B a multiple of ``mini_rows``.
+      mini_rows: sequences per mini-batch; num_micro_batches: the configured K (``update.num_micro_batches``);
+      width: P + R; num_shards: S, data-parallel shards (K x S divides ``mini_rows``); long_rows: as
+      :func:`micro_batch_rows`; variable_counts: False keeps equal counts (a permutation, no dummy slots).
+    Returns:
+      (K', slots): slots [B / mini_rows * S * K' * n_max] int64, the row each slot reads (-1 = dummy).
+    Raises:
+      ValueError: as :func:`balanced_row_order`, or a sequence longer than ``width`` (:func:`micro_batch_rows`).
+    """
+    lengths = np.asarray(lengths)
+    b, k = lengths.shape[0], int(num_micro_batches)
+    if mini_rows < 1 or b % mini_rows or k < 1 or mini_rows % (k * num_shards):
+        raise ValueError(f"token_budget_slots: {b} rows in mini-batches of {mini_rows} with num_micro_batches={k} x "
+                         f"num_shards={num_shards}: each must divide the next")
+    per = mini_rows // num_shards
+    budget = (per // k) * int(width)
+
+    def plan(kk, cap, check=True):  # -> {(mini-batch start, shard): K' groups of global rows} or None
+        groups = {}
+        for q in range(0, b, mini_rows):
+            gs = [[q + i for i in g] for g in lightest_first_groups(lengths[q:q + mini_rows], num_shards * kk, cap)]
+            m, L = micro_batch_rows([lengths[g] for g in gs], width, long_rows)
+            if check and m * L > budget:
+                return None
+            groups.update({(q, s): gs[s * kk:(s + 1) * kk] for s in range(num_shards)})
+        return groups
+
+    chosen = None
+    for kk in range(1, k):
+        caps = ([None] if variable_counts else []) + ([per // kk] if per % kk == 0 else [])
+        chosen = next((g for g in (plan(kk, c) for c in caps) if g is not None), None)
+        if chosen is not None:
+            break
+    if chosen is None:
+        kk, chosen = k, plan(k, per // k, check=False)
+    n_max = max(len(g) for gs in chosen.values() for g in gs)
+    slots = np.full((b // mini_rows) * num_shards * kk * n_max, -1, np.int64)
+    for (q, s), gs in chosen.items():
+        base = ((q // mini_rows) * num_shards + s) * kk * n_max
+        for j, g in enumerate(gs):
+            slots[base + j + kk * np.arange(len(g))] = g
+    return kk, slots
+
+
+def gather_slots(x: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` in the slot layout of :func:`token_budget_slots`: ``out[i] = x[slots[i]]``, and all zeros
+    (False / 0 / 0.0: no tokens, an all-zero ``response_mask`` and ``attention_mask``, zero advantages and
+    log-probs) in dummy slots (``slots[i] = -1``).
+
+    Args: x [B, ...] numpy, any dtype; slots [N] int64 in [-1, B). Returns [N, ...] in x's dtype. Raises:
+    IndexError for a slot >= B. Source: verl's ``use_dynamic_bsz`` micro-batches, padded here to fixed shapes.
+    """
+    x = np.asarray(x)
+    out = x[np.maximum(slots, 0)]
+    return np.where((slots >= 0).reshape((-1,) + (1,) * (x.ndim - 1)), out, np.zeros((), x.dtype))

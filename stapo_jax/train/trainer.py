@@ -147,16 +147,18 @@ def train(cfg: Config) -> dict[str, Any]:
             t1 = time.perf_counter()
             if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
-            kk = k  # packed + balanced: fewer, fuller micro-batches within one padded micro-batch's tokens
+            # packed, where the micro-batch does not matter: fewer, fuller micro-batches of variable sequence
+            # counts within one padded micro-batch's tokens (dummy slots fill the fixed shapes)
+            kk, slots = k, None
             if cfg.model.use_remove_padding and balance_allowed(recipe):
-                kk = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=mini_rows,
-                                                num_micro_batches=k, num_shards=data_parallel_size(mesh),
-                                                long_rows=long_rows)
+                kk, slots = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=mini_rows,
+                                                       num_micro_batches=k, num_shards=data_parallel_size(mesh),
+                                                       long_rows=long_rows)
             first_fn, step_fn, log_prob_fn = steps_for(kk)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,
-                                    use_remove_padding=cfg.model.use_remove_padding,
-                                    balance_micro_batches=balance_allowed(recipe), long_rows=long_rows)
+                                    use_remove_padding=cfg.model.use_remove_padding, long_rows=long_rows,
+                                    slots=slots)
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
-from stapo_jax.train.packing import balanced_row_order, micro_batch_rows, pack_micro_batches
+from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
 
 
@@ -82,42 +82,30 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
 
 def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, num_micro_batches: int,
-                               num_shards: int = 1, long_rows: bool = True) -> int:
-    """K for a packed, balanced update chosen by tokens: the fewest micro-batches per mini-batch (more sequences
-    each, so one long sequence no longer sets every micro-batch's row) whose packed rows hold no more tokens than
-    one padded micro-batch of the configured K (``mini_rows / num_shards / K`` rows of ``P + R``): the same
-    activation memory, far fewer computed tokens (verl's ``ppo_max_token_len_per_gpu`` with
-    ``use_dynamic_bsz``, in fixed shapes). Candidates are the divisors of the rows per shard up to K; the
-    configured K always fits, so the result is <= K. Only for updates that do not depend on which micro-batch
-    holds a row (:func:`balance_allowed`).
+                               num_shards: int = 1, long_rows: bool = True,
+                               variable_counts: bool = True) -> tuple[int, np.ndarray]:
+    """K and the slot layout for a packed update chosen by tokens: the fewest micro-batches per mini-batch (more
+    sequences each, a variable number of them, so one long sequence no longer sets every micro-batch's row)
+    whose packed rows hold no more tokens than one padded micro-batch of the configured K (``mini_rows /
+    num_shards / K`` rows of ``P + R``): the same activation memory, far fewer computed tokens (verl's
+    ``ppo_max_token_len_per_gpu`` with ``use_dynamic_bsz``, in fixed shapes; ``packing.token_budget_slots``).
+    Only for updates that do not depend on which micro-batch holds a row (:func:`balance_allowed`).
 
     Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
     mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
-    long_rows as ``stapo_jax.train.packing.micro_batch_rows``. Returns: int K' in [1, K]. Raises: ValueError
-    as ``packing.balanced_row_order``.
+    long_rows as ``stapo_jax.train.packing.micro_batch_rows``; variable_counts: False keeps equal sequence
+    counts per micro-batch. Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)
+    for :func:`update_policy`'s ``slots``. Raises: ValueError as ``packing.token_budget_slots``.
     """
-    lengths = np.asarray(attention_mask).astype(bool).sum(1)
-    width = np.asarray(attention_mask).shape[1]
-    per = mini_rows // num_shards
-    budget = (per // num_micro_batches) * width
-    for k in [d for d in range(1, num_micro_batches) if per % d == 0]:
-        perm = balanced_row_order(lengths, mini_rows=mini_rows, num_micro_batches=k, num_shards=num_shards)
-        cost = 0
-        for s in range(0, len(lengths), mini_rows):
-            ls = lengths[perm[s:s + mini_rows]]
-            m, L = micro_batch_rows([ls[j::k][i * (per // k):(i + 1) * (per // k)] for j in range(k)
-                                     for i in range(num_shards)], width, long_rows)
-            cost = max(cost, m * L)
-            if cost > budget:
-                break
-        if cost <= budget:
-            return k
-    return num_micro_batches
+    mask = np.asarray(attention_mask).astype(bool)
+    return token_budget_slots(mask.sum(1), mini_rows=mini_rows, num_micro_batches=num_micro_batches,
+                              width=mask.shape[1], num_shards=num_shards, long_rows=long_rows,
+                              variable_counts=variable_counts)
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
-                  balance_micro_batches: bool = False, long_rows: bool = True):
+                  balance_micro_batches: bool = False, long_rows: bool = True, slots=None):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -139,6 +127,11 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         rows. Only where the update does not depend on a row's micro-batch (:func:`balance_allowed`).
       long_rows: packed rows may be longer than ``P + R`` (one row per micro-batch and shard; only for an
         attention whose cost follows the segments, ``stapo_jax.train.packing.packing_long_rows``).
+      slots: with ``use_remove_padding``, the slot layout of :func:`token_budget_micro_batches` (for this
+        ``num_micro_batches``): every mini-batch becomes ``len(slots) / (B / mini_rows)`` rows, micro-batch ``j``
+        holding a variable number of sequences and dummy slots with all-zero masks (``packing.gather_slots``),
+        which add nothing to any loss, denominator (seq-mean modes count only non-empty rows), threshold
+        population or metric. Replaces ``balance_micro_batches``. Only where :func:`balance_allowed`.
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -147,12 +140,17 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5).
     Raises: ConfigError when ``mini_rows`` does not split into shards and micro-batches; ValueError from the step
     for misshaped arrays."""
-    a = exp.arrays
+    a, num_rows = exp.arrays, exp.num_rows
     R = a["response_mask"].shape[1]
-    if use_remove_padding and balance_micro_batches and num_micro_batches > 1:
+    if use_remove_padding and slots is not None:
+        if len(slots) % (num_rows // mini_rows):
+            raise ValueError(f"update_policy: {len(slots)} slots for {num_rows // mini_rows} mini-batches")
+        a = {key: gather_slots(v, slots) if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
+        num_rows, mini_rows = len(slots), len(slots) // (num_rows // mini_rows)
+    elif use_remove_padding and balance_micro_batches and num_micro_batches > 1:
         perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=mini_rows,
                                   num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
-        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (exp.num_rows,) else v for key, v in a.items()}
+        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
     # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
     sharding = batch_sharding(mesh) if mesh is not None else None
@@ -161,7 +159,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if sharding is not None \
         else np.asarray
     old_lp, old_ent, layouts = [], [], {}
-    for s in range(0, exp.num_rows, mini_rows):
+    for s in range(0, num_rows, mini_rows):
         if use_remove_padding:
             lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
                                      num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh),
@@ -175,7 +173,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     metrics: list[dict] = []
     rollout_lp = a.get("rollout_log_probs")
     for epoch in range(ppo_epochs):  # verl: ppo_epochs passes, mini-batches in order (shuffle false)
-        for s in range(0, exp.num_rows, mini_rows):
+        for s in range(0, num_rows, mini_rows):
             sl = slice(s, s + mini_rows)
             batch = Batch(input_ids=put(a["input_ids"][sl]), attention_mask=put(a["attention_mask"][sl]),
                           response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
