@@ -15,7 +15,10 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    rows of at most P + R tokens (``long_rows=False``: xla / cudnn / splash) and with one row per micro-batch
    (``long_rows=True``: blockwise, whose cost follows the segments; the trainer's default on CPU), and the
    trainer's default for packed balanced updates: fewer, fuller micro-batches within the tokens of one padded
-   micro-batch (``update.token_budget_micro_batches``).
+   micro-batch (``update.token_budget_micro_batches``), with equal sequence counts (the previous layout) and with
+   variable counts (dummy slots fill ``[n_max, R]``; the response slots per sequence are the LM-head pass's
+   extra work), at ``--micro-batch`` sequences per padded micro-batch and at the paper configs' 1 per device on
+   1, 8 and 64 data-parallel shards.
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
    small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
    mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing
@@ -46,7 +49,7 @@ from stapo_jax.algo.recipes import get_recipe  # noqa: E402
 from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
-from stapo_jax.train.packing import balanced_row_order, pack_micro_batches, pack_sequences  # noqa: E402
+from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, pack_sequences  # noqa: E402
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
 from stapo_jax.train.update import token_budget_micro_batches, update_policy  # noqa: E402
 
@@ -98,11 +101,19 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
         out[f"trainer layout, micro-batch of {micro}, {rows}, strided micro-batches"] = lay.input_ids.size / useful
         lay = pack_micro_batches(ids[perm], mask[perm], rr, num_micro_batches=k, long_rows=long_rows)
         out[f"trainer layout, micro-batch of {micro}, {rows}, balanced micro-batches"] = lay.input_ids.size / useful
-        kk = token_budget_micro_batches(mask, mini_rows=len(prompt_len), num_micro_batches=k, long_rows=long_rows)
-        perm_k = balanced_row_order(mask.sum(-1), mini_rows=len(prompt_len), num_micro_batches=kk)
-        lay = pack_micro_batches(ids[perm_k], mask[perm_k], rr, num_micro_batches=kk, long_rows=long_rows)
-        out[f"trainer default (token budget of {micro} padded rows: {kk} micro-batches of "
-            f"{len(prompt_len) // kk}), {rows}"] = lay.input_ids.size / useful
+        for per_micro, shards in ((micro, 1), (1, 1), (1, 8), (1, 64)):
+            kb = len(prompt_len) // shards // per_micro
+            for variable in (False, True):
+                kk, slots = token_budget_micro_batches(mask, mini_rows=len(prompt_len), num_micro_batches=kb,
+                                                       num_shards=shards, long_rows=long_rows,
+                                                       variable_counts=variable)
+                lay = pack_micro_batches(gather_slots(ids, slots), gather_slots(mask, slots), rr,
+                                         num_micro_batches=kk, num_shards=shards, long_rows=long_rows)
+                counts = (f"variable counts: {kk} micro-batches of <= {len(slots) // (kk * shards)} sequences, "
+                          f"{len(slots) / len(prompt_len):.2f} response slots per sequence" if variable else
+                          f"equal counts: {kk} micro-batches of {len(prompt_len) // (kk * shards)}")
+                out[f"token budget of {per_micro} padded row(s) per micro-batch, {shards} shard(s), {counts}, "
+                    f"{rows}"] = lay.input_ids.size / useful
     return out
 
 
@@ -136,23 +147,28 @@ def main(argv=None) -> dict:
     k = a.timed_batch // a.timed_micro
     opt = make_optimizer(1e-4)
     state = TrainState.create(model, opt)
-    steps = make_update_steps(get_recipe("stapo"), opt, num_micro_batches=k, seq_chunk=128)
-    lp_fn = jax.jit(make_log_prob_fn(num_micro_batches=k, seq_chunk=128), static_argnums=(1, 4))
+    kk, slots = token_budget_micro_batches(mask, mini_rows=len(pl), num_micro_batches=k)  # the trainer's default
+    fns = {n: (make_update_steps(get_recipe("stapo"), opt, num_micro_batches=n, seq_chunk=128),
+               jax.jit(make_log_prob_fn(num_micro_batches=n, seq_chunk=128), static_argnums=(1, 4))) for n in {k, kk}}
     out = {}
 
     def side(packed):
+        n = kk if packed else k
+
         def f():
-            new, out[packed] = update_policy(state, exp, steps, lp_fn, mini_rows=len(pl), num_micro_batches=k,
-                                             use_remove_padding=packed, balance_micro_batches=True)
+            new, out[packed] = update_policy(state, exp, *fns[n], mini_rows=len(pl), num_micro_batches=n,
+                                             use_remove_padding=packed, slots=slots if packed else None)
             jax.block_until_ready(new.params)
         return f
 
     times = benchutil.interleaved({"padded": side(False), "packed": side(True)}, a.repeats)
-    lay = pack_micro_batches(ids, mask, r, num_micro_batches=k)
-    diff = max(abs(out[True][m] - out[False][m]) / max(1.0, abs(out[False][m])) for m in out[False])
-    print(f"timed trainer update (update_policy, lengths / {a.scale_down}): {a.timed_batch} sequences in {k} "
-          f"micro-batches, padded {ids.shape} = {ids.size} tokens, packed {lay.input_ids.shape} = "
-          f"{lay.input_ids.size} tokens, real {int(mask.sum())}; max relative metric difference {diff:.1e}")
+    lay = pack_micro_batches(gather_slots(ids, slots), gather_slots(mask, slots), r, num_micro_batches=kk)
+    diff = max(abs(out[True][m] - out[False][m]) / max(1.0, abs(out[False][m])) for m in out[False]
+               if m != "s2t/correction_passes")   # a count of micro-batches
+    print(f"timed trainer update (update_policy, lengths / {a.scale_down}): {a.timed_batch} sequences, padded in "
+          f"{k} micro-batches {ids.shape} = {ids.size} tokens, packed (trainer default: {kk} micro-batches of "
+          f"variable counts, {len(slots)} slots) {lay.input_ids.shape} = {lay.input_ids.size} tokens, real "
+          f"{int(mask.sum())}; max relative metric difference {diff:.1e}")
     for name, v in times.items():
         print(f"  {name}: {benchutil.summary(v)}")
     print(f"  packed / padded update time = {benchutil.ratio(times['packed'], times['padded'])}")

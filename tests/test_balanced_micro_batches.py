@@ -82,3 +82,34 @@ def test_balanced_packed_update_equals_unbalanced_and_packs_fewer_rows():
     assert out[True][1]["grad_norm"] > 0
     for k, v in out[False][1].items():
         assert abs(out[True][1][k] - v) <= 1e-5 * max(1.0, abs(v)), k
+
+
+def test_variable_count_slots_update_equals_padded_update():
+    """update_policy with ``slots`` (update.token_budget_micro_batches: at 1 sequence per padded micro-batch,
+    K = 4 per mini-batch of 4, fewer micro-batches of variable sequence counts plus dummy slots) equals the padded
+    update (use_remove_padding false, K = 4): parameters and every metric, the sampler / trainer log-prob gap
+    included (fp32, 1e-5)."""
+    from stapo_jax.train.update import token_budget_micro_batches
+
+    exp = _experience()
+    a = exp.arrays
+    a["rollout_log_probs"] = np.where(a["response_mask"], -1.5, 0).astype(np.float32)
+    kk, slots = token_budget_micro_batches(a["attention_mask"], mini_rows=4, num_micro_batches=4)
+    assert kk < 4 and (slots < 0).any() and len(slots) % 2 == 0
+    opt = optax.adamw(1e-2)
+    recipe = get_recipe("stapo")
+    out = {}
+    for packed, k in ((False, 4), (True, kk)):
+        lp_fn = jax.jit(make_log_prob_fn(seq_chunk=4, num_micro_batches=k), static_argnums=(1, 4))
+        state = TrainState.create(Qwen3(CFG, rngs=nnx.Rngs(0)), opt)
+        steps = make_update_steps(recipe, opt, num_micro_batches=k, seq_chunk=4, vocab_size=CFG.vocab_size)
+        new, m = update_policy(state, exp, steps, lp_fn, mini_rows=4, num_micro_batches=k, use_remove_padding=packed,
+                               slots=slots if packed else None)
+        out[packed] = (jax.tree.map(np.asarray, new.params), m)
+    for x, y in zip(jax.tree.leaves(out[False][0]), jax.tree.leaves(out[True][0])):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+    assert out[False][1]["grad_norm"] > 0 and out[False][1]["sampler_trainer/logp_diff_mean"] > 0
+    assert out[True][1].keys() == out[False][1].keys()
+    for k, v in out[False][1].items():
+        if k != "s2t/correction_passes":   # a count of micro-batches
+            assert abs(out[True][1][k] - v) <= 1e-5 * max(1.0, abs(v)), k

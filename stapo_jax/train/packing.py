@@ -343,6 +343,7 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
       (K', slots): slots [B / mini_rows * S * K' * n_max] int64, the row each slot reads (-1 = dummy).
     Raises:
       ValueError: as :func:`balanced_row_order`, or a sequence longer than ``width`` (:func:`micro_batch_rows`).
+    Source: verl ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` (``rearrange_micro_batches``), in fixed shapes.
     """
     lengths = np.asarray(lengths)
     b, k = lengths.shape[0], int(num_micro_batches)

@@ -95,7 +95,8 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
     long_rows as ``stapo_jax.train.packing.micro_batch_rows``; variable_counts: False keeps equal sequence
     counts per micro-batch. Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)
-    for :func:`update_policy`'s ``slots``. Raises: ValueError as ``packing.token_budget_slots``.
+    for :func:`update_policy`'s ``slots``. Raises: ValueError as ``packing.token_budget_slots``. Source: verl
+    ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``.
     """
     mask = np.asarray(attention_mask).astype(bool)
     return token_budget_slots(mask.sum(1), mini_rows=mini_rows, num_micro_batches=num_micro_batches,
