@@ -326,7 +326,7 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
     with VARIABLE counts (no cap; verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``, in fixed shapes),
     then, where K' divides the block, with equal counts; the first K' whose shared packed geometry
     (:func:`micro_batch_rows` over the groups, M rows of L tokens) holds at most the budget wins. The configured
-    K with equal counts always fits (at most one padded row per sequence), so K' <= K.
+    K with equal counts always fits (at most one padded row per sequence; it is the fallback), so K' <= K.
 
     Micro-batch ``j`` of shard ``s`` of mini-batch ``q`` owns the slot rows ``base + j + K' * i`` (``i <
     n_max``, ``base = (q * S + s) * K' * n_max``): the train step's strided split of a ``[S * K' * n_max]``
@@ -364,7 +364,7 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
         return groups
 
     chosen = None
-    for kk in range(1, k):
+    for kk in range(1, k + 1):
         caps = ([None] if variable_counts else []) + ([per // kk] if per % kk == 0 else [])
         chosen = next((g for g in (plan(kk, c) for c in caps) if g is not None), None)
         if chosen is not None:
