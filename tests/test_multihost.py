@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 STEPS = 3
 DATA = ["data.gym.size=64", "data.gym.val_size=6", "reward.num_workers=1"]
-OVERRIDES = ["sft.steps=40", "sft.lr=1.0e-2", "sft.batch_size=16", f"trainer.total_steps={STEPS}", "trainer.train_batch_size=4", "rollout.n=4",
+OVERRIDES = ["sft.steps=40", "sft.lr=1.0e-2", "sft.batch_size=16", f"trainer.total_steps={STEPS}",
+             "trainer.train_batch_size=4", "rollout.n=4",
              "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2", "trainer.eval_every=0",
              "trainer.save_every=1", "rollout.max_concurrent_decodes=16", *DATA]
 LAYOUTS = ((1, 4), (2, 2), (4, 1))
@@ -84,8 +85,8 @@ def test_sft_warmup_equal_across_process_layouts(layouts):
 
 def test_sft_command_two_processes_equal_one(tmp_path):
     """``stapo-jax sft`` as 2 processes x 2 devices and as 1 x 4: the HF exports (gathered tensor by tensor,
-    written by process 0) agree within 1e-5 (bitwise on the CI VM); a batch size that does not split over the 4 devices names
-    ``sft.batch_size``."""
+    written by process 0) agree within 1e-5 (bitwise on the 2-core development VM); a batch size that does not
+    split over the 4 devices names ``sft.batch_size``."""
     def sft(batch_size: int, run_dir: Path) -> list[str]:
         return ["--command", "sft", "--config", CONFIG, "sft.steps=6", "sft.lr=1.0e-2",
                 f"sft.batch_size={batch_size}", *DATA, f"trainer.run_dir={run_dir}"]
