@@ -333,3 +333,8 @@ def test_batch_that_does_not_split_names_the_keys(tmp_path):
                                           r"trainer\.train_batch_size, actor\.ppo_micro_batch_size or mesh\.\*"):
         train(cfg)  # 8 CPU devices in the test process (conftest)
     assert not run_dir.exists()
+    cfg = load_config(CONFIG, ["sft.steps=5", "sft.batch_size=12", f"trainer.run_dir={run_dir}"])
+    with pytest.raises(ConfigError, match=r"sft\.batch_size=12 does not split into 8 data-parallel shards .*"
+                                          r"multiple of 8"):
+        train(cfg)
+    assert not run_dir.exists()

@@ -75,6 +75,18 @@ def place_rows(x: np.ndarray, mesh) -> jax.Array:
     return jax.make_array_from_callback(x.shape, batch_sharding(mesh), lambda idx: x[idx])
 
 
+def check_batch_size(batch_size: int, mesh) -> None:
+    """Raise ``ConfigError`` (a ValueError) naming ``sft.batch_size`` when ``batch_size`` rows do not split into
+    the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes; None: one shard)."""
+    from stapo_jax.config.schema import ConfigError
+
+    dp = data_parallel_size(mesh)
+    if batch_size % dp:
+        raise ConfigError(f"sft.batch_size={batch_size} does not split into {dp} data-parallel shards "
+                          f"({jax.process_count()} processes x {jax.local_device_count()} devices, mesh.data x "
+                          f"mesh.fsdp): make sft.batch_size a multiple of {dp} or change mesh.*")
+
+
 def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
             warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
             seq_chunk: int = 512, log=None, progress: bool = False, should_stop=None,
@@ -105,11 +117,7 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
     if steps <= 0 or batch_size <= 0:
         raise ValueError(f"sft.steps={steps} and sft.batch_size={batch_size} must be > 0")
     mesh = model_mesh(model) if isinstance(mesh, str) and mesh == "model" else mesh
-    dp = data_parallel_size(mesh)
-    if batch_size % dp:
-        raise ValueError(f"sft.batch_size={batch_size} does not split into {dp} data-parallel shards "
-                         f"({jax.process_count()} processes x {jax.local_device_count()} devices, mesh.data x "
-                         f"mesh.fsdp): make sft.batch_size a multiple of {dp} or change mesh.*")
+    check_batch_size(batch_size, mesh)
     optimizer = make_optimizer(lr, warmup_steps, weight_decay, clip_grad)
     graphdef, params = nnx.split(model)
     opt_state = optimizer.init(params)
@@ -197,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(a.config, a.overrides)
     check_same_config(cfg)
     mesh = build.build_mesh(cfg)
+    check_batch_size(cfg.sft.batch_size, mesh)  # before the model is built
     tok = build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
     examples = load_prompt_dataset(cfg, tok, "train").examples
