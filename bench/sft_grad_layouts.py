@@ -7,7 +7,7 @@ each layout N processes x D CPU devices, N local JAX processes (``stapo_jax.runt
 (N = 1 only) without ``jax.distributed``, i.e. with XLA:CPU's in-process collectives, as a plain one-process run has). Each
 builds the tiny config's model (``configs/tiny_cpu.yaml``, seed 0) on the global mesh and takes ``jax.grad``
 under ``jax.jit`` of the SFT loss (summed response-token NLL, as in ``stapo_jax.train.sft``) on the gold
-responses of the first 16 training examples, the rows over the data axes (``sft.place_rows``, default) or
+responses of the first 16 training examples, the rows over the data axes (``train_step.place_rows``, default) or
 replicated on every device; process 0 saves the gradient leaves. It prints, for every pair of layouts, the
 number of differing elements, the largest absolute difference and which leaves differ, plus the collectives of
 the compiled step.
@@ -65,7 +65,7 @@ def child(out: str, mode: str) -> None:
         lp, _ = response_log_probs_and_entropy(nnx.merge(graphdef, p), ids, am, r, seq_chunk=64)
         return -(lp * rm.astype(jnp.float32)).sum()
 
-    from stapo_jax.train.sft import place_rows
+    from stapo_jax.train.train_step import place_rows
 
     put = jnp.asarray if mode == "replicated" else (lambda x: place_rows(x, mesh))
     args = (params, *(put(b[k]) for k in ("input_ids", "attention_mask", "response_mask")))

@@ -8,8 +8,8 @@ D devices. Every process of the job, a one-process job included, starts ``jax.di
 rehearsal as 1 process x 4 devices sums its gradients in the same order as 2 x 2 and 4 x 1 (XLA:CPU's
 in-process all-reduce, used by a process without ``jax.distributed``, sums in another order; DESIGN.md,
 "Multi-process runs"). Every output line is prefixed with ``[p<i>]``. When a process exits non-zero the others
-get SIGTERM, then SIGKILL after ``--kill-after`` seconds; the launcher returns the first non-zero exit code (0 when all
-succeed). SIGINT/SIGTERM to the launcher are forwarded to every process (a simulated pod maintenance event).
+get SIGTERM, then SIGKILL after ``--kill-after`` seconds; the launcher returns the first non-zero exit code (0
+when all succeed). SIGINT/SIGTERM to the launcher are forwarded to every process (a simulated pod maintenance event).
 """
 from __future__ import annotations
 

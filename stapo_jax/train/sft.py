@@ -22,7 +22,7 @@ from flax import nnx
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.optim import make_optimizer
 from stapo_jax.train.policy import response_log_probs_and_entropy
-from stapo_jax.train.train_step import batch_sharding
+from stapo_jax.train.train_step import place_rows
 from stapo_jax.train.update import data_parallel_size
 
 
@@ -36,7 +36,7 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
       response_length: R (static); seq_chunk: LM-head chunk in tokens (static).
       params, opt_state: model state and optimizer state (donated).
       input_ids [B, P+R] int32, attention_mask [B, P+R] bool, response_mask [B, R] bool: one device's arrays
-        or global arrays with rows over the mesh's data axes (:func:`place_rows`); the loss is the same.
+        or global arrays with rows over the mesh's data axes (``train_step.place_rows``); the loss is the same.
     Returns:
       (params, opt_state, metrics) with ``sft/loss`` (nats per response token), ``sft/tokens``,
       ``sft/grad_norm``. An all-masked batch gives loss 0 and a zero gradient.
@@ -63,16 +63,6 @@ def model_mesh(model):
         if isinstance(sh, jax.sharding.NamedSharding):
             return sh.mesh
     return None
-
-
-def place_rows(x: np.ndarray, mesh) -> jax.Array:
-    """The host array ``x`` [B, ...] (the same global rows on every process) as a global ``jax.Array`` with its
-    rows over the data axes of ``mesh`` (``train_step.batch_sharding``), each process filling only its own
-    devices' rows (``jax.make_array_from_callback``); one device's array when ``mesh`` is None. B must divide
-    into ``data_parallel_size(mesh)`` shards (callers check it and name their key)."""
-    if mesh is None:
-        return jnp.asarray(x)
-    return jax.make_array_from_callback(x.shape, batch_sharding(mesh), lambda idx: x[idx])
 
 
 def check_batch_size(batch_size: int, mesh) -> None:
