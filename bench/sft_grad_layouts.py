@@ -1,14 +1,21 @@
 """Which process layouts compute bitwise the same SFT gradient (the measurement behind DESIGN.md,
 "Multi-process runs", layout independence of the SFT warm-up).
 
-``python bench/sft_grad_layouts.py`` runs, for each layout N processes x D CPU devices (1x4, 2x2, 4x1, 1x2,
-1x1), N local JAX processes (``stapo_jax.runtime.launch.process_env``) that each build the tiny config's model
-(``configs/tiny_cpu.yaml``, seed 0) on the global mesh and take ``jax.grad`` under ``jax.jit`` of the SFT loss
-(summed response-token NLL, as in ``stapo_jax.train.sft``) on the gold responses of the first 16 training
-examples; process 0 saves the gradient leaves. It prints, for every pair of layouts, the number of differing
-elements and the largest absolute difference, and which leaves differ, plus the collectives found in the
-compiled step (none: the batch is replicated). Measured on the 2-core CPU VM: 1x4 differs from every other
-layout in 26,174 elements of the k_proj / v_proj gradients (max 3.8e-6); the others are bitwise equal.
+``python bench/sft_grad_layouts.py [--batch sharded|replicated] [--layouts 1x4:inproc,1x4,2x2,4x1]`` runs, for
+each layout N processes x D CPU devices, N local JAX processes (``stapo_jax.runtime.launch.process_env``, so
+``jax.distributed`` is started also for N = 1 and the CPU collectives are gloo's; ``:inproc`` runs the layout
+(N = 1 only) without ``jax.distributed``, i.e. with XLA:CPU's in-process collectives, as a plain one-process run has). Each
+builds the tiny config's model (``configs/tiny_cpu.yaml``, seed 0) on the global mesh and takes ``jax.grad``
+under ``jax.jit`` of the SFT loss (summed response-token NLL, as in ``stapo_jax.train.sft``) on the gold
+responses of the first 16 training examples, the rows over the data axes (``train_step.place_rows``, default) or
+replicated on every device; process 0 saves the gradient leaves. It prints, for every pair of layouts, the
+number of differing elements, the largest absolute difference and which leaves differ, plus the collectives of
+the compiled step.
+
+Measured on the 2-core CPU VM (sharded batch, one all-reduce): 1x4 with gloo, 2x2 and 4x1 are bitwise equal;
+1x4:inproc differs from them in 128,673 elements of every leaf (max 1.9e-6), so the in-process all-reduce sums
+in another order than gloo's. With the replicated batch (the SFT step before it was data-parallel; no
+collectives) 1x4 differed from 1x1 in the k/v-projection gradients already without ``jax.distributed``.
 """
 from __future__ import annotations
 
@@ -22,11 +29,12 @@ import tempfile
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = ((1, 4), (2, 2), (4, 1), (1, 2), (1, 1))
+LAYOUTS = "1x4:inproc,1x4,2x2,4x1"
 
 
-def child(out: str) -> None:
-    """One process of a layout: save the gradient leaves (process 0) to ``out`` (.npz)."""
+def child(out: str, mode: str) -> None:
+    """One process of a layout: save the gradient leaves (process 0) to ``out`` (.npz); ``mode`` is
+    ``replicated`` (every device gets the whole batch) or ``sharded`` (rows over the data axes)."""
     from stapo_jax.runtime.distributed import initialize
 
     initialize()
@@ -57,7 +65,10 @@ def child(out: str) -> None:
         lp, _ = response_log_probs_and_entropy(nnx.merge(graphdef, p), ids, am, r, seq_chunk=64)
         return -(lp * rm.astype(jnp.float32)).sum()
 
-    args = (params, *(jnp.asarray(b[k]) for k in ("input_ids", "attention_mask", "response_mask")))
+    from stapo_jax.train.train_step import place_rows
+
+    put = jnp.asarray if mode == "replicated" else (lambda x: place_rows(x, mesh))
+    args = (params, *(put(b[k]) for k in ("input_ids", "attention_mask", "response_mask")))
     fn = jax.jit(jax.grad(loss_fn))
     grads = fn(*args)
     leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(grads)]
@@ -70,22 +81,35 @@ def child(out: str) -> None:
 
 
 def main() -> int:
+    import argparse
+
     import portpicker
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", choices=("replicated", "sharded"), default="sharded")
+    ap.add_argument("--layouts", default=LAYOUTS, help=f"comma-separated NxD[:inproc] (default {LAYOUTS})")
+    a = ap.parse_args()
 
     from stapo_jax.runtime.launch import process_env
 
     tmp = tempfile.mkdtemp(prefix="sft_grad_layouts_")
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", STAPO_DISTRIBUTED="auto")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     grads = {}
-    for n, d in LAYOUTS:
-        out = os.path.join(tmp, f"{n}x{d}.npz")
+    for name in a.layouts.split(","):
+        shape, _, inproc = name.partition(":")
+        n, d = (int(v) for v in shape.split("x"))
+        if inproc and n != 1:
+            raise SystemExit(f"--layouts {name}: ':inproc' needs one process (N processes need jax.distributed)")
+        out = os.path.join(tmp, f"{name.replace(':', '_')}.npz")
         port = portpicker.pick_unused_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", out], env=process_env(i, n, port, d, env))
-                 for i in range(n)]
+        envs = [process_env(i, n, port, d, env) for i in range(n)]
+        for e in envs:
+            e["STAPO_DISTRIBUTED"] = "off" if inproc else "on"
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", out, a.batch], env=e) for e in envs]
         if any(p.wait(timeout=900) for p in procs):
-            print(f"layout {n}x{d} failed")
+            print(f"layout {name} failed")
             return 1
-        grads[f"{n}x{d}"] = np.load(out)
+        grads[name] = np.load(out)
     for a, b in itertools.combinations(grads, 2):
         ga, gb = grads[a], grads[b]
         keys = [k for k in ga.files if k != "names"]
@@ -98,7 +122,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
         sys.exit(0)
     sys.exit(main())

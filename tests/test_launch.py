@@ -11,6 +11,7 @@ def test_process_env_sets_coordinates_and_devices():
                                                    "XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"})
     assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:12345"
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("4", "1")
+    assert launch.process_env(0, 1, 12345, 4, base={"STAPO_DISTRIBUTED": "auto"})["STAPO_DISTRIBUTED"] == "on"
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=3"
     assert "SLURM_NTASKS" not in env
 

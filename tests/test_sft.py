@@ -81,3 +81,28 @@ def test_should_stop_ends_the_warm_up_at_the_next_check():
     assert len(run_sft(model, _examples(), steps=6, batch_size=4, lr=1e-2, warmup_steps=0, pad_id=0,
                        should_stop=lambda: asked.append(1) or False, check_every=3)) == 6
     assert asked == [1]  # asked after step 3, not after the last step
+
+
+def test_sft_batch_rows_over_the_data_axes():
+    """With the model on a 4-device data mesh, each device gets 2 of the 8 rows (the step all-reduces the
+    gradient): same losses and parameters as the whole batch on one device within float tolerance; a batch
+    size that does not split over the shards names ``sft.batch_size``."""
+    import pytest
+
+    from models.sharding import make_mesh, shard_model
+    from stapo_jax.train.sft import model_mesh
+
+    mesh = make_mesh(data=4, devices=jax.devices()[:4])
+    one, dp = Qwen3(CFG, rngs=nnx.Rngs(4)), shard_model(Qwen3(CFG, rngs=nnx.Rngs(4)), mesh)
+    assert model_mesh(one) is None and model_mesh(dp) is mesh
+    h1 = run_sft(one, _examples(), steps=5, batch_size=8, lr=1e-2, warmup_steps=0, pad_id=0)
+    h4 = run_sft(dp, _examples(), steps=5, batch_size=8, lr=1e-2, warmup_steps=0, pad_id=0)
+    for key in ("sft/loss", "sft/grad_norm"):
+        np.testing.assert_allclose([m[key] for m in h4], [m[key] for m in h1], rtol=1e-5, err_msg=key)
+    assert h4[0]["sft/tokens"] == 16.0
+    p1, p4 = nnx.split(one)[1], nnx.split(dp)[1]
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        assert b.sharding.mesh is mesh
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4)  # another summation order, x5 Adam steps
+    with pytest.raises(ValueError, match=r"sft\.batch_size=6 does not split into 4 data-parallel shards"):
+        run_sft(dp, _examples(), steps=1, batch_size=6, lr=1e-2, warmup_steps=0, pad_id=0)

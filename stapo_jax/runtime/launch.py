@@ -3,9 +3,13 @@
 Starts N copies of ``stapo-jax COMMAND ...`` (default ``train``) as the N JAX processes of one job: a free
 127.0.0.1 port as ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=i``, and on CPU
 ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` (``--devices-per-process``) so each process simulates
-D devices. Every output line is prefixed with ``[p<i>]``. When a process exits non-zero the others get SIGTERM,
-then SIGKILL after ``--kill-after`` seconds; the launcher returns the first non-zero exit code (0 when all
-succeed). SIGINT/SIGTERM to the launcher are forwarded to every process (a simulated pod maintenance event).
+D devices. Every process of the job, a one-process job included, starts ``jax.distributed``
+(``STAPO_DISTRIBUTED=on``): on CPU the cross-device collectives then run through gloo in every layout, so a
+rehearsal as 1 process x 4 devices sums its gradients in the same order as 2 x 2 and 4 x 1 (XLA:CPU's
+in-process all-reduce, used by a process without ``jax.distributed``, sums in another order; DESIGN.md,
+"Multi-process runs"). Every output line is prefixed with ``[p<i>]``. When a process exits non-zero the others
+get SIGTERM, then SIGKILL after ``--kill-after`` seconds; the launcher returns the first non-zero exit code (0
+when all succeed). SIGINT/SIGTERM to the launcher are forwarded to every process (a simulated pod maintenance event).
 """
 from __future__ import annotations
 
@@ -30,14 +34,15 @@ def free_port() -> int:
 
 
 def process_env(i: int, n: int, port: int, devices: Optional[int], base: Optional[dict] = None) -> dict:
-    """The environment of process ``i`` of ``n``: coordinator, process count/id, simulated CPU devices.
+    """The environment of process ``i`` of ``n``: coordinator, process count/id, ``STAPO_DISTRIBUTED=on`` (also
+    for ``n`` = 1: ``jax.distributed`` and so gloo CPU collectives in every layout), simulated CPU devices.
     Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection).
     Takes no arrays (int ids, a str-to-str environment). Never raises. Source: ``jax.distributed.initialize``'s
     ``JAX_*`` variables; XLA's ``--xla_force_host_platform_device_count``."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
-               PYTHONUNBUFFERED="1")
+               STAPO_DISTRIBUTED="on", PYTHONUNBUFFERED="1")
     if devices:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])

@@ -2,7 +2,9 @@
 so that a small model starts RL with non-zero reward.
 
 The loss is the token-mean negative log-likelihood of the response tokens, computed through the same chunked
-LM-head path as the RL losses (``stapo_jax.train.policy``); the update uses the same optimizer builder.
+LM-head path as the RL losses (``stapo_jax.train.policy``); the update uses the same optimizer builder. The
+batch is data-parallel like the RL update: every process builds the same global batch, each device receives
+its rows (``mesh.data`` x ``mesh.fsdp`` shards), and the gradient is all-reduced over the data axes.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from flax import nnx
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.optim import make_optimizer
 from stapo_jax.train.policy import response_log_probs_and_entropy
+from stapo_jax.train.train_step import place_rows
+from stapo_jax.train.update import data_parallel_size
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -31,7 +35,8 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
       graphdef: ``nnx.split(model)[0]`` (static); optimizer: an ``optax.GradientTransformation`` (static).
       response_length: R (static); seq_chunk: LM-head chunk in tokens (static).
       params, opt_state: model state and optimizer state (donated).
-      input_ids [B, P+R] int32, attention_mask [B, P+R] bool, response_mask [B, R] bool.
+      input_ids [B, P+R] int32, attention_mask [B, P+R] bool, response_mask [B, R] bool: one device's arrays
+        or global arrays with rows over the mesh's data axes (``train_step.place_rows``); the loss is the same.
     Returns:
       (params, opt_state, metrics) with ``sft/loss`` (nats per response token), ``sft/tokens``,
       ``sft/grad_norm``. An all-masked batch gives loss 0 and a zero gradient.
@@ -50,11 +55,37 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
     return params, opt_state, {"sft/loss": loss, "sft/tokens": n, "sft/grad_norm": optax.tree.norm(grads)}
 
 
+def model_mesh(model):
+    """The ``jax.sharding.Mesh`` the parameters of ``model`` (an nnx module) live on, or None when they are not
+    placed with a ``NamedSharding`` (e.g. a model built on one device); never raises."""
+    for x in jax.tree.leaves(nnx.state(model)):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding):
+            return sh.mesh
+    return None
+
+
+def check_batch_size(batch_size: int, mesh) -> None:
+    """Raise ``ConfigError`` (a ValueError) naming ``sft.batch_size`` when ``batch_size`` rows do not split into
+    the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes; None: one shard)."""
+    from stapo_jax.config.schema import ConfigError
+
+    dp = data_parallel_size(mesh)
+    if batch_size % dp:
+        raise ConfigError(f"sft.batch_size={batch_size} does not split into {dp} data-parallel shards "
+                          f"({jax.process_count()} processes x {jax.local_device_count()} devices, mesh.data x "
+                          f"mesh.fsdp): make sft.batch_size a multiple of {dp} or change mesh.*")
+
+
 def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,
             warmup_steps: int, pad_id: int, weight_decay: float = 0.0, clip_grad: float | None = 1.0,
             seq_chunk: int = 512, log=None, progress: bool = False, should_stop=None,
-            check_every: int = 10) -> list[dict]:
+            check_every: int = 10, mesh="model") -> list[dict]:
     """Train ``model`` in place on (prompt ids, response ids) pairs; returns the metrics of every step.
+
+    Every process draws the same global batch of ``batch_size`` pairs; with a mesh, each device gets
+    ``batch_size / dp`` of its rows (``dp`` = ``mesh.data`` x ``mesh.fsdp``, over all processes), so N processes
+    x D devices take the steps of 1 process x N*D devices.
 
     Args:
       model: a ``models.qwen3.Qwen3`` (updated in place via ``nnx.update``).
@@ -66,12 +97,17 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
       should_stop: optional callable asked every ``check_every`` steps (the trainer's SIGTERM agreement over
         processes, a collective: every process asks at the same steps); True ends the warm-up early, so a
         preempted job does not first finish minutes of SFT. The returned history is then shorter than ``steps``.
+      mesh: the mesh whose data axes take the batch rows; default ``"model"``: the mesh of the model's
+        parameters (:func:`model_mesh`); None: the whole batch on one device (replicated).
     Raises:
-      ValueError: non-positive ``steps`` or ``batch_size``; a token id outside ``[0, vocab_size)`` (naming the
-        example), e.g. a tokenizer larger than the model's embedding.
+      ValueError: non-positive ``steps`` or ``batch_size``; ``batch_size`` not a multiple of the data-parallel
+        size (names ``sft.batch_size``); a token id outside ``[0, vocab_size)`` (naming the example), e.g. a
+        tokenizer larger than the model's embedding.
     """
     if steps <= 0 or batch_size <= 0:
         raise ValueError(f"sft.steps={steps} and sft.batch_size={batch_size} must be > 0")
+    mesh = model_mesh(model) if isinstance(mesh, str) and mesh == "model" else mesh
+    check_batch_size(batch_size, mesh)
     optimizer = make_optimizer(lr, warmup_steps, weight_decay, clip_grad)
     graphdef, params = nnx.split(model)
     opt_state = optimizer.init(params)
@@ -85,8 +121,8 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
                                  vocab_size=model.config.vocab_size)
         R = b["response_mask"].shape[1]
         params, opt_state, m = sft_step(graphdef, optimizer, R, seq_chunk, params, opt_state,
-                                        jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"]),
-                                        jnp.asarray(b["response_mask"]))
+                                        *(place_rows(b[k], mesh) for k in ("input_ids", "attention_mask",
+                                                                           "response_mask")))
         m = {k: float(v) for k, v in m.items()}
         history.append(m)
         bar.set_postfix(loss=f"{m['sft/loss']:.4f}", refresh=False)
@@ -159,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(a.config, a.overrides)
     check_same_config(cfg)
     mesh = build.build_mesh(cfg)
+    check_batch_size(cfg.sft.batch_size, mesh)  # before the model is built
     tok = build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
     examples = load_prompt_dataset(cfg, tok, "train").examples

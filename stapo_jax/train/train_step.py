@@ -160,6 +160,19 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(axes))
 
 
+def place_rows(x, mesh) -> jax.Array:
+    """The host array ``x`` [B, ...] (the same global rows on every process) as a global ``jax.Array`` with its
+    rows over the data axes of ``mesh`` (:func:`batch_sharding`), each process filling only its own devices'
+    rows (``jax.make_array_from_callback``); one device's array when ``mesh`` is None. B must divide into
+    ``update.data_parallel_size(mesh)`` shards (callers check it and name their key). The RL update and the SFT
+    warm-up place their batches with it. Any dtype (kept). Raises: ValueError from JAX when B does not divide
+    over the data shards. Source: JAX's multi-controller input pattern (``jax.make_array_from_callback``), as
+    MaxText feeds global batches."""
+    if mesh is None:
+        return jnp.asarray(x)
+    return jax.make_array_from_callback(x.shape, batch_sharding(mesh), lambda idx: x[idx])
+
+
 def make_train_step(
     recipe: Recipe,
     optimizer: optax.GradientTransformation,

@@ -30,6 +30,7 @@ from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
 from stapo_jax.train.packing import packing_long_rows
+from stapo_jax.train.sft import check_batch_size as check_sft_batch_size
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
 from stapo_jax.train.update import (Preemption, all_finite, balance_allowed, data_parallel_size, num_micro_batches,
                                    stop_requested, token_budget_micro_batches, update_policy)
@@ -58,6 +59,8 @@ def train(cfg: Config) -> dict[str, Any]:
     mini_rows = cfg.actor.ppo_mini_batch_size * G  # global rows per mini-batch (the same on every process)
     # every check that can reject the config runs before anything is written into run_dir
     k = num_micro_batches(cfg, mini_rows, mesh)
+    if cfg.sft.steps:
+        check_sft_batch_size(cfg.sft.batch_size, mesh)
     recipe = build.build_recipe(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)

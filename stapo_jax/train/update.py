@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
 from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
-from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, batch_sharding
+from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, place_rows
 
 
 class Preemption:
@@ -154,10 +154,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         a = {key: v[perm] if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
     # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
-    sharding = batch_sharding(mesh) if mesh is not None else None
-    put = (lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])) if sharding is not None \
-        else jnp.asarray
-    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if sharding is not None \
+    put = lambda x: place_rows(x, mesh)  # noqa: E731
+    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if mesh is not None \
         else np.asarray
     old_lp, old_ent, layouts = [], [], {}
     for s in range(0, num_rows, mini_rows):
