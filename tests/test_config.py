@@ -292,3 +292,30 @@ def test_a_sections_invalid_value_is_a_config_error_naming_its_key(override, mat
     """Validation sits next to the fields (the section's own __post_init__); the message names the dotted key."""
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("algorithm.recipe=[stapo]", r"^algorithm\.recipe: \['stapo'\] is not one of"),  # was a TypeError (unhashable)
+    ("s2t=[]", r"^s2t: expected a mapping of keys, got list"),  # was "override s2t.enabled: ..." (a recipe default)
+    ("actor.clip_ratio_c=.inf", r"^actor\.clip_ratio_c: inf is not a finite number$"),  # an Optional's own reason
+    ("sft.warmup_steps=-5", r"sft\.warmup_steps=-5 must be >= 0"),  # was accepted, then "optim.warmup_steps"
+])
+def test_hostile_values_are_config_errors_naming_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_a_key_given_twice_in_the_yaml_file_is_named(tmp_path):
+    """PyYAML keeps the last of two ``actor:`` sections silently; the loader names the key, its line and file."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("trainer:\n  total_steps: 3\nactor:\n  clip_ratio_low: 0.1\nactor:\n  clip_ratio_low: 0.3\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml: config key 'actor' is given twice \(line 5\)"):
+        load_config(path)
+    path.write_text("actor:\n  clip_ratio_low: 0.1\n  clip_ratio_low: 0.3\n")
+    with pytest.raises(ConfigError, match=r"config key 'clip_ratio_low' is given twice \(line 3\)"):
+        load_config(path)
+
+
+def test_a_directory_as_config_file_is_named(tmp_path):
+    with pytest.raises(IsADirectoryError, match=r"is a directory"):
+        load_config(tmp_path)

@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_
 import yaml
 
 __all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
-           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override"]
+           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override", "safe_load_unique"]
 
 
 class ConfigError(ValueError):
@@ -92,7 +92,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
             try:
                 return coerce(value, arg, key)
-            except ConfigError:
+            except ConfigError as e:
+                if len(args) == 2 and type(None) in args and not str(e).startswith(f"{key}: expected "):
+                    raise  # Optional[X] and X's own complaint (e.g. "not a finite number"): keep it
                 continue
         raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
@@ -225,6 +227,27 @@ def plain_copy(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [plain_copy(v) for v in x]
     return x
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a mapping key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"config key {key!r} is given twice (line {key_node.start_mark.line + 1}); "
+                                  "YAML would keep only the last one")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load(text)``, except that a key repeated in one mapping raises.
+    Takes no arrays (YAML text in, plain YAML values out). Raises: ConfigError naming the repeated key and its
+    line; yaml.YAMLError for invalid YAML. Source: YAML 1.2 §3.2.1.1 (mapping keys are unique)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_override(item: str) -> tuple[str, Any]:
