@@ -246,3 +246,20 @@ def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message
     with pytest.raises(ConfigError, match=message):
         train(cfg)
     assert not run_dir.exists()  # no config.yaml, no checkpoints directory, nothing
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mini_rows=8, num_micro_batches=0, num_shards=2), r"num_micro_batches=0"),  # was ZeroDivisionError
+    (dict(mini_rows=8, num_micro_batches=8, num_shards=2), r"num_shards=2 x num_micro_batches=8"),  # returned 8
+    (dict(mini_rows=8, num_micro_batches=3, num_shards=1), r"num_micro_batches=3"),  # returned 3
+    (dict(mini_rows=8, num_micro_batches=2, num_shards=0), r"num_shards=0"),  # was ZeroDivisionError
+])
+def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
+    from stapo_jax.train.update import token_budget_micro_batches
+
+    mask = np.arange(12)[None] < np.arange(1, 17)[:, None] % 12 + 1  # [16, 12], lengths 1..12
+    with pytest.raises(ValueError, match=match):
+        token_budget_micro_batches(mask, **kwargs)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, P \+ R\], got shape \(12,\)"):
+        token_budget_micro_batches(mask[0], mini_rows=8, num_micro_batches=2)
+    assert token_budget_micro_batches(mask, mini_rows=8, num_micro_batches=4, num_shards=2) in (1, 2, 4)

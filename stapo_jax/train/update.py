@@ -94,8 +94,15 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
     mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
     long_rows as ``stapo_jax.train.packing.micro_batch_rows``. Returns: int K' in [1, K]. Raises: ValueError
-    as ``packing.balanced_row_order``.
+    for a mask that is not [B, P + R], sizes < 1, or K not dividing the rows per shard; as
+    ``packing.balanced_row_order`` otherwise.
     """
+    if np.ndim(attention_mask) != 2:
+        raise ValueError(f"attention_mask must be [B, P + R], got shape {np.shape(attention_mask)}")
+    if min(mini_rows, num_micro_batches, num_shards) < 1 or mini_rows % num_shards or \
+            (mini_rows // num_shards) % num_micro_batches:
+        raise ValueError(f"mini_rows={mini_rows} must split into num_shards={num_shards} x "
+                         f"num_micro_batches={num_micro_batches} (actor.ppo_micro_batch_size, all >= 1)")
     lengths = np.asarray(attention_mask).astype(bool).sum(1)
     width = np.asarray(attention_mask).shape[1]
     per = mini_rows // num_shards
