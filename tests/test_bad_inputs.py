@@ -263,3 +263,18 @@ def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
     with pytest.raises(ValueError, match=r"attention_mask must be \[B, P \+ R\], got shape \(12,\)"):
         token_budget_micro_batches(mask[0], mini_rows=8, num_micro_batches=2)
     assert token_budget_micro_batches(mask, mini_rows=8, num_micro_batches=4, num_shards=2) in (1, 2, 4)
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
+    """64 rows per shard with actor.ppo_micro_batch_size=48 trained with micro-batches of 64 (K = 64 // 48 = 1),
+    above the size the user set for memory; now a ConfigError naming the key, as ``Config.grad_accum_steps``."""
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.update import num_micro_batches
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48"):
+        num_micro_batches(cfg, 64, None)
+    with pytest.raises(ConfigError, match=r"does not divide"):
+        cfg.grad_accum_steps(2)  # the plan's count agrees: 128 sequences / 2 shards = 64, not a multiple of 48
+    assert num_micro_batches(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), 64, None) == 4
+    assert num_micro_batches(cfg, 32, None) == 1  # a micro-batch larger than the shard: the shard's rows

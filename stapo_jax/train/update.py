@@ -62,16 +62,19 @@ def data_parallel_size(mesh) -> int:
 def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
     (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
-    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation).
+    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation); a micro-batch size above the rows per shard
+    gives K = 1 (the shard's rows, fewer than asked).
 
     Raises:
-      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change).
+      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change), e.g.
+        64 rows per shard and micro-batches of 48 (K = 1 would be micro-batches of 64, above the size asked).
     Takes no arrays; returns a Python int.
     """
     dp = data_parallel_size(mesh)
     per_device = rows // dp
-    k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
-    if rows % dp or per_device % k:
+    micro = cfg.actor.ppo_micro_batch_size
+    k = max(per_device // micro, 1)
+    if rows % dp or per_device % k or (per_device > micro and per_device % micro):
         raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
                           f"into {dp} data-parallel shards ({jax.process_count()} processes x "
                           f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "
