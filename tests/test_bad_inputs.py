@@ -278,3 +278,16 @@ def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
         cfg.grad_accum_steps(2)  # the plan's count agrees: 128 sequences / 2 shards = 64, not a multiple of 48
     assert num_micro_batches(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), 64, None) == 4
     assert num_micro_batches(cfg, 32, None) == 1  # a micro-batch larger than the shard: the shard's rows
+
+
+def test_resume_may_switch_the_attention_kernel_but_not_the_model_size(tmp_path):
+    """model.attention / model.remat do not change the parameter tree: resuming an xla run with blockwise was
+    refused as "checkpoints of a different model"; a size change still is, naming the key."""
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.run_files import check_same_model
+
+    load_config("configs/tiny_cpu.yaml", ["model.attention=xla", "model.remat=none"]).save(tmp_path)
+    check_same_model(load_config("configs/tiny_cpu.yaml", ["model.attention=blockwise", "model.remat=full"]),
+                     str(tmp_path))
+    with pytest.raises(ConfigError, match=r"model\.hidden_size 128 -> 64"):
+        check_same_model(load_config("configs/tiny_cpu.yaml", ["model.hidden_size=64"]), str(tmp_path))
