@@ -35,6 +35,7 @@ from stapo_jax.algo.recipe_settings import (  # the sampling section and the bas
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
+    check_field_types,
     has_dotted,
     parse_override,
     plain_copy,
@@ -188,6 +189,7 @@ class OptimConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
+        check_field_types(self, "actor.optim")
         _check("actor.optim", [
             (self.lr > 0, f"lr={self.lr} must be > 0"),
             (self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
