@@ -246,3 +246,48 @@ def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message
     with pytest.raises(ConfigError, match=message):
         train(cfg)
     assert not run_dir.exists()  # no config.yaml, no checkpoints directory, nothing
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mini_rows=8, num_micro_batches=0, num_shards=2), r"num_micro_batches=0"),  # was ZeroDivisionError
+    (dict(mini_rows=8, num_micro_batches=8, num_shards=2), r"num_shards=2 x num_micro_batches=8"),  # returned 8
+    (dict(mini_rows=8, num_micro_batches=3, num_shards=1), r"num_micro_batches=3"),  # returned 3
+    (dict(mini_rows=8, num_micro_batches=2, num_shards=0), r"num_shards=0"),  # was ZeroDivisionError
+])
+def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
+    from stapo_jax.train.update import token_budget_micro_batches
+
+    mask = np.arange(12)[None] < np.arange(1, 17)[:, None] % 12 + 1  # [16, 12], lengths 1..12
+    with pytest.raises(ValueError, match=match):
+        token_budget_micro_batches(mask, **kwargs)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, P \+ R\], got shape \(12,\)"):
+        token_budget_micro_batches(mask[0], mini_rows=8, num_micro_batches=2)
+    assert token_budget_micro_batches(mask, mini_rows=8, num_micro_batches=4, num_shards=2)[0] in (1, 2, 4)
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
+    """64 rows per shard with actor.ppo_micro_batch_size=48 trained with micro-batches of 64 (K = 64 // 48 = 1),
+    above the size the user set for memory; now a ConfigError naming the key, as ``Config.grad_accum_steps``."""
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.update import num_micro_batches
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48"):
+        num_micro_batches(cfg, 64, None)
+    with pytest.raises(ConfigError, match=r"does not divide"):
+        cfg.grad_accum_steps(2)  # the plan's count agrees: 128 sequences / 2 shards = 64, not a multiple of 48
+    assert num_micro_batches(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), 64, None) == 4
+    assert num_micro_batches(cfg, 32, None) == 1  # a micro-batch larger than the shard: the shard's rows
+
+
+def test_resume_may_switch_the_attention_kernel_but_not_the_model_size(tmp_path):
+    """model.attention / model.remat do not change the parameter tree: resuming an xla run with blockwise was
+    refused as "checkpoints of a different model"; a size change still is, naming the key."""
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.run_files import check_same_model
+
+    load_config("configs/tiny_cpu.yaml", ["model.attention=xla", "model.remat=none"]).save(tmp_path)
+    check_same_model(load_config("configs/tiny_cpu.yaml", ["model.attention=blockwise", "model.remat=full"]),
+                     str(tmp_path))
+    with pytest.raises(ConfigError, match=r"model\.hidden_size 128 -> 64"):
+        check_same_model(load_config("configs/tiny_cpu.yaml", ["model.hidden_size=64"]), str(tmp_path))

@@ -84,3 +84,51 @@ def test_check_names_missing_or_misshaped_field(tmp_path, capsys, drop, reshape,
     assert main([path, "--recipe", "stapo"]) == 2
     assert message in capsys.readouterr().err
     assert main([str(tmp_path / "nope.npz")]) == 2
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"clip_ratio_low": "abc"}, "stapo_jax.loss_settings.clip_ratio_low: expected float, got str 'abc'"),
+    ({"clip_ratio_low": None}, "stapo_jax.loss_settings.clip_ratio_low: expected float, got NoneType"),
+    ({"clip_ratio_high": [0.28]}, "stapo_jax.loss_settings.clip_ratio_high: expected float, got list"),
+    ({"use_kl_loss": "yes"}, "stapo_jax.loss_settings.use_kl_loss: expected bool, got str 'yes'"),
+    ({"loss_agg_mode": "token_mean"}, "stapo_jax.loss_settings.loss_agg_mode: 'token_mean' is not one of"),
+])
+def test_check_names_a_mistyped_dump_setting(tmp_path, capsys, settings, message):
+    """Metadata values of the wrong type were a TypeError traceback (``0 <= 'abc'``); now exit 2 naming the key."""
+    import json
+
+    from stapo_jax.tools.dump import SETTINGS_METADATA_KEY
+
+    path = str(tmp_path / "d.safetensors")
+    save_file(torch_dump(STAPO), path, metadata={SETTINGS_METADATA_KEY: json.dumps(settings)})
+    assert main([path, "--recipe", "stapo"]) == 2
+    err = capsys.readouterr().err
+    assert "d.safetensors: metadata " in err and message in err
+
+
+def test_check_says_an_out_of_range_setting_came_from_the_dump(tmp_path, capsys):
+    import json
+
+    from stapo_jax.tools.dump import SETTINGS_METADATA_KEY
+
+    path = str(tmp_path / "d.safetensors")
+    save_file(torch_dump(STAPO), path, metadata={SETTINGS_METADATA_KEY: json.dumps({"clip_ratio_low": 1.5})})
+    assert main([path, "--recipe", "stapo"]) == 2
+    err = capsys.readouterr().err
+    assert "actor.clip_ratio_low=1.5 must be in [0, 1)" in err and "from the dump's metadata" in err
+
+
+def test_check_rejects_bad_tolerances_fractional_group_ids_and_a_directory(tmp_path, capsys):
+    d = torch_dump(STAPO)
+    path = str(tmp_path / "d.npz")
+    np.savez(path, **d)
+    assert main([path, "--atol", "nan"]) == 2
+    assert "--atol=nan must be a finite number >= 0" in capsys.readouterr().err
+    assert main([path, "--rtol", "-1"]) == 2
+    assert "--rtol=-1.0 must be a finite number >= 0" in capsys.readouterr().err
+    d["group_ids"] = d["group_ids"].astype(np.float32) + 0.5  # was truncated to int silently
+    np.savez(path, **d)
+    assert main([path, "--tau-p", "0.01"]) == 2
+    assert "field 'group_ids' must hold integer group indices" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

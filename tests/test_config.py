@@ -11,6 +11,9 @@ import yaml
 
 from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
                               valid_keys)
+from stapo_jax.algo.loss_settings import PolicyLossConfig
+from stapo_jax.algo.mask_settings import S2TConfig
+from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -292,3 +295,60 @@ def test_a_sections_invalid_value_is_a_config_error_naming_its_key(override, mat
     """Validation sits next to the fields (the section's own __post_init__); the message names the dotted key."""
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("algorithm.recipe=[stapo]", r"^algorithm\.recipe: \['stapo'\] is not one of"),  # was a TypeError (unhashable)
+    ("s2t=[]", r"^s2t: expected a mapping of keys, got list"),  # was "override s2t.enabled: ..." (a recipe default)
+    ("actor.clip_ratio_c=.inf", r"^actor\.clip_ratio_c: inf is not a finite number$"),  # an Optional's own reason
+    ("sft.warmup_steps=-5", r"sft\.warmup_steps=-5 must be >= 0"),  # was accepted, then "optim.warmup_steps"
+])
+def test_hostile_values_are_config_errors_naming_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_a_key_given_twice_in_the_yaml_file_is_named(tmp_path):
+    """PyYAML keeps the last of two ``actor:`` sections silently; the loader names the key, its line and file."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("trainer:\n  total_steps: 3\nactor:\n  clip_ratio_low: 0.1\nactor:\n  clip_ratio_low: 0.3\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml: config key 'actor' is given twice \(line 5\)"):
+        load_config(path)
+    path.write_text("actor:\n  clip_ratio_low: 0.1\n  clip_ratio_low: 0.3\n")
+    with pytest.raises(ConfigError, match=r"config key 'clip_ratio_low' is given twice \(line 3\)"):
+        load_config(path)
+
+
+def test_a_directory_as_config_file_is_named(tmp_path):
+    with pytest.raises(IsADirectoryError, match=r"is a directory"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: PolicyLossConfig(clip_ratio_low="abc"), r"^actor\.clip_ratio_low: expected float, got str 'abc'$"),
+    (lambda: PolicyLossConfig(clip_ratio_c=float("inf")), r"^actor\.clip_ratio_c: inf is not a finite number$"),
+    (lambda: PolicyLossConfig(use_kl_loss="no"), r"^actor\.use_kl_loss: expected bool, got str 'no'$"),
+    (lambda: S2TConfig(tau_p=None), r"^s2t\.tau_p: expected float, got NoneType None$"),
+    (lambda: AdvantageConfig(std_ddof=True), r"^algorithm\.std_ddof: expected int, got bool True$"),
+    (lambda: SamplingConfig(max_gen_batches=2.5), r"^sampling\.max_gen_batches: expected int, got float 2\.5$"),
+    (lambda: OverlongConfig(overlong_buffer_len=4, overlong_penalty=float("nan")),
+     r"^reward\.overlong_penalty: nan is not a finite number$"),
+])
+def test_settings_built_in_python_check_types_naming_the_key(make, match):
+    """The frozen settings used directly by the library: a wrong type was a TypeError (``0 <= 'abc'``) or was
+    accepted (``use_kl_loss='no'`` is truthy, ``std_ddof=True``, a NaN penalty); now the YAML path's ConfigError."""
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_settings_accept_numpy_scalars_and_registered_names():
+    from stapo_jax.algo.recipes import get_recipe
+
+    loss = PolicyLossConfig(clip_ratio_low=np.float32(0.25), clip_ratio_high=1)
+    assert type(loss.clip_ratio_low) is float and loss.clip_ratio_low == pytest.approx(0.25)
+    assert type(loss.clip_ratio_high) is float and loss.clip_ratio_high == 1.0
+    assert SamplingConfig(max_gen_batches=np.int64(3)).max_gen_batches == 3
+    # a name outside the Literal is left to the live registry (Recipe), which names the key
+    assert AdvantageConfig(adv_estimator="my_estimator").adv_estimator == "my_estimator"
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator: 'my_estimator' is not one of"):
+        get_recipe("grpo", advantage={"adv_estimator": "my_estimator"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.config.loading import ConfigError, check_field_types
 
 __all__ = ["PolicyLossConfig", "LOSS_AGG_MODES", "CONSTANT_DENOMINATOR_MODES", "KL_TYPES", "SAMPLER_IS_MODES"]
 
@@ -61,6 +61,7 @@ class PolicyLossConfig:
     ppo_kl_coef: float = 0.1
 
     def __post_init__(self):
+        check_field_types(self, "actor")  # the subclass's (ActorConfig's) fields too
         _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
         _one_of("actor.sampler_is", self.sampler_is, SAMPLER_IS_MODES)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.config.loading import ConfigError, check_field_types
 
 __all__ = ["S2TConfig", "TopEntropyConfig", "CovConfig", "QUANTILE_METHODS", "QUANTILE_SCOPES", "QUANTILE_TOKENS"]
 
@@ -45,6 +45,7 @@ class S2TConfig:
     renormalize: bool = True
 
     def __post_init__(self):
+        check_field_types(self, "s2t")
         if not 0.0 < self.tau_p <= 1.0:
             raise ConfigError(f"s2t.tau_p must be in (0, 1], got {self.tau_p}")
         if not 0.0 <= self.entropy_quantile <= 1.0:
@@ -70,6 +71,7 @@ class TopEntropyConfig:
     scope: Literal["minibatch", "microbatch"] = "minibatch"
 
     def __post_init__(self):
+        check_field_types(self, "top_entropy")
         if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"top_entropy.ratio must be in (0, 1], got {self.ratio}")
         _one_of("top_entropy.scope", self.scope, QUANTILE_SCOPES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.config.loading import ConfigError, check_field_types
 
 __all__ = ["AdvantageConfig", "SamplingConfig", "OverlongConfig"]
 
@@ -31,6 +31,7 @@ class AdvantageConfig:
     adv_eps: float = 1e-6
 
     def __post_init__(self):
+        check_field_types(self, "algorithm")
         if self.std_ddof not in (0, 1):
             raise ConfigError(f"algorithm.std_ddof={self.std_ddof} must be 0 or 1")
         if not self.adv_eps > 0:
@@ -46,6 +47,7 @@ class SamplingConfig:
     max_gen_batches: int = 10
 
     def __post_init__(self):
+        check_field_types(self, "sampling")
         if self.max_gen_batches < 1:
             raise ConfigError(f"sampling.max_gen_batches={self.max_gen_batches} must be >= 1")
 
@@ -60,6 +62,7 @@ class OverlongConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self):
+        check_field_types(self, "reward")
         if self.overlong_buffer_len < 0:
             raise ConfigError(f"reward.overlong_buffer_len={self.overlong_buffer_len} must be >= 0")
         if self.overlong_buffer_len > 0 and self.overlong_penalty < 0:

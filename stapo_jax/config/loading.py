@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import numbers
 import types
 from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 __all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
-           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override"]
+           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override", "safe_load_unique",
+           "check_field_types"]
 
 
 class ConfigError(ValueError):
@@ -92,7 +95,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
             try:
                 return coerce(value, arg, key)
-            except ConfigError:
+            except ConfigError as e:
+                if len(args) == 2 and type(None) in args and not str(e).startswith(f"{key}: expected "):
+                    raise  # Optional[X] and X's own complaint (e.g. "not a finite number"): keep it
                 continue
         raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
@@ -108,11 +113,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
     elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # also numpy ints
+            return int(value)
     elif tp is float:
         number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):  # also numpy floats
             number = float(value)
         elif isinstance(value, str):
             try:
@@ -146,6 +151,27 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     else:  # pragma: no cover - schema uses only the types above
         raise TypeError(f"unsupported annotation {tp!r} for {key}")
     raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    return get_type_hints(cls)
+
+
+def check_field_types(obj: Any, section: str) -> None:
+    """Type-check (and losslessly convert, as :func:`coerce`: int -> float, list -> tuple) every field of the
+    frozen settings dataclass ``obj`` in place, so that a settings object built directly in Python
+    (``PolicyLossConfig(clip_ratio_low="abc")``) fails as the YAML path does, not with a ``TypeError`` deep in a
+    range check. Nested dataclass fields that already hold an instance are left to their own check, and so are
+    names (``Literal`` fields): the section checks those itself, against a registry where one exists (an
+    ``adv_estimator`` registered by the user is valid in Python).
+    Takes no arrays. Raises: ConfigError naming ``<section>.<field>`` (wrong type, null, non-finite float).
+    Source: the schema annotations (the same rules as a YAML value)."""
+    for name, tp in _hints(type(obj)).items():
+        value = getattr(obj, name)
+        if (dataclasses.is_dataclass(tp) and isinstance(value, tp)) or get_origin(tp) is Literal:
+            continue
+        object.__setattr__(obj, name, coerce(value, tp, f"{section}.{name}"))
 
 
 def type_name(tp: Any) -> str:
@@ -225,6 +251,27 @@ def plain_copy(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [plain_copy(v) for v in x]
     return x
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a mapping key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"config key {key!r} is given twice (line {key_node.start_mark.line + 1}); "
+                                  "YAML would keep only the last one")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load(text)``, except that a key repeated in one mapping raises.
+    Takes no arrays (YAML text in, plain YAML values out). Raises: ConfigError naming the repeated key and its
+    line; yaml.YAMLError for invalid YAML. Source: YAML 1.2 §3.2.1.1 (mapping keys are unique)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_override(item: str) -> tuple[str, Any]:

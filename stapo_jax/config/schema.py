@@ -35,9 +35,11 @@ from stapo_jax.algo.recipe_settings import (  # the sampling section and the bas
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
+    check_field_types,
     has_dotted,
     parse_override,
     plain_copy,
+    safe_load_unique,
     set_dotted,
     unknown_keys,
     valid_keys,
@@ -187,6 +189,7 @@ class OptimConfig:
     eps: float = 1e-8
 
     def __post_init__(self):
+        check_field_types(self, "actor.optim")
         _check("actor.optim", [
             (self.lr > 0, f"lr={self.lr} must be > 0"),
             (self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
@@ -397,7 +400,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
       The validated :class:`Config`.
 
     Raises:
-      FileNotFoundError: ``path`` does not exist.
+      FileNotFoundError: ``path`` does not exist (IsADirectoryError: it is a directory).
       ConfigError: unknown keys (all of them in one message, each with the closest valid key suggested),
         wrong type, malformed override, or a cross-field check failed; the message names the key(s).
     Source: verl's Hydra config (key spellings), stapo_spec.md §10 (defaults).
@@ -405,12 +408,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"config file {path} is a directory (expected a YAML file)")
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = safe_load_unique(path.read_text())  # a key given twice is an error, not last-wins
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        except ConfigError as e:  # a repeated key
+            raise ConfigError(f"{path}: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}
@@ -430,9 +437,11 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     raw = plain_copy(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
-    if recipe in RECIPE_DEFAULTS:
+    if isinstance(recipe, str) and recipe in RECIPE_DEFAULTS:  # a non-str recipe is reported by its Literal
         for key, value in RECIPE_DEFAULTS[recipe].items():
-            if not has_dotted(raw, key):
+            section = raw.get(key.split(".", 1)[0])
+            # a section that is not a mapping (``s2t: []``) is reported by build_dataclass, naming the section
+            if (section is None or isinstance(section, dict)) and not has_dotted(raw, key):
                 set_dotted(raw, key, value)
     unknown = unknown_keys(Config, raw, "")
     if len(unknown) == 1:
@@ -543,6 +552,7 @@ def validate(cfg: Config) -> None:
     need(cfg.sft.steps >= 0, f"sft.steps={cfg.sft.steps} must be >= 0")
     need(cfg.sft.lr > 0, f"sft.lr={cfg.sft.lr} must be > 0")
     need(cfg.sft.batch_size >= 1, f"sft.batch_size={cfg.sft.batch_size} must be >= 1")
+    need(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps={cfg.sft.warmup_steps} must be >= 0")
     e = cfg.eval
     need(e.max_new_tokens >= 1, f"eval.max_new_tokens={e.max_new_tokens} must be >= 1")
     need(e.temperature > 0 and 0 < e.top_p <= 1, f"eval.temperature={e.temperature} must be > 0 and "

@@ -45,14 +45,20 @@ class DumpError(ValueError):
     """A dump file that is missing, unreadable, or has a missing / misshaped field."""
 
 
+def _need_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise DumpError(f"dump {path} is a directory (expected a .safetensors or .npz file)")
+    if not os.path.isfile(path):
+        raise DumpError(f"dump file not found: {path}")
+
+
 def load_dump(path: str) -> dict[str, np.ndarray]:
     """Read a ``.safetensors`` or ``.npz`` dump into ``{name: np.ndarray}``; strips verl's ``actor/`` prefix.
 
     Raises: DumpError for a missing file or an unknown extension.
     Arrays keep the file's dtypes (float32 statistics, float / bool masks, int group ids).
     """
-    if not os.path.isfile(path):
-        raise DumpError(f"dump file not found: {path}")
+    _need_file(path)
     try:
         if path.endswith(".safetensors"):
             from safetensors.numpy import load_file
@@ -74,12 +80,12 @@ def load_dump_settings(path: str) -> dict:
     """The loss settings a ``.safetensors`` dump carries in its metadata (``stapo_jax.tools.dump``:
     ``{verl actor key: value}``, floats / bools / strings / None); ``{}`` for an ``.npz`` or a dump without them.
 
-    Raises: DumpError for a missing file or metadata that is not a JSON mapping of the known keys. Source: verl
+    Raises: DumpError for a missing file or metadata that is not a JSON mapping of the known keys with values of
+    the ``actor`` section's types (``PolicyLossConfig``; the message names the key). Source: verl
     0.9.1 ``actor.yaml`` key names."""
     from stapo_jax.tools.dump import LOSS_SETTING_KEYS, SETTINGS_METADATA_KEY
 
-    if not os.path.isfile(path):
-        raise DumpError(f"dump file not found: {path}")
+    _need_file(path)
     if not path.endswith(".safetensors"):
         return {}
     from safetensors import safe_open
@@ -99,7 +105,16 @@ def load_dump_settings(path: str) -> dict:
     if unknown is None or unknown:
         raise DumpError(f"{path}: metadata {SETTINGS_METADATA_KEY!r} must map {list(LOSS_SETTING_KEYS)} to values, "
                         f"got {settings!r}")
-    return settings
+    from typing import get_type_hints
+
+    from stapo_jax.algo.loss_settings import PolicyLossConfig
+    from stapo_jax.config.loading import ConfigError, coerce
+
+    hints = get_type_hints(PolicyLossConfig)
+    try:  # the value types of the actor section ("0.2" as a str, a list or a null float would fail later)
+        return {k: coerce(v, hints[k], f"{SETTINGS_METADATA_KEY}.{k}") for k, v in settings.items()}
+    except ConfigError as e:
+        raise DumpError(f"{path}: metadata {e}") from e
 
 
 def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
@@ -121,6 +136,8 @@ def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
     for name in ("rewards", "group_ids"):
         if name in d and d[name].shape != (shape[0],):
             raise DumpError(f"field {name!r} has shape {d[name].shape}, expected ({shape[0]},)")
+    if "group_ids" in d and not np.array_equal(d["group_ids"], np.round(d["group_ids"])):
+        raise DumpError(f"field 'group_ids' must hold integer group indices, got {d['group_ids'][:8].tolist()}")
     for name in REPORTED:
         if name in d and d[name].size != 1:
             raise DumpError(f"field {name!r} must be a scalar, got shape {d[name].shape}")
@@ -211,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     argv: str arguments; returns the int exit status. Never raises for bad input (prints the error, returns 2).
     Source: the dump layout of ``stapo_jax.tools.dump`` (verl / TRL field names)."""
     args = _parser().parse_args(argv)
+    for name in ("atol", "rtol"):
+        value = getattr(args, name)
+        if not (np.isfinite(value) and value >= 0):  # nan / negative: every row would fail
+            print(f"stapo-jax check: error: --{name}={value} must be a finite number >= 0", file=sys.stderr)
+            return 2
     try:
         from_dump = load_dump_settings(args.dump)
     except DumpError as e:
@@ -230,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         dump = load_dump(args.dump)
         ours = recompute(dump, recipe)
     except ValueError as e:
-        print(f"stapo-jax check: error: {e}", file=sys.stderr)
+        origin = f" (loss settings from the dump's metadata: {from_dump})" if from_dump else ""
+        print(f"stapo-jax check: error: {e}{origin}", file=sys.stderr)
         return 2
     rows, ok = compare(ours, dump, args.atol, args.rtol)
     if not rows:

@@ -31,8 +31,9 @@ def dump_experience(directory: str, step: int, exp) -> None:
     np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
 
 
-# model keys that change how the weights are computed with, not which weights a checkpoint holds
-RUNTIME_MODEL_KEYS = ("use_remove_padding",)
+# model keys that change how the weights are computed with, not which weights a checkpoint holds (the attention
+# kernel and the remat policy give the same parameter tree: a resume may switch them)
+RUNTIME_MODEL_KEYS = ("use_remove_padding", "attention", "remat")
 
 
 def check_same_model(cfg: Config, run_dir: str) -> None:

@@ -62,16 +62,19 @@ def data_parallel_size(mesh) -> int:
 def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
     (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
-    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation).
+    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation); a micro-batch size above the rows per shard
+    gives K = 1 (the shard's rows, fewer than asked).
 
     Raises:
-      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change).
+      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change), e.g.
+        64 rows per shard and micro-batches of 48 (K = 1 would be micro-batches of 64, above the size asked).
     Takes no arrays; returns a Python int.
     """
     dp = data_parallel_size(mesh)
     per_device = rows // dp
-    k = max(per_device // cfg.actor.ppo_micro_batch_size, 1)
-    if rows % dp or per_device % k:
+    micro = cfg.actor.ppo_micro_batch_size
+    k = max(per_device // micro, 1)
+    if rows % dp or per_device % k or (per_device > micro and per_device % micro):
         raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
                           f"into {dp} data-parallel shards ({jax.process_count()} processes x "
                           f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "
@@ -95,9 +98,16 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
     long_rows as ``stapo_jax.train.packing.micro_batch_rows``; variable_counts: False keeps equal sequence
     counts per micro-batch. Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)
-    for :func:`update_policy`'s ``slots``. Raises: ValueError as ``packing.token_budget_slots``. Source: verl
+    for :func:`update_policy`'s ``slots``. Raises: ValueError for a mask that is not [B, P + R], sizes < 1, or K
+    not dividing the rows per shard; as ``packing.token_budget_slots`` otherwise. Source: verl
     ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``.
     """
+    if np.ndim(attention_mask) != 2:
+        raise ValueError(f"attention_mask must be [B, P + R], got shape {np.shape(attention_mask)}")
+    if min(mini_rows, num_micro_batches, num_shards) < 1 or mini_rows % num_shards or \
+            (mini_rows // num_shards) % num_micro_batches:
+        raise ValueError(f"mini_rows={mini_rows} must split into num_shards={num_shards} x "
+                         f"num_micro_batches={num_micro_batches} (actor.ppo_micro_batch_size, all >= 1)")
     mask = np.asarray(attention_mask).astype(bool)
     return token_budget_slots(mask.sum(1), mini_rows=mini_rows, num_micro_batches=num_micro_batches,
                               width=mask.shape[1], num_shards=num_shards, long_rows=long_rows,
