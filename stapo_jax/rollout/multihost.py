@@ -34,7 +34,10 @@ _COORD = {"s": 0.0}  # seconds spent in cross-process gathers since the last coo
 
 def coordination_seconds(reset: bool = False) -> float:
     """Wall seconds this process spent in the cross-process all-gathers of this module (and of
-    :func:`allgather_rows` callers) since the last reset; the trainer logs it as ``time/coordination``."""
+    :func:`allgather_rows` callers) since the last reset; the trainer logs it as ``time/coordination``.
+
+    ``reset=True`` returns the running total and sets it back to 0. Returns a Python float scalar (seconds; no
+    arrays, no collective). Never raises. Source: verl's ``timing_raw`` per-phase timers (``timing/*``)."""
     s = _COORD["s"]
     if reset:
         _COORD["s"] = 0.0
@@ -43,7 +46,9 @@ def coordination_seconds(reset: bool = False) -> float:
 
 def prompt_share(num_prompts: int, process_index: int, process_count: int) -> tuple[int, int]:
     """Contiguous prompt range ``[lo, hi)`` of one process: the first ``num_prompts % process_count``
-    processes get one prompt more (uneven shares allowed; a share may be empty).
+    processes get one prompt more (uneven shares allowed; a share may be empty). Takes and returns Python ints
+    (no arrays; ``hi - lo`` is the share's prompt count). Source: the ``torch.utils.data.DistributedSampler`` /
+    ``numpy.array_split`` convention of contiguous near-equal shares, here without padding or duplication.
 
     Raises:
       ValueError: ``process_index`` outside ``[0, process_count)`` or a negative ``num_prompts``.
@@ -63,7 +68,13 @@ def allgather_rows(local: np.ndarray, counts: Sequence[int]) -> np.ndarray:
         on every process).
       counts: rows of every process (identical list on every process).
     Returns:
-      ``[sum(counts), ...]`` numpy array, identical on every process. One process: ``local`` itself.
+      ``[sum(counts), ...]`` numpy array of ``local``'s dtype, identical on every process. One process:
+      ``local`` itself. A collective: every process must call it at the same point with the same ``counts``.
+    Raises:
+      what ``multihost_utils.process_allgather`` raises when the processes disagree on the trailing shape or
+      dtype, or when a peer died (the JAX distributed service aborts after the heartbeat timeout).
+    Source: ``jax.experimental.multihost_utils.process_allgather(tiled=False)``, padded to ``max(counts)``
+    rows since it needs the same shape on every process.
     """
     if jax.process_count() == 1:
         return np.asarray(local)
@@ -77,7 +88,13 @@ def allgather_rows(local: np.ndarray, counts: Sequence[int]) -> np.ndarray:
 
 
 def allgather_max(value: float) -> float:
-    """The maximum of a scalar over all processes (e.g. a "stop requested" flag); ``value`` with one process."""
+    """The maximum of a scalar over all processes (e.g. a "stop requested" flag); ``value`` with one process.
+
+    ``value``: a Python float (sent as a float64 ``[1]`` array); returns a Python float scalar, identical on every
+    process. A collective: every process must call it at the same point. Raises what
+    ``multihost_utils.process_allgather`` raises (a dead peer: the JAX distributed service aborts the process
+    after the heartbeat timeout). Source: ``jax.experimental.multihost_utils.process_allgather``; the same
+    agreement as ``multihost_utils.reached_preemption_sync_point`` (Orbax / MaxText preemption handling)."""
     if jax.process_count() == 1:
         return float(value)
     t0 = time.perf_counter()
@@ -102,6 +119,12 @@ def localize(xs: Sequence[Any], local_mesh) -> list:
     Every process must call it with the same arrays (one jitted identity whose outputs are replicated over the
     global mesh all-gathers them; this process keeps its own shards). Arrays already addressable here, and
     non-arrays, are returned as they are. Never fetches a non-addressable array to the host.
+
+    Shapes and dtypes are kept (each output has its input's global shape and dtype, sharding
+    ``NamedSharding(local_mesh, PartitionSpec())``). Raises what ``jax.jit`` raises when the arrays are not on
+    one mesh, or the collective's error when a peer died (heartbeat timeout). Source: the JAX multi-controller
+    resharding convention (``jax.jit(out_shardings=)`` + ``jax.make_array_from_single_device_arrays``), as
+    verl's FSDP -> vLLM weight sync gathers full tensors per rollout replica.
     """
     idx = [i for i, x in enumerate(xs) if isinstance(x, jax.Array) and not x.is_fully_addressable]
     out = list(xs)
@@ -120,7 +143,11 @@ def localize_tree(tree: Any, local_mesh, place: Optional[Callable[[Any, Any], An
                   chunk_bytes: int = SYNC_CHUNK_BYTES) -> Any:
     """:func:`localize` the leaves of ``tree`` in chunks of at most ``chunk_bytes`` (a larger tensor alone), so
     the extra device memory is one chunk; ``place(path, local)`` (optional) may move each local copy to its
-    final sharding before the next chunk is gathered. Every process must call it with the same tree."""
+    final sharding before the next chunk is gathered. Every process must call it with the same tree.
+
+    ``tree``: a pytree of arrays (any shapes and dtypes, kept); ``chunk_bytes``: int bytes per collective.
+    Returns the pytree of local replicated copies (or ``place``'s results). Raises as :func:`localize`, and
+    what ``place`` raises. Source: verl's bucketed weight sync (``update_weights_bucket_megabytes``)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     out, chunk, size = [], [], 0
 
@@ -142,7 +169,12 @@ def localize_tree(tree: Any, local_mesh, place: Optional[Callable[[Any, Any], An
 
 def local_mesh(cfg_mesh=None):
     """A ``(data, fsdp, tensor)`` mesh over this process's devices: ``tensor`` = ``mesh.tensor`` of the run
-    config when it divides the local device count, else 1; the other devices on ``fsdp``."""
+    config when it divides the local device count, else 1; the other devices on ``fsdp``.
+
+    ``cfg_mesh``: the config's ``mesh`` section (or None); returns a ``jax.sharding.Mesh`` of shape
+    ``(1, local_devices / tensor, tensor)``. No arrays; never raises (a ``mesh.tensor`` that does not divide the
+    local device count falls back to 1). Source: JetStream / MaxEngine's one engine per host over its own
+    devices."""
     from models.sharding import make_mesh
 
     n = jax.local_device_count()
@@ -230,7 +262,10 @@ def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: i
     and ``accuracy`` recomputed. One process: a direct call.
 
     Returns:
-      (scores float32 [N], stats) identical on every process.
+      (scores float32 [N], stats: str -> float) identical on every process, ``N = len(texts)``.
+    Raises:
+      what ``scorer.score`` raises, and the all-gather's error when a peer died (heartbeat timeout).
+    Source: verl's reward manager scores every row of the batch; here each process grades its share.
     """
     n_proc, me = jax.process_count(), jax.process_index()
     if n_proc == 1:

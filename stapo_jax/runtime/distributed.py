@@ -95,7 +95,10 @@ def detect_cluster(environ: Optional[dict] = None) -> Optional[str]:
 
     Returns:
       ``"slurm"`` (``SLURM_JOB_ID`` set and ``SLURM_NTASKS`` > 1), ``"ompi"`` (``OMPI_COMM_WORLD_SIZE`` > 1),
-      ``"tpu"`` (``TPU_WORKER_HOSTNAMES`` with more than one host), or None (a single process).
+      ``"tpu"`` (``TPU_WORKER_HOSTNAMES`` with more than one host), or None (a single process): a str, no
+      arrays. ``environ`` (default ``os.environ``): str -> str.
+    Never raises (a non-integer count reads as 0) and touches no device. Source: the variables JAX's own
+    cluster detection reads (``jax._src.clusters``: ``SlurmCluster``, ``OmpiCluster``, ``GceTpuCluster``).
     """
     env = os.environ if environ is None else environ
 
@@ -116,7 +119,12 @@ def detect_cluster(environ: Optional[dict] = None) -> Optional[str]:
 
 
 def info(method: str = "single", coordinator_address: Optional[str] = None) -> DistributedInfo:
-    """The :class:`DistributedInfo` of the current JAX runtime (initialises the backend)."""
+    """The :class:`DistributedInfo` of the current JAX runtime (initialises the backend).
+
+    ``method`` and ``coordinator_address`` (str, or None) are recorded as given; the counts are Python ints (no
+    arrays). Raises what backend initialisation raises (e.g. ``RuntimeError`` for an unavailable
+    ``JAX_PLATFORMS``). Source: ``jax.process_index`` / ``jax.process_count`` / ``jax.local_device_count`` /
+    ``jax.device_count``."""
     return DistributedInfo(jax.process_index(), jax.process_count(), jax.local_device_count(),
                            jax.device_count(), method, coordinator_address)
 
@@ -126,6 +134,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                mode: Optional[str] = None, initialization_timeout_s: Optional[int] = None,
                heartbeat_timeout_s: Optional[int] = None) -> DistributedInfo:
     """Initialise multi-process JAX when the job has several processes; a no-op for one process.
+
+    Takes str / int arguments only (no arrays, no shapes); the timeouts are int seconds. Source:
+    ``jax.distributed.initialize`` (its ``initialization_timeout`` and ``heartbeat_timeout_seconds``) and
+    MaxText's ``maybe_initialize_jax_distributed_system``.
 
     Args:
       coordinator_address: ``host:port`` of process 0 (default ``$JAX_COORDINATOR_ADDRESS``).
@@ -221,7 +233,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def config_key_hashes(config_dict: dict) -> dict[str, int]:
-    """``{dotted key: crc32 of repr(value)}`` (an int32 bit pattern) of a nested config dict."""
+    """``{dotted key: crc32 of repr(value)}`` (an int32 bit pattern) of a nested config dict.
+
+    ``config_dict``: nested str-keyed dict (e.g. ``Config.to_dict()``); returns str -> Python int, one scalar per
+    leaf key, sorted by key (no arrays). Never raises for dicts of plain values (``repr`` of any value works).
+    Source: ``zlib.crc32`` (the standard CRC-32), compared over processes by :func:`check_same_config`."""
     return {k: int(np.array(zlib.crc32(repr(v).encode()), np.uint32).view(np.int32))
             for k, v in sorted(_flat(config_dict).items())}
 
@@ -231,6 +247,10 @@ def check_same_config(cfg) -> None:
 
     Args:
       cfg: a :class:`stapo_jax.config.schema.Config` (or any object with ``to_dict()``), or a nested dict.
+    Gathers two int32 arrays: ``[2]`` (key count, crc32 of the key names) and ``[K]`` (one hash per key), as
+    ``[P, 2]`` / ``[P, K]`` over the ``P`` processes; returns None. A collective: every process must call it.
+    Source: ``jax.experimental.multihost_utils.process_allgather`` (as ``assert_equal`` there does for one
+    value).
     Raises:
       DistributedError: the processes differ; the message names the keys (and which processes differ from 0).
     """

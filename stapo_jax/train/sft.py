@@ -39,7 +39,12 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
         or global arrays with rows over the mesh's data axes (``train_step.place_rows``); the loss is the same.
     Returns:
       (params, opt_state, metrics) with ``sft/loss`` (nats per response token), ``sft/tokens``,
-      ``sft/grad_norm``. An all-masked batch gives loss 0 and a zero gradient.
+      ``sft/grad_norm`` (float32 scalars). An all-masked batch gives loss 0 and a zero gradient.
+    Raises:
+      what ``jax.jit`` raises for inconsistent shapes (e.g. ``response_mask`` not ``[B, R]`` with
+      ``R = response_length``), or a donated buffer reused by the caller.
+    Source: the token-mean SFT loss of verl's ``trainer/sft_trainer.py`` / TRL's ``SFTTrainer`` (cross-entropy on
+    the response tokens only).
     """
     def loss_fn(p):
         model = nnx.merge(graphdef, p)
@@ -57,7 +62,10 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
 
 def model_mesh(model):
     """The ``jax.sharding.Mesh`` the parameters of ``model`` (an nnx module) live on, or None when they are not
-    placed with a ``NamedSharding`` (e.g. a model built on one device); never raises."""
+    placed with a ``NamedSharding`` (e.g. a model built on one device); never raises.
+
+    Reads the first leaf of ``nnx.state(model)`` (any shape or dtype) with a ``NamedSharding``; no arrays are
+    moved. Source: the ``jax.sharding.NamedSharding.mesh`` convention (flax nnx sharded models)."""
     for x in jax.tree.leaves(nnx.state(model)):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, jax.sharding.NamedSharding):
@@ -67,7 +75,10 @@ def model_mesh(model):
 
 def check_batch_size(batch_size: int, mesh) -> None:
     """Raise ``ConfigError`` (a ValueError) naming ``sft.batch_size`` when ``batch_size`` rows do not split into
-    the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes; None: one shard)."""
+    the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes; None: one shard).
+
+    ``batch_size``: int (sequences per step); no arrays, returns None. Source: verl's rule that the batch
+    divides the data-parallel world size (``ppo_mini_batch_size % dp == 0``), applied to ``sft.batch_size``."""
     from stapo_jax.config.schema import ConfigError
 
     dp = data_parallel_size(mesh)
@@ -85,7 +96,10 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
 
     Every process draws the same global batch of ``batch_size`` pairs; with a mesh, each device gets
     ``batch_size / dp`` of its rows (``dp`` = ``mesh.data`` x ``mesh.fsdp``, over all processes), so N processes
-    x D devices take the steps of 1 process x N*D devices.
+    x D devices take the steps of 1 process x N*D devices. Each step's packed batch is ``input_ids
+    [batch_size, P+R]`` int32, ``attention_mask`` ``[batch_size, P+R]`` bool, ``response_mask
+    [batch_size, R]`` bool (P, R: the step's longest prompt / response); the returned metrics are Python float
+    scalars. Source: verl's ``trainer/sft_trainer.py`` (data-parallel SFT), with the optimizer of the RL update.
 
     Args:
       model: a ``models.qwen3.Qwen3`` (updated in place via ``nnx.update``).
@@ -139,7 +153,11 @@ def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: in
 def gold_response_text(example: dict, cfg) -> str:
     """The gold answer written the way the configured verifier reads it: ``\\boxed{answer}`` for the math
     verifiers and gym's ``boxed`` format, ``<answer>...</answer>`` for ``answer_tag``, the bare answer for
-    ``raw``."""
+    ``raw``.
+
+    ``example``: a dict with an ``answer`` (any value, written with ``str``); returns a str (no arrays).
+    Raises KeyError when ``example`` has no ``answer``. Source: the answer formats of the verifiers
+    (math-verify / DeepScaleR ``\\boxed{}``, Reasoning Gym ``<answer>`` tags)."""
     answer = str(example["answer"])
     fmt = cfg.reward.gym_answer_format if cfg.reward.kind == "gym" else "boxed"
     if fmt == "raw":
@@ -150,7 +168,11 @@ def gold_response_text(example: dict, cfg) -> str:
 
 
 def gold_response_ids(example: dict, tokenizer, cfg) -> list[int]:
-    """Token ids of :func:`gold_response_text` followed by the tokenizer's EOS id."""
+    """Token ids of :func:`gold_response_text` followed by the tokenizer's EOS id.
+
+    Returns a list of Python int token ids (length: the encoded answer + 1). Raises KeyError as
+    :func:`gold_response_text`. Source: the HF ``tokenizer.encode(add_special_tokens=False)`` + EOS
+    convention of verl's SFT dataset (responses end with EOS)."""
     ids = tokenizer.encode(gold_response_text(example, cfg), add_special_tokens=False)
     return list(ids) + [tokenizer.eos_token_id]
 
@@ -159,7 +181,13 @@ def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, p
                     should_stop=None) -> list[dict]:
     """SFT warm-up of ``model`` (in place) on gold responses of ``examples`` drawn uniformly with
     ``trainer.seed``, with the ``sft.*`` settings, with a progress bar (process 0) unless ``progress`` is
-    false; ``should_stop`` as in :func:`run_sft`. Returns per-step metrics (see :func:`run_sft`)."""
+    false; ``should_stop`` as in :func:`run_sft`. Returns per-step metrics (see :func:`run_sft`).
+
+    ``examples``: dicts with ``prompt_ids`` (list of int token ids) and ``answer``; the batches' shapes and dtypes
+    are those of :func:`run_sft` (int32 ids, bool masks), the metrics Python float scalars. Raises as
+    :func:`run_sft` (bad ``sft.*`` values, token ids outside the vocabulary) and KeyError for an example without
+    ``prompt_ids`` / ``answer``. Source: verl's SFT trainer settings (``trainer/sft_trainer.py``), as the
+    ``sft.*`` config keys."""
     rng = np.random.RandomState(cfg.trainer.seed)
 
     def pairs():
@@ -177,7 +205,11 @@ def sft_from_config(cfg, model, examples: Sequence[dict], tokenizer, log=None, p
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``stapo-jax sft --config FILE [key=value ...]``: SFT warm-up only; exports the model as HF safetensors
-    to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run)."""
+    to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run).
+
+    argv: str arguments; returns the int exit status 0 (no arrays). Raises ConfigError for a bad config or an
+    ``sft.batch_size`` that does not split over the devices, DistributedError for processes started with
+    different configs. Source: verl ``trainer/sft_trainer.py``'s CLI entry."""
     import logging
 
     from stapo_jax.config import build
