@@ -259,6 +259,19 @@ def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_sha
     return out.reshape(b, r, d)
 
 
+def check_split(who: str, lengths: np.ndarray, mini_rows: int, num_micro_batches: int,
+                num_shards: int) -> tuple[int, int]:
+    """``(B, K)`` after checking that B rows split into mini-batches of ``mini_rows``, each into K micro-batches x
+    ``num_shards`` shard blocks. ``lengths``: [B] int (only its length is read). Raises: ValueError naming
+    ``who`` and the sizes when one does not divide the next. Source: verl's ``ppo_mini_batch_size`` /
+    micro-batch split (each must divide the next)."""
+    b, k = lengths.shape[0], int(num_micro_batches)
+    if mini_rows < 1 or b % mini_rows or k < 1 or mini_rows % (k * num_shards):
+        raise ValueError(f"{who}: {b} rows in mini-batches of {mini_rows} with num_micro_batches={k} x "
+                         f"num_shards={num_shards}: each must divide the next")
+    return b, k
+
+
 def balanced_row_order(lengths: np.ndarray, *, mini_rows: int, num_micro_batches: int,
                        num_shards: int = 1) -> np.ndarray:
     """A row permutation that gives the K micro-batches of every mini-batch (and of every data-parallel shard
@@ -282,10 +295,7 @@ def balanced_row_order(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
       ValueError: B not a multiple of ``mini_rows`` or K x S not dividing ``mini_rows``.
     """
     lengths = np.asarray(lengths)
-    b, k = lengths.shape[0], int(num_micro_batches)
-    if mini_rows < 1 or b % mini_rows or k < 1 or mini_rows % (k * num_shards):
-        raise ValueError(f"balanced_row_order: {b} rows in mini-batches of {mini_rows} with num_micro_batches={k} x "
-                         f"num_shards={num_shards}: each must divide the next")
+    b, k = check_split("balanced_row_order", lengths, mini_rows, num_micro_batches, num_shards)
     n = mini_rows // num_shards
     perm = np.empty(b, np.int64)
     for start in range(0, b, n):  # one shard block of one mini-batch
@@ -346,10 +356,7 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
     Source: verl ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu`` (``rearrange_micro_batches``), in fixed shapes.
     """
     lengths = np.asarray(lengths)
-    b, k = lengths.shape[0], int(num_micro_batches)
-    if mini_rows < 1 or b % mini_rows or k < 1 or mini_rows % (k * num_shards):
-        raise ValueError(f"token_budget_slots: {b} rows in mini-batches of {mini_rows} with num_micro_batches={k} x "
-                         f"num_shards={num_shards}: each must divide the next")
+    b, k = check_split("token_budget_slots", lengths, mini_rows, num_micro_batches, num_shards)
     per = mini_rows // num_shards
     budget = (per // k) * int(width)
 
