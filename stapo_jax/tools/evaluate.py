@@ -184,7 +184,7 @@ def evaluate(benchmarks: Mapping[str, tuple[Sequence[Problem], Sequence[str]]], 
                 (log.debug if progress is not None else log.info)(
                     "eval %s setting %s: avg@%d = %.2f (%s)", name, setting.name, n, res.avg_at_n, res.grader)
                 if progress is not None:
-                    progress.set_postfix({f"{name}/{setting.name} avg@{n}": f"{res.avg_at_n:.2f}"})
+                    progress.set_postfix({f"last done: {name}/{setting.name} avg@{n}": f"{res.avg_at_n:.2f}"})
                 if out_dir is not None:
                     report.write(out_dir)
     finally:
