@@ -248,6 +248,25 @@ def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message
     assert not run_dir.exists()  # no config.yaml, no checkpoints directory, nothing
 
 
+@pytest.mark.parametrize("overrides,error,message", [
+    # an attention kernel this backend cannot run: refused before the run dir exists (was: after config.yaml)
+    (["model.attention=cudnn"], "AttentionError", r"model.attention='cudnn' needs an NVIDIA GPU"),
+    # mesh sizes that do not fit the 8 simulated devices: the error names the mesh.* keys
+    (["mesh.data=3"], "ConfigError", r"mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 does not fit the 8 devices"),
+])
+def test_train_with_an_impossible_device_setting_writes_nothing(tmp_path, overrides, error, message):
+    from models.attention import AttentionError
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train.trainer import train
+
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/tiny_cpu.yaml", [f"trainer.run_dir={run_dir}", "sft.steps=0", "data.gym.size=16",
+                                                "data.gym.val_size=0", "trainer.total_steps=1", *overrides])
+    with pytest.raises({"AttentionError": AttentionError, "ConfigError": ConfigError}[error], match=message):
+        train(cfg)
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mini_rows=8, num_micro_batches=0, num_shards=2), r"num_micro_batches=0"),  # was ZeroDivisionError
     (dict(mini_rows=8, num_micro_batches=8, num_shards=2), r"num_shards=2 x num_micro_batches=8"),  # returned 8

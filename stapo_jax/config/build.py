@@ -7,21 +7,28 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 from flax import nnx
 
 from models.hf import load_hf_checkpoint
 from models.presets import canonical_name, from_hf_config, preset
 from models.qwen3 import Qwen3, Qwen3Config
-from models.sharding import make_mesh, shard_model
+from models.sharding import ShardingError, make_mesh, shard_model
 from stapo_jax.config.schema import MODEL_SIZE_KEYS, Config, ConfigError
 from stapo_jax.data.tokenizer import load_tokenizer, stop_token_ids
 
 
 def build_mesh(cfg: Config):
     """``jax.sharding.Mesh`` with axes (data, fsdp, tensor) from ``cfg.mesh`` (-1 = the remaining devices).
-    Takes no arrays. Raises: ``models.sharding.ShardingError`` (a ValueError) when the axis sizes do not fit the
-    devices. Source: ``models.sharding.make_mesh``."""
-    return make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
+    Takes no arrays. Raises: ConfigError naming ``mesh.data`` / ``mesh.fsdp`` / ``mesh.tensor`` and the device
+    count when the axis sizes do not fit the devices (from ``models.sharding.ShardingError``). Source:
+    ``models.sharding.make_mesh``."""
+    m = cfg.mesh
+    try:
+        return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+    except ShardingError as e:
+        raise ConfigError(f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} does not fit the "
+                          f"{jax.device_count()} devices of this job (-1 takes the remaining devices): {e}") from e
 
 
 def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:

@@ -61,6 +61,12 @@ def train(cfg: Config) -> dict[str, Any]:
     k = num_micro_batches(cfg, mini_rows, mesh)
     if cfg.sft.steps:
         check_sft_batch_size(cfg.sft.batch_size, mesh)
+    attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
+    long_rows = packing_long_rows(attention)
+    log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
+    if cfg.model.use_remove_padding:
+        log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
+                 "one row per micro-batch" if long_rows else "rows of at most P + R tokens")
     recipe = build.build_recipe(cfg)
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)
@@ -111,12 +117,6 @@ def train(cfg: Config) -> dict[str, Any]:
                 steps[kk] = (*make_update_steps(recipe, optimizer, **{**step_kw, "num_micro_batches": kk}),
                              jax.jit(make_log_prob_fn(num_micro_batches=kk, **common), static_argnums=(1, 4)))
             return steps[kk]
-        attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
-        long_rows = packing_long_rows(attention)
-        log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
-        if cfg.model.use_remove_padding:
-            log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
-                     "one row per micro-batch" if long_rows else "rows of at most P + R tokens")
         # every process iterates the same global prompt batches (rollouts and rewards split them, multihost.py)
         data_it = make_iterator(train_ds.examples, t.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                 shard_index=0, shard_count=1)
