@@ -280,6 +280,7 @@ def test_the_recipe_uses_the_config_sections_themselves():
     ("actor.kl_loss_coef=-1", r"^actor\.kl_loss_coef=-1\.0 must be >= 0$"),
     ("actor.log_ratio_clamp=0", r"^actor\.log_ratio_clamp=0\.0 must be > 0$"),
     ("actor.sampler_is=clip", r"^actor\.sampler_is: 'clip' is not one of"),
+    ("actor.sampler_is=on", r"^actor\.sampler_is: True is not one of \['off', 'truncate'\]; YAML reads a bare on/off"),
     ("actor.ppo_epochs=0", r"^actor\.ppo_epochs=0 must be >= 1$"),
     ("actor.logprob_seq_chunk=0", r"^actor\.logprob_seq_chunk=0 must be >= 1 or null"),
     ("actor.optim.lr=0", r"^actor\.optim\.lr=0\.0 must be > 0$"),

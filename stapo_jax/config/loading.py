@@ -108,6 +108,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        if isinstance(value, bool):  # e.g. actor.sampler_is=on: YAML 1.1 turned the word into a bool
+            hint = "; YAML reads a bare on/off/yes/no/true/false as a boolean: write one of the names above, quoted"
         raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
     if tp is bool:
         if isinstance(value, bool):
