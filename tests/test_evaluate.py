@@ -237,3 +237,16 @@ def test_eval_names_a_prompt_longer_than_the_models_context(capsys):
                       "--max-new-tokens", "16"]) == 2
     err = capsys.readouterr().err
     assert "alone reaches the model's max_position_embeddings (512)" in err and "--benchmarks" in err
+
+
+def test_a_toy_body_under_a_presets_vocabulary_is_not_labelled_as_the_preset():
+    """configs/gsm8k_tiny.yaml is Qwen3-0.6B's vocabulary over a 1-layer D=32 body: its eval label says so (the
+    report used to call it "Qwen3-0.6B (random init)"); a plain preset keeps its name."""
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.tools.evaluate import body_overrides, random_init_label
+
+    toy = load_config("configs/gsm8k_tiny.yaml", [])
+    assert body_overrides(toy)["num_hidden_layers"] == 1 and body_overrides(toy)["hidden_size"] == 32
+    assert random_init_label(toy) == "Qwen3-0.6B vocabulary, 1 layer(s) x hidden_size 32 (random init)"
+    plain = load_config(None, ["model.preset=Qwen3-1.7B"])
+    assert body_overrides(plain) == {} and random_init_label(plain) == "Qwen3-1.7B (random init)"

@@ -304,10 +304,34 @@ def engine_generator(driver: Any, tokenizer: Any, *, batch_prompts: Optional[int
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+def body_overrides(cfg) -> dict:
+    """The ``model.*`` size fields set explicitly next to ``model.preset`` (e.g. a toy body under Qwen3-0.6B's
+    vocabulary, ``configs/gsm8k_tiny.yaml``), vocabulary and RoPE fields excluded: {key: int}. No arrays; never
+    raises. Source: ``stapo_jax.config.schema.MODEL_SIZE_KEYS``."""
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim")
+    return {k: getattr(cfg.model, k) for k in keys if getattr(cfg.model, k) is not None}
+
+
+def random_init_label(cfg) -> str:
+    """How results of a model with no ``model.path`` are labelled: ``"Qwen3-0.6B (random init)"``, or with an
+    overridden body ``"Qwen3-0.6B vocabulary, 1 layer(s) x hidden_size 32 (random init)"`` so that a toy model is
+    never reported under the preset's name. Returns a str; never raises. Source: this project's eval report."""
+    m, body = cfg.model, body_overrides(cfg)
+    if not body:
+        return f"{m.preset or 'from-scratch'} (random init)"
+    layers = body.get("num_hidden_layers", "?")
+    size = body.get("hidden_size", "?")
+    base = f"{m.preset} vocabulary, " if m.preset else "from-scratch, "
+    return f"{base}{layers} layer(s) x hidden_size {size} (random init)"
+
+
 def _paper_size(cfg) -> Optional[str]:
     """"1.7B" / "8B" / "14B" when ``model.path`` or ``model.preset`` names one of the paper's sizes, else None."""
     import re
 
+    if not cfg.model.path and body_overrides(cfg):
+        return None  # a preset's name with a body of other sizes is not that model
     name = f"{cfg.model.path or ''} {cfg.model.preset or ''}".lower()
     m = re.search(r"(?<![\d.])(1\.7|8|14)b(?![a-z0-9])", name)
     return f"{m.group(1)}B" if m else None
@@ -428,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bar = progress_bar(len(settings) * sum(len(ps) for ps, _ in benches.values()), "eval", unit="problem")
     generate = engine_generator(driver, tokenizer, batch_prompts=args.batch_prompts, on_progress=bar.update)
     graders = make_graders(grader_names, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
-    label = args.label or cfg.model.path or f"{cfg.model.preset or 'from-scratch'} (random init)"
+    label = args.label or cfg.model.path or random_init_label(cfg)
     from importlib.metadata import version
 
     meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset,
