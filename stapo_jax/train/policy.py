@@ -33,10 +33,11 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
       seq_chunk, vocab_chunk: chunk sizes of the LM-head pass (tokens, vocabulary entries).
       packing: optional :class:`stapo_jax.train.packing.PackedLayout` of this batch (``pack_sequences`` with
         ``num_shards=packing_shards``; default: the layout's ``num_shards``): the transformer runs on the
-        packed rows (no padding; segment ids, per-sequence positions), the LM head on every packed position (targets: the next packed token,
-        ``PackedLayout.next_token_ids``), and the per-token log-probs and entropies are gathered back into
-        the [B, R] layout (``gather_response_values``), so the outputs equal the padded computation's on
-        every response token; ``input_ids`` / ``attention_mask`` only give the shapes.
+        packed rows (no padding; segment ids, per-sequence positions), the LM head on every packed position
+        (targets: the next packed token, ``PackedLayout.next_token_ids``), and the per-token log-probs and
+        entropies are gathered back into the [B, R] layout (``gather_response_values``), so the outputs equal
+        the padded computation's on every response token; ``input_ids`` / ``attention_mask`` only give the
+        shapes.
     Returns:
       (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
     Raises:
