@@ -25,8 +25,19 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    included) with ``use_remove_padding`` false vs true, interleaved ``--repeats`` times after a warm-up
    (``bench/benchutil.py``); medians, min..max, the packed / padded ratio, and the largest metric difference
    between the two sides as a check.
+3. ``--head``: the LM head of the packed update at full scale on the paper layout (the trainer's default token
+   budget at 1 sequence per padded micro-batch, one device: micro-batches of variable counts with dummy slots;
+   Qwen3-1.7B's D = 2,048, V = 151,936, bf16), compile-only and load-independent, both sides in one run:
+   "before" = the previous packed path, hidden states gathered into the ``[n_slots, R, D]`` slot layout and the
+   head run there (kept only here, ``log_probs_before_gather_to_slots``); "after" = the library's
+   ``response_log_probs_and_entropy(packing=...)`` (head on the ``[M, L, D]`` packed positions, scalars gathered
+   back). Printed: head tokens computed per useful response token, XLA cost-analysis FLOPs of one micro-batch's
+   head pass (forward, and forward + gradient; compiled with one tile per loop, since cost analysis counts a loop
+   body once) and XLA's temporary buffer bytes at the trainer's tile sizes (``seq_chunk`` 512), with ratios.
+   Sections 1 and 2 are skipped.
 
     .venv/bin/python bench/bench_packing.py
+    .venv/bin/python bench/bench_packing.py --head
 """
 from __future__ import annotations
 
@@ -40,16 +51,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import benchutil  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.algo.recipes import get_recipe  # noqa: E402
 from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
-from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, pack_sequences  # noqa: E402
+from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_slots, pack_micro_batches,  # noqa: E402
+                                    pack_sequences)
+from stapo_jax.train.policy import response_log_probs_and_entropy  # noqa: E402
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
 from stapo_jax.train.update import token_budget_micro_batches, update_policy  # noqa: E402
 
@@ -117,6 +132,84 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
     return out
 
 
+def log_probs_before_gather_to_slots(hidden, w, input_ids, response_length, response_index, *, seq_chunk,
+                                     vocab_chunk):
+    """The bench's "before" side: the previous packed LM-head path (removed from the library). Hidden states
+    [M, L, D] are gathered into the [n_slots, R, D] response slots, then the head runs on n_slots x R positions."""
+    m, l, d = hidden.shape
+    n, r = response_index.shape
+    h = jnp.take_along_axis(hidden.reshape(m * l, d), response_index.reshape(n * r, 1), axis=0).reshape(n, r, d)
+    return chunked_log_probs_and_entropy(h, w, input_ids[:, input_ids.shape[1] - response_length:],
+                                         seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+
+
+class HiddenAsModel:
+    """A stand-in for the transformer whose output is the given hidden states, so that the "after" side is the
+    library's own ``response_log_probs_and_entropy(packing=...)`` with only the LM head left to compile."""
+
+    def __init__(self, hidden, w):
+        self.hidden, self.w = hidden, w
+
+    def __call__(self, *args, **kwargs):
+        return self.hidden, None
+
+    def lm_head_weight(self):
+        return self.w
+
+
+def head_cost(mini_batch: int, seed: int, d: int, v: int) -> dict:
+    """LM-head tokens, FLOPs and temporary bytes of one packed micro-batch, before vs after (module docstring, 3)."""
+    pl, rl = length_mix(mini_batch, seed)
+    ids, mask, resp, r = padded_arrays(pl, rl, 2)
+    kk, slots = token_budget_micro_batches(mask, mini_rows=mini_batch, num_micro_batches=mini_batch)
+    lay = pack_micro_batches(gather_slots(ids, slots), gather_slots(mask, slots), r, num_micro_batches=kk)
+    n, (m, L) = len(slots) // kk, (lay.input_ids.shape[0] // kk, lay.input_ids.shape[1])
+    useful = int(resp.sum())
+    print(f"LM head, paper layout: {mini_batch} sequences, R = {r}, {useful} response tokens; trainer default "
+          f"{kk} micro-batches of {n} slots (variable counts), packed rows {m} x {L}; D = {d}, V = {v}, bf16")
+    tokens = {"padded (no packing)": mini_batch * r, "before (gather to slots)": len(slots) * r,
+              "after (packed positions)": kk * m * L}
+    for name, t in tokens.items():
+        print(f"  head tokens computed per useful response token, {name}: {t / useful:.3f}")
+    sds = jax.ShapeDtypeStruct
+    i32 = lambda *shape: sds(shape, jnp.int32)  # noqa: E731
+    hid, w = sds((m, L, d), jnp.bfloat16), sds((d, v), jnp.bfloat16)
+    ids_a, g = i32(n, ids.shape[1]), sds((n, r), jnp.float32)
+    packing = PackedLayout(i32(m, L), i32(m, L), i32(m, L), i32(n, r))
+
+    def before(hidden, w, ids, packing, g, **chunks):
+        return log_probs_before_gather_to_slots(hidden, w, ids, r, packing.response_index, **chunks)
+
+    def after(hidden, w, ids, packing, g, **chunks):
+        return response_log_probs_and_entropy(HiddenAsModel(hidden, w), ids, ids, r, packing=packing, **chunks)
+
+    def compiled(fn, grad, **chunks):
+        def loss(hidden, w, ids, packing, g):
+            lp, ent = fn(hidden, w, ids, packing, g, **chunks)
+            return jnp.sum((lp + ent) * g)
+        f = jax.grad(loss, argnums=(0, 1)) if grad else (lambda *a: fn(*a, **chunks))
+        return jax.jit(f).lower(hid, w, ids_a, packing, g).compile()
+
+    out = {"tokens_per_useful_response_token": {k: t / useful for k, t in tokens.items()}}
+    one_tile = {"seq_chunk": max(L, r), "vocab_chunk": v}
+    trainer = {"seq_chunk": 512, "vocab_chunk": None}
+    for grad in (False, True):
+        what = "forward + gradient" if grad else "forward"
+        flops = {s: compiled(fn, grad, **one_tile).cost_analysis()["flops"] for s, fn in
+                 (("before", before), ("after", after))}
+        temp = {s: compiled(fn, grad, **trainer).memory_analysis().temp_size_in_bytes for s, fn in
+                (("before", before), ("after", after))}
+        print(f"  head {what}, one micro-batch: XLA FLOPs before {flops['before']:.4g}, after {flops['after']:.4g}: "
+              f"after / before = {flops['after'] / flops['before']:.3f}; temp bytes (seq_chunk 512) before "
+              f"{temp['before'] / 2**20:.0f} MiB, after {temp['after'] / 2**20:.0f} MiB: after / before = "
+              f"{temp['after'] / temp['before']:.3f}")
+        print(f"    whole mini-batch ({kk} micro-batches): {kk * flops['before']:.4g} -> {kk * flops['after']:.4g} "
+              f"FLOPs; {kk * flops['after'] / useful:.4g} FLOPs per useful response token after "
+              f"({kk * flops['before'] / useful:.4g} before)")
+        out[what] = {"flops": flops, "temp_bytes": temp}
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mini-batch", type=int, default=512, help="sequences per mini-batch (paper: 64 prompts x 8)")
@@ -126,8 +219,13 @@ def main(argv=None) -> dict:
     p.add_argument("--timed-micro", type=int, default=8, help="sequences per micro-batch of the timed update")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head", action="store_true", help="only the LM-head section (3), compile-only")
+    p.add_argument("--hidden-size", type=int, default=2048, help="D of the --head section (Qwen3-1.7B)")
+    p.add_argument("--vocab-size", type=int, default=151936, help="V of the --head section (Qwen3)")
     a = p.parse_args(argv)
     print(benchutil.machine_line())
+    if a.head:
+        return {"head": head_cost(a.mini_batch, a.seed, a.hidden_size, a.vocab_size)}
     pl, rl = length_mix(a.mini_batch, a.seed)
     print(f"length mix: {a.mini_batch} sequences, response tokens median {np.median(rl):.0f} mean {rl.mean():.0f} "
           f"max {rl.max()}, prompt median {np.median(pl):.0f} max {pl.max()}")

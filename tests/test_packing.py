@@ -14,7 +14,7 @@ from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.objectives import LOSS_AGG_MODES
-from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_response_hidden, gather_slots,
+from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_response_values, gather_slots,
                                     micro_batch_rows, pack_micro_batches, pack_sequences, packing_long_rows,
                                     token_budget_slots, tokens_bucket)
 from stapo_jax.train.policy import response_log_probs_and_entropy
@@ -96,9 +96,67 @@ def test_packed_log_probs_entropy_and_gradients_equal_padded():
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
 
 
-def test_gather_response_hidden_rejects_indivisible_shards():
+def test_gather_response_values_is_a_shard_local_gather_of_scalars():
+    values = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(6, 4)   # 2 shard blocks of 3 rows x 4 positions
+    idx = jnp.asarray([[0, 5], [11, 1], [0, 7], [2, 3]], jnp.int32)   # rows 0-1 read block 0, rows 2-3 block 1
+    out = gather_response_values(values, idx, 2)
+    np.testing.assert_array_equal(out, [[0, 5], [11, 1], [12, 19], [14, 15]])
+    g = jax.grad(lambda v: jnp.sum(gather_response_values(v, idx, 2) * jnp.arange(1.0, 9.0).reshape(4, 2)))(values)
+    expect = np.zeros(24)
+    for (b, r), i in np.ndenumerate(np.asarray(idx)):   # scatter-add of the cotangents, 0 where nothing reads
+        expect[(b // 2) * 12 + i] += 2 * b + r + 1
+    np.testing.assert_array_equal(np.asarray(g).ravel(), expect)
     with pytest.raises(ValueError, match="num_shards=3"):
-        gather_response_hidden(jnp.zeros((4, 5, 2)), jnp.zeros((8, 3), jnp.int32), 3)
+        gather_response_values(jnp.zeros((4, 5)), jnp.zeros((8, 3), jnp.int32), 3)
+    with pytest.raises(ValueError, match="values must be"):
+        gather_response_values(jnp.zeros((4, 5, 2)), jnp.zeros((8, 3), jnp.int32), 1)
+
+
+def test_packed_lm_head_cost_follows_packed_tokens_not_response_slots():
+    """Issue 14: the LM head of a packed batch runs on the M x L packed positions (verl's rmpad log-probs), so
+    doubling the dummy slots of a variable-count micro-batch (``token_budget_slots``) leaves the compiled FLOPs of
+    the log-prob pass and of its gradient unchanged (gathering hidden states into ``[n_slots, R, D]`` first, as
+    before, made them grow with n_slots x R: +83% forward, +87% gradient here), no ``[n_slots, R, D]``
+    intermediate exists, and the real slots' log-probs are unchanged."""
+    cfg = dataclasses.replace(CFG_STEP, vocab_size=1024)   # the head dominates the FLOPs, as at V = 151,936
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    p = padded(seed=3)
+    k, slots = token_budget_slots(p["attention_mask"].sum(1), mini_rows=8, num_micro_batches=8,
+                                  width=p["input_ids"].shape[1])
+    assert (slots < 0).any() and 1 < k < 8
+    grad_w = jnp.asarray(np.random.default_rng(0).normal(size=(2 * len(slots) // k, R)), jnp.float32)
+
+    def micro_batch_0(sl):   # the first micro-batch of the slot layout (rows 0, k, 2k, ...), packed
+        ids, att = gather_slots(p["input_ids"], sl), gather_slots(p["attention_mask"], sl)
+        lay = pack_micro_batches(ids, att, R, num_micro_batches=k)
+        lay = jax.tree.map(lambda a: jnp.asarray(a[0::k]), lay)
+        return jnp.asarray(ids[0::k]), jnp.asarray(att[0::k]), lay, gather_slots(p["response_mask"], sl)[0::k]
+
+    def f(params, ids, att, lay):
+        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=lay)
+        return jnp.sum((lp + ent) * grad_w[:ids.shape[0]]), lp
+
+    flops, lps, lays = [], [], []
+    for sl in (slots, np.concatenate([slots, np.full(len(slots), -1)])):   # n_max, then 2 n_max slots
+        ids, att, lay, resp = micro_batch_0(sl)
+        args = (params, ids, att, lay)
+        grad = jax.grad(lambda *a: f(*a)[0])
+        assert f"[{ids.shape[0]},{R},{cfg.hidden_size}]" not in str(jax.make_jaxpr(grad)(*args))
+        flops.append([jax.jit(lambda *a: f(*a)[1]).lower(*args).compile().cost_analysis()["flops"],
+                      jax.jit(grad).lower(*args).compile().cost_analysis()["flops"]])
+        lps.append(np.asarray(jax.jit(lambda *a: f(*a)[1])(*args)))
+        lays.append(lay)
+        if len(lps) == 1:
+            n, real = ids.shape[0], np.asarray(resp) > 0
+    assert lays[0].input_ids.shape == lays[1].input_ids.shape   # same packed rows, twice the slots
+    m, L = lays[0].input_ids.shape
+    head = 2 * m * L * cfg.hidden_size * cfg.vocab_size   # the forward head matmul alone
+    assert flops[0][0] > head and flops[0][1] > 2 * head
+    for before, after in zip(*flops):
+        assert abs(after / before - 1) < 0.01, flops
+    assert real.sum() > 0 and np.isfinite(lps[1]).all()
+    np.testing.assert_array_equal(lps[1][:n][real], lps[0][real])
 
 
 # every recipe (S2T with its mini-batch threshold, 20-Entropy's top-entropy mask, GRPO / DAPO / JustRL's clip

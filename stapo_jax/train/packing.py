@@ -5,15 +5,18 @@ of each sequence (prompt + response, ``attention_mask == 1``, in order) are laid
 ``row_length`` tokens by first-fit decreasing; each sequence gets its own segment id (1, 2, ... per row; 0 =
 padding) so attention never crosses sequences (``models.attention``), and its own RoPE positions 0, 1, ...
 (the padded batch's ``max(cumsum(mask) - 1, 0)``), so every real token sees exactly the keys and positions it
-sees in the padded batch. ``response_index`` maps each response column ``(b, r)`` of the ``[B, R]`` layout
-(``stapo_jax.train.batching``) back to the packed position of the hidden state that predicts it, so log-probs,
-entropies and everything computed from them (token masks, the S2T quantile population, every aggregation
-mode, metrics) keep the padded batch's ``[B, R]`` arrays; only the transformer runs on the packed rows.
+sees in the padded batch. As verl's rmpad log-prob path, the LM head then runs on the packed positions
+(``stapo_jax.train.policy``): each position's target is the next packed token (:attr:`PackedLayout.next_token_ids`),
+and ``response_index`` maps each response column ``(b, r)`` of the ``[B, R]`` layout (``stapo_jax.train.batching``)
+to the packed position that predicts it, so :func:`gather_response_values` moves the per-token log-probs and
+entropies (scalars) back to ``[B, R]``; token masks, the S2T quantile population, every aggregation mode and the
+metrics keep the padded batch's ``[B, R]`` arrays, while the transformer and the LM head compute only the packed
+rows (``M * L`` positions, not slots x R).
 
 Sharding: with ``num_shards = S`` the B rows are split into S contiguous blocks (the data-parallel shards of a
 row-sharded batch) and each block is packed into its own ``M / S`` rows; ``response_index`` is local to the
-block, and :func:`gather_response_hidden` is a gather batched over the S blocks, so a batch sharded over S devices
-packs and gathers on each device without communication.
+block, and :func:`gather_response_values` is a gather batched over the S blocks, so a batch sharded over S
+devices packs and gathers on each device without communication.
 """
 from __future__ import annotations
 
@@ -48,6 +51,16 @@ class PackedLayout:
     def attention_mask(self) -> jax.Array:
         """[M, L] bool, True on packed real tokens."""
         return self.segment_ids > 0
+
+    @property
+    def next_token_ids(self) -> jax.Array:
+        """[M, L] int32, the packed token after each position in its row (0 after the last column): the LM-head
+        target of every packed position. At the position ``response_index[b, r]`` it is response token
+        ``(b, r)`` (a sequence's real tokens are contiguous in its row); elsewhere (prompt, a sequence's last
+        token, padding) the value is computed and never gathered. Source: verl rmpad log-probs
+        (``torch.roll(input_ids_rmpad, shifts=-1)``)."""
+        ids = self.input_ids
+        return jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
 
 
 def first_fit_decreasing(lengths: np.ndarray, row_length: int) -> list[list[int]]:
@@ -236,27 +249,30 @@ def packing_long_rows(attention: str) -> bool:
     return attention == "blockwise"
 
 
-def gather_response_hidden(hidden: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:
-    """Hidden states of packed rows in the ``[B, R]`` response layout.
+def gather_response_values(values: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:
+    """Per-position values of packed rows (log-probs, entropies) in the ``[B, R]`` response layout.
 
     Args:
-      hidden: [M, L, D] (any dtype), the model's output on :class:`PackedLayout` rows.
+      values: [M, L] (any dtype), one value per packed position of :class:`PackedLayout` rows.
       response_index: [B, R] int32 from :func:`pack_sequences` (local to each of the ``num_shards`` blocks).
       num_shards: the ``num_shards`` the layout was planned with.
     Returns:
-      [B, R, D] in hidden's dtype: a gather batched over the shard blocks (each block reads only its rows).
+      [B, R] in values' dtype: ``out[b, r] = values`` at block ``b // (B / S)``'s flat position
+      ``response_index[b, r]``, a gather batched over the shard blocks (each block reads only its rows; the
+      VJP is a scatter-add of scalars into ``[M, L]``, zero at positions no response column reads).
     Raises:
-      ValueError: M or B not divisible by ``num_shards``.
-    Source: verl ``use_remove_padding`` (unpad / pad back of the response positions).
+      ValueError: M or B not divisible by ``num_shards``, or values not 2-D.
+    Source: verl ``use_remove_padding`` (log-probs computed on the packed tokens, then ``pad_input`` back).
     """
-    m, l, d = hidden.shape
+    if values.ndim != 2:
+        raise ValueError(f"values must be [M, L] (one value per packed position), got shape {tuple(values.shape)}")
+    m, l = values.shape
     b, r = response_index.shape
     if m % num_shards or b % num_shards:
         raise ValueError(f"packed rows {m} and batch rows {b} must be divisible by num_shards={num_shards}")
-    h = hidden.reshape(num_shards, (m // num_shards) * l, d)
+    v = values.reshape(num_shards, (m // num_shards) * l)
     idx = response_index.reshape(num_shards, (b // num_shards) * r)
-    out = jnp.take_along_axis(h, idx[:, :, None], axis=1)
-    return out.reshape(b, r, d)
+    return jnp.take_along_axis(v, idx, axis=1).reshape(b, r)
 
 
 def check_split(who: str, lengths: np.ndarray, mini_rows: int, num_micro_batches: int,

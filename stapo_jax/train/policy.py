@@ -1,8 +1,12 @@
 """The policy's per-token log-probabilities and entropies for packed prompt+response batches.
 
 One definition for every consumer (old log-probs, the S2T pre-pass, the gradient pass, SFT): the model's
-hidden states at the positions that predict the response tokens go through the chunked LM-head path of
-``stapo_jax.algo.logprobs`` (full vocabulary, temperature-scaled, f32), so no ``[B, T, V]`` logits exist.
+hidden states go through the chunked LM-head path of ``stapo_jax.algo.logprobs`` (full vocabulary,
+temperature-scaled, f32), so no ``[B, T, V]`` logits exist. Padded batches: the ``[B, R, D]`` hidden states at
+the positions that predict the response tokens. Packed batches (``stapo_jax.train.packing``, verl's rmpad
+log-prob path): the head runs on every packed position ``[M, L, D]`` against the next packed token, and only
+the resulting scalars are gathered back to ``[B, R]``, so the head's work and activations follow the packed
+tokens, not the response slots.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Optional
 import jax
 
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy
-from stapo_jax.train.packing import PackedLayout, gather_response_hidden
+from stapo_jax.train.packing import PackedLayout, gather_response_values
 
 
 def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
@@ -28,9 +32,12 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
       temperature: logits are divided by it (the sampler's temperature).
       seq_chunk, vocab_chunk: chunk sizes of the LM-head pass (tokens, vocabulary entries).
       packing: optional :class:`stapo_jax.train.packing.PackedLayout` of this batch (``pack_sequences`` with
-        ``num_shards=packing_shards``; default: the layout's ``num_shards``): the transformer runs on the packed rows (no padding; segment ids,
-        per-sequence positions) and the hidden states are gathered back into the [B, R] layout, so the
-        outputs equal the padded computation's on every response token. ``input_ids`` still gives the targets.
+        ``num_shards=packing_shards``; default: the layout's ``num_shards``): the transformer runs on the
+        packed rows (no padding; segment ids, per-sequence positions), the LM head on every packed position
+        (targets: the next packed token, ``PackedLayout.next_token_ids``), and the per-token log-probs and
+        entropies are gathered back into the [B, R] layout (``gather_response_values``), so the outputs equal
+        the padded computation's on every response token; ``input_ids`` / ``attention_mask`` only give the
+        shapes.
     Returns:
       (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
     Raises:
@@ -40,14 +47,17 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
     if not 1 <= response_length < t:
         raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
     p = t - response_length
+    w = model.lm_head_weight()
     if packing is None:
         hidden, _ = model(input_ids, attention_mask)
-        h = hidden[:, p - 1:t - 1]
-    else:
-        hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
-                          segment_ids=packing.segment_ids)
-        h = gather_response_hidden(hidden, packing.response_index,
-                                   packing.num_shards if packing_shards is None else packing_shards)
-    targets = input_ids[:, p:]
-    return chunked_log_probs_and_entropy(h, model.lm_head_weight(), targets, temperature=temperature,
-                                         seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+        return chunked_log_probs_and_entropy(hidden[:, p - 1:t - 1], w, input_ids[:, p:], temperature=temperature,
+                                             seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+    hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
+                      segment_ids=packing.segment_ids)
+    # [M, L] per packed position; positions no response column reads (prompt, padding) hold finite values
+    # (attention outputs at padding are finite) and get a zero cotangent from the gather
+    lp, ent = chunked_log_probs_and_entropy(hidden, w, packing.next_token_ids, temperature=temperature,
+                                            seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+    shards = packing.num_shards if packing_shards is None else packing_shards
+    return (gather_response_values(lp, packing.response_index, shards),
+            gather_response_values(ent, packing.response_index, shards))
