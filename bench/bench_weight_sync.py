@@ -7,7 +7,10 @@ Sections (every one interleaved old/new, >= 3 repeats, median [min..max] and the
    * old (re-created here): ``engine.place_params``, i.e. the layer weights copied into *fresh* buffers while
      the previous ones are still alive, which is what ``set_params`` did before this bench was written
      (``self._params = self.place_params(params)``);
-   * new: ``engine.set_params``, the same copy written into the engine's previous per-layer buffers (donated).
+   * new: ``engine.set_params``, the same copy written layer by layer into the engine's previous per-layer
+     buffers (donated).
+   The first call of each side after the engine started is printed apart (old: fresh pages to fault in;
+   new: compiling its one-layer copy).
    Printed beside them: validation + ``device_put`` alone, and a numpy copy of the same bytes into
    already-touched memory (the copy's floor on this machine).
 2. **Sampler** (``sample_tokens`` at temperature > 0, B x V logits, jitted): old (re-created here:
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,15 +79,23 @@ def bench_sync(engine: Qwen3Engine, states: list, repeats: int) -> None:
 
     src = np.ones(layer_bytes // 4, np.float32)
     dst = np.zeros_like(src)
-    times = interleaved({"old": old, "new": new, "put": put, "memcpy": lambda: np.copyto(dst, src)}, repeats)
+    first = {}
+    for k, f in (("new", new), ("old", old)):  # the first sync after the engine started (new: + its compile)
+        t0 = time.perf_counter()
+        f()
+        first[k] = time.perf_counter() - t0
+    times = interleaved({"old": old, "new": new, "put": put, "memcpy": lambda: np.copyto(dst, src)}, repeats,
+                        warmup=0)
     print(f"[sync] layer weights {layer_bytes / 2**20:.0f} MiB, all parameters "
           f"{sum(x.nbytes for x in jax.tree.leaves(states[0])) / 2**20:.0f} MiB, device-resident", flush=True)
     print(f"[sync] old: place_params into fresh buffers (re-created)  {summary(times['old'], 's')}")
     print(f"[sync] new: set_params into the donated previous buffers   {summary(times['new'], 's')}")
+    print(f"[sync] first call after the engine started (not in the medians): old {first['old']:.3f} s, "
+          f"new {first['new']:.3f} s (includes compiling the per-layer copy)")
     print(f"[sync] ratio old/new = {ratio(times['old'], times['new'])}x (median [per-round min..max])")
     print(f"[sync] of which validation + device_put (no-op placement): {summary(times['put'], 'ms')}; "
           f"numpy copy of the layer bytes into touched memory: {summary(times['memcpy'], 's')}", flush=True)
-    a, b = engine.load_params(), held["old"]  # both were last given states[(repeats + warmup - 1) % 2]
+    a, b = engine.load_params(), held["old"]  # both were last given states[repeats % 2]
     same = all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     print(f"[sync] old and new parameters identical: {same}", flush=True)
 

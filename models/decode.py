@@ -48,28 +48,28 @@ def unstack_layers(stacked) -> tuple:
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
-def unstack_layers_into(stacked, previous: tuple) -> tuple:
-    """:func:`unstack_layers` written into ``previous``, the L per-layer states of the same shapes and dtypes
-    (jittable; jit it with ``donate_argnums=1`` so that each layer's weights are copied into the donated
-    buffers: no fresh allocation, no second copy of the layers alive at once, and on CPU none of the page
-    faults of first-touching new memory, which cost most of a fresh copy; bench/bench_weight_sync.py).
+def copy_layer_into(stacked, index: jax.Array, previous):
+    """Layer ``index`` of the stacked layer state written into ``previous``, a per-layer state of the same
+    shapes and dtypes (jittable; jit it with ``donate_argnums=2`` so that the layer's weights are copied into
+    the donated buffers: no fresh allocation, no second copy of the layers alive at once, and on CPU none of
+    the page faults of first-touching new memory; bench/bench_weight_sync.py). One small program serves every
+    layer (``index`` is traced), so it compiles in a fraction of the time of a whole-model unstack.
 
     Args:
-      stacked: the stacked layer state (leaves ``[L, ...]``); previous: tuple of L states, leaves ``[...]``.
+      stacked: the stacked layer state (leaves ``[L, ...]``); index: [] int32 in ``[0, L)`` (clamped, as
+        ``lax.dynamic_slice``); previous: one per-layer state, leaves ``[...]``.
     Returns:
-      tuple of L per-layer states holding ``stacked``'s values (dtypes of ``previous``, equal to ``stacked``'s).
-    Raises:
-      ValueError: ``previous`` does not have L entries. Mismatched leaf shapes/dtypes raise from JAX (trace time).
-    Source: JAX buffer donation (``jax.jit(donate_argnums=...)``); each layer is written with
+      the per-layer state with layer ``index``'s values (dtypes of ``previous``, equal to ``stacked``'s).
+    Raises nothing of its own; mismatched leaf shapes raise from JAX at trace time.
+    Source: JAX buffer donation (``jax.jit(donate_argnums=...)``); the layer is written with
     ``lax.dynamic_update_slice`` over the whole donated buffer, because jit drops a donated argument that the
     result does not read (it would then not alias).
     """
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    if len(previous) != n:
-        raise ValueError(f"previous has {len(previous)} layer states, the stacked layers {n}")
-    return tuple(jax.tree.map(lambda old, a, i=i: jax.lax.dynamic_update_slice(old, a[i].astype(old.dtype),
-                                                                                (0,) * old.ndim),
-                              previous[i], stacked) for i in range(n))
+    def one(old, a):
+        layer = jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False).astype(old.dtype)
+        return jax.lax.dynamic_update_slice(old, layer, (0,) * old.ndim)
+
+    return jax.tree.map(one, previous, stacked)
 
 
 _unstack_jit = jax.jit(unstack_layers)

@@ -45,7 +45,7 @@ compat.install()
 
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
 
-from models.decode import LAYERS_KEY, DecodeParams, split_layers, unstack_layers, unstack_layers_into  # noqa: E402
+from models.decode import LAYERS_KEY, DecodeParams, copy_layer_into, split_layers, unstack_layers  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from models.sharding import make_mesh, param_path, param_shardings  # noqa: E402
 from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are part of this module's API)
@@ -243,10 +243,11 @@ class Qwen3Engine(engine_api.Engine):
         layer_shardings = decode_param_shardings(self._param_shardings, self.model_config.num_hidden_layers).layers
         self._unstack = jax.jit(unstack_layers, in_shardings=(self._param_shardings[LAYERS_KEY],),
                                 out_shardings=layer_shardings)
-        # set_params: the same copy, written into the engine's previous per-layer buffers (donated)
-        self._unstack_into = jax.jit(unstack_layers_into,
-                                     in_shardings=(self._param_shardings[LAYERS_KEY], layer_shardings),
-                                     out_shardings=layer_shardings, donate_argnums=1)
+        # set_params: the same copy, layer by layer into the engine's previous per-layer buffers (donated)
+        replicated = NamedSharding(self._mesh, P())
+        self._copy_layer = jax.jit(copy_layer_into, donate_argnums=2, out_shardings=layer_shardings[0],
+                                   in_shardings=(self._param_shardings[LAYERS_KEY], replicated, layer_shardings[0]))
+        self._layer_index = [jax.device_put(np.int32(i), replicated) for i in range(len(layer_shardings))]
         self._params = self.place_params(state)
         self._spec = DecodeSpec(self._graphdef, self.model_config, config, eos, self._decode_state_shardings())
 
@@ -367,7 +368,8 @@ class Qwen3Engine(engine_api.Engine):
         """
         placed = self._check_and_put(params)
         rest = nnx.State({k: v for k, v in placed.items() if k != LAYERS_KEY})
-        layers = self._unstack_into(placed[LAYERS_KEY], self._params.layers)
+        stacked = placed[LAYERS_KEY]
+        layers = tuple(self._copy_layer(stacked, i, old) for i, old in zip(self._layer_index, self._params.layers))
         self._params = jax.block_until_ready(DecodeParams(rest=rest, layers=layers))
         return self._params
 
