@@ -361,8 +361,10 @@ class Qwen3Engine(engine_api.Engine):
         engine's current per-layer buffers (donated, so no new allocation and no second copy of the layers:
         bench/bench_weight_sync.py), and make the result what :meth:`load_params` returns.
 
-        The previous :meth:`load_params` result is invalidated (its layer arrays are donated; the JetStream
-        orchestrator and :class:`~stapo_jax.rollout.driver.RolloutDriver` read :meth:`load_params` afresh).
+        The previous :meth:`load_params` result is invalidated (its layer arrays are donated):
+        :class:`~stapo_jax.rollout.driver.RolloutDriver` reads :meth:`load_params` afresh for every batch, and
+        the JetStream server, which takes :meth:`load_params` once at start, is never synced (its client's
+        ``sync_weights`` raises).
         Arguments/raises as :meth:`place_params`; on ParamsMismatchError the current parameters stay valid
         (validation comes before the copy).
         """
