@@ -19,8 +19,9 @@ torch runs with the faster of 1 thread and all cores (measured on a 6-token run 
 host OpenMP spin-waiting can make the multi-threaded run many times slower.
 
 Weight sync: ``RolloutDriver.sync_weights`` with (a) device-resident parameters of the same shardings (the
-trainer's case: validation plus one device copy of the layer weights into the engine's per-layer layout) and
-(b) host numpy parameters (host->device placement plus that copy); median of 3.
+trainer's case: validation plus one device copy of the layer weights into the engine's per-layer buffers, which
+``set_params`` donates and reuses) and (b) host numpy parameters (host->device placement plus that copy); median
+of 3. bench/bench_weight_sync.py compares that copy with the former one into fresh buffers.
 
     .venv/bin/python bench/bench_rollout.py                      # tiny and 0.6b (several minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --models tiny        # quick

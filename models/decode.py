@@ -48,6 +48,30 @@ def unstack_layers(stacked) -> tuple:
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
 
 
+def copy_layer_into(stacked, index: jax.Array, previous):
+    """Layer ``index`` of the stacked layer state written into ``previous``, a per-layer state of the same
+    shapes and dtypes (jittable; jit it with ``donate_argnums=2`` so that the layer's weights are copied into
+    the donated buffers: no fresh allocation, no second copy of the layers alive at once, and on CPU none of
+    the page faults of first-touching new memory; bench/bench_weight_sync.py). One small program serves every
+    layer (``index`` is traced), so it compiles in a fraction of the time of a whole-model unstack.
+
+    Args:
+      stacked: the stacked layer state (leaves ``[L, ...]``); index: [] int32 in ``[0, L)`` (clamped, as
+        ``lax.dynamic_slice``); previous: one per-layer state, leaves ``[...]``.
+    Returns:
+      the per-layer state with layer ``index``'s values (dtypes of ``previous``, equal to ``stacked``'s).
+    Raises nothing of its own; mismatched leaf shapes raise from JAX at trace time.
+    Source: JAX buffer donation (``jax.jit(donate_argnums=...)``); the layer is written with
+    ``lax.dynamic_update_slice`` over the whole donated buffer, because jit drops a donated argument that the
+    result does not read (it would then not alias).
+    """
+    def one(old, a):
+        layer = jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False).astype(old.dtype)
+        return jax.lax.dynamic_update_slice(old, layer, (0,) * old.ndim)
+
+    return jax.tree.map(one, previous, stacked)
+
+
 _unstack_jit = jax.jit(unstack_layers)
 
 

@@ -196,6 +196,31 @@ def test_sync_weights_swaps_params_without_recompiling(twin):
         drv.sync_weights(tied)
 
 
+def test_set_params_writes_into_the_engines_layer_buffers(twin):
+    """The weight sync copies the layer weights into the engine's previous per-layer buffers (donated: same
+    device addresses, old arrays consumed) and gives the values place_params gives in fresh buffers; a
+    rejected sync leaves the current parameters usable."""
+    model, _ = twin
+    eng = make_engine(model)
+    first = eng.load_params()
+    addresses = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(first.layers)]
+    other = nnx.split(tiny_model(seed=1))[1]
+    synced = eng.set_params(other)
+    assert synced is eng.load_params()
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(synced.layers)] == addresses
+    assert all(x.is_deleted() for x in jax.tree.leaves(first.layers))
+    fresh = eng.place_params(other)  # fresh buffers; the engine's own stay valid
+    for a, b in zip(jax.tree.leaves(synced), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(eng.load_params()))
+    with pytest.raises(ParamsMismatchError):
+        eng.set_params(nnx.split(tiny_model(seed=1, intermediate_size=48))[1])
+    drv = RolloutDriver(eng)
+    after = drv.generate(RAGGED_PROMPTS, max_new_tokens=4)
+    ref = RolloutDriver(make_engine(tiny_model(seed=1))).generate(RAGGED_PROMPTS, max_new_tokens=4)
+    np.testing.assert_array_equal(after.responses, ref.responses)
+
+
 def test_decode_step_updates_the_cache_in_place(twin):
     """The compiled step aliases the donated cache and holds no copy of a layer's cache (the stacked-cache scan
     copied every layer's slice out, transposed it and wrote it back on every token)."""

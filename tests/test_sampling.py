@@ -132,3 +132,33 @@ def test_one_pass_greedy_and_sampled_log_probs_match_the_two_pass_reference():
         ref_lp = jax.jit(logits_to_log_probs, static_argnums=2)(logits, ref_tok, params.temperature)
         np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
         np.testing.assert_array_equal(np.asarray(lp), np.asarray(ref_lp))
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 1.0), (0, 0.9), (50, 0.8)])
+def test_fused_draw_equals_categorical_and_log_probs_equal_the_trainers(temperature, top_k, top_p):
+    """sample_tokens draws Gumbel-max over one shared temperature-scaled copy of the logits: for many keys its
+    tokens are exactly jax.random.categorical's over the truncated logits (the pre-fusion sampler), and its
+    log-probs are logits_to_log_probs' (the trainer's) within float rounding."""
+    b, v = 256, 1000
+    rng = np.random.default_rng(int(temperature * 10) + top_k)
+    logits = jnp.asarray(rng.normal(size=(b, v)) * 3, jnp.float32)
+    keys = jax.random.split(jax.random.key(11 + top_k), b)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tok, lp = jax.jit(sample_tokens, static_argnums=2)(logits, keys, params)
+
+    @jax.jit
+    def reference(logits, keys):
+        scaled = truncate_logits(logits / temperature, top_k, top_p)
+        tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return tokens, logits_to_log_probs(logits, tokens, temperature)
+
+    ref_tok, ref_lp = reference(logits, keys)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), rtol=0, atol=1e-6)
+    # the draws are random (many distinct tokens) and truncation was applied where asked
+    assert len(np.unique(np.asarray(tok))) > 20
+    kept = np.isfinite(np.asarray(truncate_logits(logits / temperature, top_k, top_p)))
+    assert kept[np.arange(b), np.asarray(tok)].all()
+    if top_k:
+        assert kept.sum(-1).max() <= top_k

@@ -29,6 +29,7 @@ __all__ = [
     "chunked_log_probs_and_entropy",
     "logits_to_log_probs",
     "logits_to_log_probs_and_entropy",
+    "scaled_log_probs",
 ]
 
 # Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32
@@ -102,9 +103,31 @@ def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: fl
     """
     _check_temperature(temperature)
     _check_token_ids(logits.shape, token_ids)
-    z = logits.astype(_acc_of(logits)) / temperature
+    return scaled_log_probs(logits.astype(_acc_of(logits)) / temperature, token_ids)
+
+
+def scaled_log_probs(z: jax.Array, token_ids: jax.Array, row_max: jax.Array | None = None) -> jax.Array:
+    """``z[token_ids] - logsumexp(z)`` for logits ``z`` already divided by the temperature: the body of
+    :func:`logits_to_log_probs`, for callers that hold ``z`` (the sampler shares it with its draw).
+
+    Args:
+      z: ``[..., V]`` float32 (or float64) temperature-scaled logits, full vocabulary (no truncation).
+      token_ids: ``[...]`` integer ids in ``[0, V)``.
+      row_max: optional ``[...]`` exact ``max(z, axis=-1)`` the caller already has (greedy's chosen logit,
+        top-k's first value); the max pass of the log-sum-exp is then skipped, and the result is the same
+        float (``log(sum(exp(z - max))) + max``, the order of ``jax.nn.logsumexp``) for finite ``z``.
+    Returns:
+      ``[...]`` log-probs in nats (dtype of ``z``).
+    Raises:
+      ValueError: ``token_ids`` shape differs from ``z.shape[:-1]`` or is not integer.
+    Source: conventions.md §5; verl ``logprobs_from_logits``.
+    """
+    _check_token_ids(z.shape, token_ids, "z")
     z_y = jnp.take_along_axis(z, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return z_y - jax.nn.logsumexp(z, axis=-1)
+    if row_max is None:
+        return z_y - jax.nn.logsumexp(z, axis=-1)
+    row_max = jax.lax.stop_gradient(row_max)
+    return z_y - (jnp.log(jnp.sum(jnp.exp(z - row_max[..., None]), axis=-1)) + row_max)
 
 
 def _tile(k, width: int, total: int, ragged: bool):

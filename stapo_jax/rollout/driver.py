@@ -200,12 +200,12 @@ class RolloutDriver:
             pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (
                 engine.eos_token_ids[0] if engine.eos_token_ids else 0)
         self.pad_token_id = int(pad_token_id)
-        self._params = engine.load_params()
 
     @property
     def params(self):
-        """The parameters rollouts are sampled with."""
-        return self._params
+        """The parameters rollouts are sampled with (``engine.load_params()``, read afresh: a weight sync
+        donates the previous ones)."""
+        return self.engine.load_params()
 
     def sync_weights(self, params) -> float:
         """Swap in new parameters (same tree, shapes, dtypes; placed with the engine's shardings).
@@ -220,7 +220,7 @@ class RolloutDriver:
           ParamsMismatchError: structure, shape or dtype differs (names the parameter).
         """
         t0 = time.perf_counter()
-        self._params = self.engine.set_params(params)
+        self.engine.set_params(params)
         return time.perf_counter() - t0
 
     def generate(self, prompts: Sequence[Sequence[int]], *, num_samples: int = 1,
@@ -261,7 +261,7 @@ class RolloutDriver:
         prefixes: dict[int, object] = {}
         slot_row = np.full((n_slots,), -1, np.int64)
         free = deque(range(n_slots))
-        params = self._params
+        params = eng.load_params()
         state = eng.init_decode_state(seed)
         n_active = 0
         while pending or n_active:

@@ -45,7 +45,7 @@ compat.install()
 
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
 
-from models.decode import LAYERS_KEY, DecodeParams, split_layers, unstack_layers  # noqa: E402
+from models.decode import LAYERS_KEY, DecodeParams, copy_layer_into, split_layers, unstack_layers  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from models.sharding import make_mesh, param_path, param_shardings  # noqa: E402
 from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are part of this module's API)
@@ -243,6 +243,11 @@ class Qwen3Engine(engine_api.Engine):
         layer_shardings = decode_param_shardings(self._param_shardings, self.model_config.num_hidden_layers).layers
         self._unstack = jax.jit(unstack_layers, in_shardings=(self._param_shardings[LAYERS_KEY],),
                                 out_shardings=layer_shardings)
+        # set_params: the same copy, layer by layer into the engine's previous per-layer buffers (donated)
+        replicated = NamedSharding(self._mesh, P())
+        self._copy_layer = jax.jit(copy_layer_into, donate_argnums=2, out_shardings=layer_shardings[0],
+                                   in_shardings=(self._param_shardings[LAYERS_KEY], replicated, layer_shardings[0]))
+        self._layer_index = [jax.device_put(np.int32(i), replicated) for i in range(len(layer_shardings))]
         self._params = self.place_params(state)
         self._spec = DecodeSpec(self._graphdef, self.model_config, config, eos, self._decode_state_shardings())
 
@@ -316,8 +321,9 @@ class Qwen3Engine(engine_api.Engine):
         """Check ``params`` against the engine's model and lay them out for decoding on the engine's mesh.
 
         The stacked layers are split into one state per layer (:func:`models.decode.split_layers`; the layer
-        weights are copied once, by a jitted function with the engine's shardings): decode steps then read
-        each layer's weights in place.
+        weights are copied once, into fresh buffers, by a jitted function with the engine's shardings): decode
+        steps then read each layer's weights in place. The engine's current parameters are left alone; the
+        weight sync of a running engine is :meth:`set_params`, which reuses their buffers.
 
         Args:
           params: ``nnx.State`` in the model's stacked layout (``nnx.split(model)[1]``, e.g. the trainer's
@@ -328,6 +334,10 @@ class Qwen3Engine(engine_api.Engine):
         Raises:
           ParamsMismatchError: different structure, or a leaf with another shape or dtype (named).
         """
+        return jax.block_until_ready(split_layers(self._check_and_put(params), self._unstack))
+
+    def _check_and_put(self, params):
+        """``params`` validated against the engine's model (ParamsMismatchError) and put on its shardings."""
         ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(self._param_ref)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         if treedef != ref_def:
@@ -344,12 +354,25 @@ class Qwen3Engine(engine_api.Engine):
                 raise ParamsMismatchError(
                     f"parameter {param_path(path)}: expected {ref.dtype}{tuple(ref.shape)}, "
                     f"got {new.dtype}{tuple(np.shape(new))}")
-        placed = jax.device_put(params, self._param_shardings)
-        return jax.block_until_ready(split_layers(placed, self._unstack))
+        return jax.device_put(params, self._param_shardings)
 
-    def set_params(self, params) -> Any:
-        """:meth:`place_params` and make the result what :meth:`load_params` returns."""
-        self._params = self.place_params(params)
+    def set_params(self, params) -> DecodeParams:
+        """The weight sync: validate ``params`` (as :meth:`place_params`), copy their layer weights into the
+        engine's current per-layer buffers (donated, so no new allocation and no second copy of the layers:
+        bench/bench_weight_sync.py), and make the result what :meth:`load_params` returns.
+
+        The previous :meth:`load_params` result is invalidated (its layer arrays are donated):
+        :class:`~stapo_jax.rollout.driver.RolloutDriver` reads :meth:`load_params` afresh for every batch, and
+        the JetStream server, which takes :meth:`load_params` once at start, is never synced (its client's
+        ``sync_weights`` raises).
+        Arguments/raises as :meth:`place_params`; on ParamsMismatchError the current parameters stay valid
+        (validation comes before the copy).
+        """
+        placed = self._check_and_put(params)
+        rest = nnx.State({k: v for k, v in placed.items() if k != LAYERS_KEY})
+        stacked = placed[LAYERS_KEY]
+        layers = tuple(self._copy_layer(stacked, i, old) for i, old in zip(self._layer_index, self._params.layers))
+        self._params = jax.block_until_ready(DecodeParams(rest=rest, layers=layers))
         return self._params
 
     # ------------------------------------------------------------------ JetStream Engine API

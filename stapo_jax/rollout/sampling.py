@@ -3,8 +3,12 @@
 The returned log-prob of each chosen token is the **trainer's** quantity: the full-vocabulary,
 temperature-scaled log-softmax, computed before any top-k/top-p truncation (conventions.md §5; the Tunix
 vanilla sampler does the same). It is computed by :func:`stapo_jax.algo.logprobs.logits_to_log_probs`, the very
-function the trainer uses, so the two share one definition; greedy decoding takes the row maximum from its
-argmax instead of a second max pass over the vocabulary, giving the same float (tests/test_sampling.py).
+function the trainer uses (its body :func:`~stapo_jax.algo.logprobs.scaled_log_probs`), so the two share one
+definition. Sampling and the log-prob share one temperature-scaled copy of the logits: the draw is Gumbel-max
+over its truncation, ``argmax(gumbel(key, [V]) + truncated)``, exactly what ``jax.random.categorical`` computes
+(same noise, same sum, so the same tokens for the same keys), and the log-prob is taken from the untruncated
+scaled logits; greedy decoding takes the row maximum from its argmax, and top-k from its first value, instead
+of a second max pass over the vocabulary, giving the same float (tests/test_sampling.py).
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
 temperature -> top-k (``TopKLogitsWarper``: keep logits >= the k-th largest, ties kept) -> top-p
@@ -20,9 +24,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from stapo_jax.algo.logprobs import logits_to_log_probs
+from stapo_jax.algo.logprobs import scaled_log_probs
 
-__all__ = ["SamplingParams", "SamplingParamsError", "truncate_logits", "sample_tokens"]
+__all__ = ["SamplingParams", "SamplingParamsError", "gumbel_noise", "truncate_logits", "sample_tokens"]
 
 
 class SamplingParamsError(ValueError):
@@ -79,6 +83,11 @@ def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0
       SamplingParamsError: top_k < 0 or top_p outside (0, 1].
     Source: transformers ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (``generation/logits_process.py``).
     """
+    return _truncate(scaled_logits, top_k, top_p)[0]
+
+
+def _truncate(scaled_logits, top_k, top_p):
+    """:func:`truncate_logits` and the exact row maximum when truncation computed it (else None)."""
     if top_k < 0:
         raise SamplingParamsError(f"top_k must be >= 0, got {top_k}")
     if not 0.0 < top_p <= 1.0:
@@ -86,7 +95,7 @@ def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0
     v = scaled_logits.shape[-1]
     use_k = 0 < top_k < v
     if not use_k and top_p >= 1.0:
-        return scaled_logits
+        return scaled_logits, None
     # Descending candidate values: only the top-k when top-k is on (no full-vocabulary sort).
     vals = jax.lax.top_k(scaled_logits, top_k)[0] if use_k else -jnp.sort(-scaled_logits, axis=-1)
     threshold = vals[:, -1] if use_k else jnp.full(vals.shape[:1], -jnp.inf, vals.dtype)
@@ -98,7 +107,14 @@ def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0
         n_keep = jnp.sum(keep, axis=-1)
         p_threshold = jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
         threshold = jnp.maximum(threshold, p_threshold)
-    return jnp.where(scaled_logits >= threshold[:, None], scaled_logits, -jnp.inf)
+    return jnp.where(scaled_logits >= threshold[:, None], scaled_logits, -jnp.inf), vals[:, 0]
+
+
+def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
+    """The Gumbel noise ``jax.random.categorical(key, logits)`` adds to a ``[V]`` row of float32 logits,
+    for each of the ``[B]`` typed keys: ``[B, V]`` float32 (``jax.random.gumbel(key, (V,), float32)``, the
+    default ``mode``). Never raises for a [B] key array. Source: ``jax.random.categorical`` (Gumbel-max)."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
@@ -111,26 +127,25 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams) ->
       params: :class:`SamplingParams` (static under ``jax.jit``).
     Returns:
       ``(tokens, log_probs)``: ``[B]`` int32 token ids and ``[B]`` float32
-      ``log softmax(logits / temperature)[token]`` in nats, before truncation (conventions.md §5).
+      ``log softmax(logits / temperature)[token]`` in nats, before truncation (conventions.md §5). The tokens
+      equal ``jax.vmap(jax.random.categorical)(keys, truncate_logits(logits / temperature, ...))`` and the
+      log-probs ``logits_to_log_probs(logits, tokens, temperature)`` (tests/test_sampling.py).
     Raises:
       ValueError: ``logits`` is not rank 2 or ``keys`` does not have B entries.
-    Source: conventions.md §5; transformers logits warpers (see :func:`truncate_logits`); Tunix sampler.
+    Source: conventions.md §5; transformers logits warpers (see :func:`truncate_logits`); Tunix sampler;
+    ``jax.random.categorical`` (Gumbel-max).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     logits = logits.astype(jnp.float32)
+    z = logits / params.temperature  # shared by the draw and the log-prob
     if params.greedy:
-        # The argmax's value is the row maximum the log-sum-exp needs (z = logits / T is monotone in the logits,
-        # so z[token] == max z exactly): one max pass and the gather of logits_to_log_probs are saved, the
-        # log-prob is the same float (log(sum(exp(z - max))) + max, jax.nn.logsumexp's order).
+        # z = logits / T is monotone in the logits, so z[argmax] is the row maximum the log-sum-exp needs.
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        z = logits / params.temperature
-        z_max = jnp.take_along_axis(z, tokens[:, None], axis=-1)
-        log_z = jnp.log(jnp.sum(jnp.exp(z - z_max), axis=-1)) + z_max[:, 0]
-        return tokens, z_max[:, 0] - log_z
-    else:
-        if keys.shape != logits.shape[:1]:
-            raise ValueError(f"keys must have shape [B] = {logits.shape[:1]}, got {tuple(keys.shape)}")
-        scaled = truncate_logits(logits / params.temperature, params.top_k, params.top_p)
-        tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return tokens, logits_to_log_probs(logits, tokens, params.temperature)
+        row_max = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
+        return tokens, scaled_log_probs(z, tokens, row_max)
+    if keys.shape != logits.shape[:1]:
+        raise ValueError(f"keys must have shape [B] = {logits.shape[:1]}, got {tuple(keys.shape)}")
+    truncated, row_max = _truncate(z, params.top_k, params.top_p)
+    tokens = jnp.argmax(gumbel_noise(keys, z.shape[-1]) + truncated, axis=-1).astype(jnp.int32)
+    return tokens, scaled_log_probs(z, tokens, row_max)
