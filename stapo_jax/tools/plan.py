@@ -255,7 +255,7 @@ def layout_line(layout: dict, spec: dict) -> str:
     return (f"train batch: micro-batches chosen by tokens (token budget {layout['budget_tokens']} tokens = "
             f"{m_b} padded row(s) of {w} per device), planned at the largest slot layout: "
             f"K'={layout['micro_batches']} micro-batches of n_max={layout['n_max']} sequence slots per device "
-            f"(actor.max_sequences_per_micro_batch={spec['max_sequences']}), {layout['rows']} slot rows "
+            f"(cap {spec['max_sequences']}: actor.max_sequences_per_micro_batch), {layout['rows']} slot rows "
             f"({layout['rows'] // dp} per device; padded: {spec['mini_batch_sequences'] // dp}), packed rows "
             f"{m_b} x {w} per micro-batch per device")
 
