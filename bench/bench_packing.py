@@ -17,7 +17,8 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    trainer's default for packed balanced updates: fewer, fuller micro-batches within the tokens of one padded
    micro-batch (``update.token_budget_micro_batches``), with equal sequence counts (the previous layout) and with
    variable counts (dummy slots fill ``[n_max, R]``; the response slots per sequence are the LM-head pass's
-   extra work), at ``--micro-batch`` sequences per padded micro-batch and at the paper configs' 1 per device on
+   extra work; at most ``MAX_SEQUENCES_FACTOR`` x the padded micro-batch's sequences, the trainer's default
+   ``actor.max_sequences_per_micro_batch``), at ``--micro-batch`` sequences per padded micro-batch and at the paper configs' 1 per device on
    1, 8 and 64 data-parallel shards.
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
    small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
@@ -60,6 +61,7 @@ from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.algo.recipes import get_recipe  # noqa: E402
 from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
+from stapo_jax.config.schema import MAX_SEQUENCES_FACTOR  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
 from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_slots, pack_micro_batches,  # noqa: E402
@@ -121,7 +123,8 @@ def tokens_per_useful(prompt_len, resp_len, micro: int) -> dict:
             for variable in (False, True):
                 kk, slots = token_budget_micro_batches(mask, mini_rows=len(prompt_len), num_micro_batches=kb,
                                                        num_shards=shards, long_rows=long_rows,
-                                                       variable_counts=variable)
+                                                       variable_counts=variable,
+                                                       max_sequences=MAX_SEQUENCES_FACTOR * per_micro)
                 lay = pack_micro_batches(gather_slots(ids, slots), gather_slots(mask, slots), rr,
                                          num_micro_batches=kk, num_shards=shards, long_rows=long_rows)
                 counts = (f"variable counts: {kk} micro-batches of <= {len(slots) // (kk * shards)} sequences, "
@@ -245,7 +248,8 @@ def main(argv=None) -> dict:
     k = a.timed_batch // a.timed_micro
     opt = make_optimizer(1e-4)
     state = TrainState.create(model, opt)
-    kk, slots = token_budget_micro_batches(mask, mini_rows=len(pl), num_micro_batches=k)  # the trainer's default
+    kk, slots = token_budget_micro_batches(mask, mini_rows=len(pl), num_micro_batches=k,  # the trainer's default
+                                           max_sequences=MAX_SEQUENCES_FACTOR * a.timed_micro)
     fns = {n: (make_update_steps(get_recipe("stapo"), opt, num_micro_batches=n, seq_chunk=128),
                jax.jit(make_log_prob_fn(num_micro_batches=n, seq_chunk=128), static_argnums=(1, 4))) for n in {k, kk}}
     out = {}

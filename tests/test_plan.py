@@ -28,18 +28,29 @@ algorithm: {{recipe: {recipe}}}
 """
 
 
-def tiny_cfg(tmp_path, layers=2, remat="none", mini=4, chunk=8, recipe="stapo", d=64, f=128, h=16):
+def tiny_cfg(tmp_path, layers=2, remat="none", mini=4, chunk=8, recipe="stapo", d=64, f=128, h=16, overrides=()):
     p = tmp_path / "tiny.yaml"
     p.write_text(TINY.format(layers=layers, remat=remat, mini=mini, chunk=chunk, recipe=recipe, d=d, f=f, h=h))
-    return load_config(p), p
+    return load_config(p, list(overrides)), p
+
+
+def slot_bound_lengths():
+    """[16] sequence lengths (of P + R = 16 + 32) for which the trainer's token-budget layout on 8 shards of 1
+    padded row each is the plan's bound: 6 full-length sequences, 40 + 8 tokens, and 8 two-token sequences that
+    lightest-first sends to one micro-batch (n_max = 9 uncapped, 8 at the default cap of 8 x 1)."""
+    return np.random.default_rng(0).permutation(np.array([48] * 6 + [40, 8] + [2] * 8))
 
 
 def shard_nbytes(tree):
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("opt_state", ["trainer", "replicated"])
-def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
+@pytest.mark.parametrize("opt_state,layout", [("trainer", "slots"), ("replicated", "packed rows")])
+def test_plan_equals_real_compiled_programs(tmp_path, opt_state, layout):
+    """``slots``: STAPO with a mini-batch-scoped S2T mask, so the trainer chooses micro-batches by tokens; the
+    real batch is the trainer's slot layout (``token_budget_micro_batches`` + ``gather_slots``) of lengths that
+    reach the plan's bound (n_max = 8 > 1 sequence per padded micro-batch). ``packed rows``: a micro-batch-scoped
+    S2T mask (the update depends on a row's micro-batch): full-length sequences packed one per row."""
 
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
@@ -48,13 +59,17 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
     from stapo_jax.rollout import engine as eng
     from stapo_jax.rollout.decode_fns import step_fn
     from stapo_jax.rollout.sampling import SamplingParams
-    from stapo_jax.train.packing import pack_micro_batches
+    from stapo_jax.train.packing import gather_slots, pack_micro_batches
     from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_train_step
+    from stapo_jax.train.update import token_budget_micro_batches
 
-    cfg, _ = tiny_cfg(tmp_path)
+    scope = "minibatch" if layout == "slots" else "microbatch"
+    cfg, _ = tiny_cfg(tmp_path, overrides=[f"s2t.quantile_scope={scope}"])
     spec = plan.make_spec(cfg, mesh="data=2,fsdp=4,tensor=1", opt_state=opt_state)
     assert spec["devices"] == 8 and spec["num_micro_batches"] == 2 and spec["mini_batch_sequences"] == 16
     result = plan.run_plan(spec)
+    planned = result["train"]["layout"]
+    assert planned["kind"] == layout
 
     # ---- the real side: allocated parameters, optimizer state, batch, engine
     qcfg = Qwen3Config(**spec["model"])
@@ -67,19 +82,36 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
         if opt_state == "replicated":  # the what-if: moments as a plain jit(optimizer.init) places them
             state = state.replace(opt_state=jax.jit(opt.init)(state.params))
         shardings = jax.tree.map(lambda x: x.sharding, state)
-        step = make_train_step(get_recipe("stapo"), opt, num_micro_batches=2, seq_chunk=8, vocab_size=512,
-                               mesh=mesh, state_shardings=shardings, donate=True)
         b, t, r = 16, 48, 32
+        if layout == "slots":  # the trainer's token-budget slot layout of lengths that reach the bound
+            lengths = slot_bound_lengths()
+            prompt = np.minimum(lengths - 1, 16)
+            cols = np.arange(t)[None]
+            mask = (cols >= 16 - prompt[:, None]) & (cols < 16 + (lengths - prompt)[:, None])
+            k, slots = token_budget_micro_batches(mask, mini_rows=16, num_micro_batches=2, num_shards=8,
+                                                  max_sequences=cfg.actor.sequences_cap())
+            assert (k, len(slots), len(slots) // (8 * k)) == (planned["micro_batches"], planned["rows"], 8)
+            assert planned["n_max"] == 8 and planned["rows"] == 64
+            rows = {"input_ids": gather_slots(np.where(mask, 7, 0).astype(np.int32), slots),
+                    "attention_mask": gather_slots(mask, slots), "advantages": gather_slots(np.ones(b, np.float32),
+                                                                                            slots)}
+        else:  # full-length sequences pack one per row, the plan's worst case of that layout
+            k = 2
+            rows = {"input_ids": np.zeros((b, t), np.int32), "attention_mask": np.ones((b, t), bool),
+                    "advantages": np.ones(b, np.float32)}
+        n = len(rows["advantages"])
+        step = make_train_step(get_recipe("stapo", s2t={"quantile_scope": scope}), opt, num_micro_batches=k,
+                               seq_chunk=8, vocab_size=512, mesh=mesh, state_shardings=shardings, donate=True)
         bs = batch_sharding(mesh)
         put = lambda x: jax.device_put(x, bs)  # noqa: E731
-        batch = Batch(input_ids=put(jnp.zeros((b, t), jnp.int32)), attention_mask=put(jnp.ones((b, t), bool)),
-                      response_mask=put(jnp.ones((b, r), jnp.int32)), advantages=put(jnp.ones((b,), jnp.float32)),
-                      old_log_probs=put(jnp.zeros((b, r), jnp.float32)),
-                      old_entropy=put(jnp.zeros((b, r), jnp.float32)))  # as the trainer passes it (S2T correction)
-        # model.use_remove_padding (default): full-length sequences pack one per row, the plan's worst case
-        assert spec["use_remove_padding"]
+        batch = Batch(input_ids=put(rows["input_ids"]), attention_mask=put(rows["attention_mask"]),
+                      response_mask=put(rows["attention_mask"][:, -r:].astype(np.int32)),
+                      advantages=put(rows["advantages"]), old_log_probs=put(jnp.zeros((n, r), jnp.float32)),
+                      old_entropy=put(jnp.zeros((n, r), jnp.float32)))  # as the trainer passes it (S2T correction)
+        assert spec["use_remove_padding"]  # model.use_remove_padding (default)
         batch = batch.replace(packing=jax.tree.map(put, pack_micro_batches(
-            np.zeros((b, t), np.int32), np.ones((b, t), bool), r, num_micro_batches=2, num_shards=8)))
+            rows["input_ids"], rows["attention_mask"], r, num_micro_batches=k, num_shards=8, long_rows=False)))
+        assert batch.packing.input_ids.shape == (planned["packed_rows"], planned["row_length"])
         real_train = step.lower(state, batch).compile().memory_analysis()
         engine = eng.Qwen3Engine(model, eng.EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
                                                          max_decode_length=32), mesh=mesh)
@@ -92,6 +124,13 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state):
         assert t_plan["memory"][key] == getattr(real_train, f"{key}_size_in_bytes"), ("train", key)
         assert d_plan["memory"][key] == getattr(real_decode, f"{key}_size_in_bytes"), ("decode", key)
     assert t_plan["params_bytes"] == shard_nbytes(state.params)
+    # the slot layout's batch arrays: 8 slots per device (n_max = 8), not the padded 2 rows per device
+    assert t_plan["batch_bytes"] == shard_nbytes(batch)
+    if layout == "slots":
+        # per slot: input_ids + attention_mask [48]; response_mask, old_log_probs, old_entropy, response_index
+        # [32] x 4 bytes; advantages; plus one packed row of 48 tokens x 3 int32 arrays per device
+        per_slot = 48 * (4 + 1) + 32 * 4 * 4 + 4
+        assert t_plan["batch_bytes"] == 8 * per_slot + 1 * 48 * 3 * 4
     assert t_plan["opt_state_bytes"] == shard_nbytes(state.opt_state)
     assert d_plan["kv_cache_bytes"] == shard_nbytes((dstate.cache.k, dstate.cache.v))
     # analytic cross-checks: parameter count, and the KV cache split evenly over the 8 slot shards
@@ -160,8 +199,46 @@ def test_cli_fit_verdict(tmp_path, capsys):
                     "--hbm-gb", "1e-6", "--json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert rc == 1 and "train step:" in out and "DOES NOT FIT" in out
+    assert "K'=1 micro-batches of n_max=8 sequence slots per device" in out and "64 slot rows (8 per device" in out
     import json
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["spec"]["devices"] == 8 and "decode" not in data and data["train"]["memory"]["temp"] > 0
     assert math.isclose(plan.fits({**data, "spec": {**data["spec"], "hbm_gb": 1.0}}), True)
     assert plan.main(["--config", str(path), "--mesh", "nope=1"]) == 2
+
+
+def test_packed_slot_bound_is_reached_and_capped(tmp_path):
+    """The plan's bound on the trainer's token-budget slot layout: reached by ``token_budget_slots`` (uncapped:
+    n_max = mini_rows - S + 1 = 9 on 8 shards of 16 sequences; at the default cap 8 x ppo_micro_batch_size: 8),
+    and for the paper's 14B config on a v5p-64 slice (4 data-parallel shards, K = 128 padded micro-batches of 1
+    sequence): K' = 126 micro-batches of 8 slots, 1,008 slots per device instead of 128."""
+    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.tools.plan_analytic import packed_slot_bound
+    from stapo_jax.train.packing import token_budget_slots
+
+    lengths = slot_bound_lengths()
+    for cap, n_max in ((16, 9), (8, 8)):
+        k, slots = token_budget_slots(lengths, mini_rows=16, num_micro_batches=2, width=48, num_shards=8,
+                                      max_sequences=cap)
+        bound = packed_slot_bound(16, 2, 8, 48, cap)
+        assert (k, len(slots) // (8 * k)) == (bound["micro_batches"], bound["n_max"]) == (1, n_max)
+        assert bound["slots"] == len(slots) == 8 * n_max
+    # random length mixes never exceed the bound (slots, and sequences per micro-batch)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        lengths = rng.integers(2, 49, 32)
+        k, slots = token_budget_slots(lengths, mini_rows=32, num_micro_batches=4, width=48, num_shards=2,
+                                      max_sequences=8)
+        bound = packed_slot_bound(32, 4, 2, 48, 8)
+        assert len(slots) <= bound["slots"] and len(slots) // (2 * k) <= bound["n_max"] <= 8
+    b14 = packed_slot_bound(512, 128, 4, 1024 + 15360, 8)
+    assert (b14["micro_batches"], b14["n_max"], b14["slots"] // 4) == (126, 8, 1008)
+    assert packed_slot_bound(512, 128, 4, 16384, 1)["slots"] == 512  # cap 1 = the padded layout
+    with pytest.raises(ValueError, match="num_micro_batches=3"):
+        packed_slot_bound(16, 3, 8, 48, 8)
+    cfg = load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml")
+    assert cfg.actor.sequences_cap() == 8 and plan.make_spec(cfg, mesh="tpu-v5p-64")["max_sequences"] == 8
+    with pytest.raises(ConfigError, match="actor.max_sequences_per_micro_batch=2 must be null or >= "
+                                          "actor.ppo_micro_batch_size=4"):
+        load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml",
+                    ["actor.ppo_micro_batch_size=4", "actor.max_sequences_per_micro_batch=2"])

@@ -48,6 +48,7 @@ from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_key
 CONFIG_FILENAME = "config.yaml"
 JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 RECIPES = ("grpo", "dapo", "entropy20", "justrl", "stapo")
+MAX_SEQUENCES_FACTOR = 8  # actor.max_sequences_per_micro_batch=null: 8 x ppo_micro_batch_size (bench_packing.py)
 
 
 # ----------------------------------------------------------------------------------------------- schema
@@ -216,6 +217,7 @@ class ActorConfig(PolicyLossConfig):
     ppo_epochs: int = 1
     logprob_seq_chunk: Optional[int] = 512
     logprob_vocab_chunk: Optional[int] = None
+    max_sequences_per_micro_batch: Optional[int] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self):
@@ -226,7 +228,18 @@ class ActorConfig(PolicyLossConfig):
             (self.ppo_micro_batch_size >= 1, f"ppo_micro_batch_size={self.ppo_micro_batch_size} must be >= 1 "
                                              "(gradient accumulation would be 0)")]
             + [(getattr(self, k) is None or getattr(self, k) >= 1, f"{k}={getattr(self, k)} must be >= 1 or null "
-                "(no chunking)") for k in ("logprob_seq_chunk", "logprob_vocab_chunk")])
+                "(no chunking)") for k in ("logprob_seq_chunk", "logprob_vocab_chunk")]
+            + [(self.sequences_cap() >= self.ppo_micro_batch_size, f"max_sequences_per_micro_batch="
+                f"{self.max_sequences_per_micro_batch} must be null or >= actor.ppo_micro_batch_size="
+                f"{self.ppo_micro_batch_size}")])
+
+    def sequences_cap(self) -> int:
+        """Most sequences per device in one micro-batch of a packed update chosen by tokens
+        (``packing.token_budget_slots``; it bounds the slot layout's n_max): ``max_sequences_per_micro_batch`` or,
+        when null, ``MAX_SEQUENCES_FACTOR`` x ``ppo_micro_batch_size``. An int (no arrays); never raises.
+        Source: this project's cap on verl's ``use_dynamic_bsz`` micro-batches."""
+        m = self.max_sequences_per_micro_batch
+        return MAX_SEQUENCES_FACTOR * self.ppo_micro_batch_size if m is None else m
 
 
 def _check(section: str, rules) -> None:

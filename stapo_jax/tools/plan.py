@@ -7,7 +7,12 @@ Nothing is allocated: the model's parameters come from ``nnx.eval_shape``, the o
 
 * the **train step**: ``stapo_jax.train.train_step.make_train_step`` on one mini-batch (``ppo_mini_batch_size x
   rollout.n`` sequences of ``max_prompt_length + max_new_tokens`` tokens, ``ppo_micro_batch_size`` sequences
-  per device per micro-batch, the recipe's pre-pass, remat policy and optimizer);
+  per device per micro-batch, the recipe's pre-pass, remat policy and optimizer) in the layout the trainer
+  gives it (``stapo_jax.tools.plan_programs.train_batch_layout``): padded rows, or with
+  ``model.use_remove_padding`` packed rows; where the update does not depend on a row's micro-batch, the slot
+  layout of micro-batches chosen by tokens (``packing.token_budget_slots``) at its largest: ``n_max``
+  sequences per micro-batch (``actor.max_sequences_per_micro_batch``), packed rows of one padded micro-batch's
+  tokens (``stapo_jax.tools.plan_analytic.packed_slot_bound`` derives it);
 * the **rollout decode step**: one token for every slot of ``stapo_jax.rollout.engine.Qwen3Engine``
   (``rollout.max_concurrent_decodes`` slots, each with a KV cache of ``max_prompt_length + max_new_tokens``).
 
@@ -34,18 +39,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["PlanError", "DEVICE_MEMORY_GB", "make_spec", "run_plan", "plan", "format_report", "main"]
+from stapo_jax.tools.plan_analytic import analytic
+from stapo_jax.tools.plan_programs import PlanError, abstract_engine_spec, abstract_train_state, plan_decode, plan_train
+
+__all__ = ["PlanError", "DEVICE_MEMORY_GB", "make_spec", "run_plan", "plan", "format_report", "main", "analytic",
+           "abstract_train_state", "abstract_engine_spec", "plan_model_config", "fits", "build_parser"]
 
 GiB = 1024 ** 3
 GB = 1000 ** 3
 # HBM per device, decimal GB as vendors quote it (TPU v5p 95 GB, v6e 32 GB; H100 SXM 80 GB, H200 141 GB).
 DEVICE_MEMORY_GB = {"tpu-v5p": 95.0, "tpu-v6e": 32.0, "tpu-v5e": 16.0, "tpu-v4": 32.0, "h100": 80.0, "h200": 141.0,
                     "a100": 80.0}
-
-
-class PlanError(ValueError):
-    """A plan that cannot be built: bad mesh sizes, a model that cannot be resolved, batch shapes that do not
-    split over the mesh (the message names the config key)."""
 
 
 # --------------------------------------------------------------------------------------------- the spec
@@ -169,6 +173,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         "prompt_length": cfg.data.max_prompt_length, "response_length": cfg.rollout.max_new_tokens,
         "temperature": cfg.rollout.temperature, "seq_chunk": a.logprob_seq_chunk or 0,
         "vocab_chunk": a.logprob_vocab_chunk, "use_remove_padding": cfg.model.use_remove_padding,
+        "max_sequences": a.sequences_cap(),
         "optim": dataclasses.asdict(a.optim),
         "use_kl": bool(a.use_kl_loss and a.kl_loss_coef > 0), "sampler_is": a.sampler_is != "off",
         "s2t_minibatch_method": cfg.s2t.minibatch_method,
@@ -178,185 +183,6 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         "rollout_sequences_per_step": cfg.trainer.train_batch_size * cfg.rollout.n,
         "plan_train": train, "plan_decode": decode, "opt_state": opt_state,
     }
-
-
-# ------------------------------------------------------------------------------------------ the worker
-
-
-def _itemsize(dtype) -> int:
-    import numpy as np
-
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:  # a typed PRNG key: 2 x uint32 (threefry)
-        return 8
-
-
-def _shard_bytes(tree) -> int:
-    """Bytes one device holds of the abstract arrays in ``tree`` (each leaf carries a ``NamedSharding``)."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape)
-        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(leaf.dtype)
-    return total
-
-
-def _total_bytes(tree) -> int:
-    import jax
-    import numpy as np
-
-    return sum(int(np.prod(x.shape, dtype=np.int64)) * _itemsize(x.dtype) for x in jax.tree.leaves(tree))
-
-
-def _abstract(tree, shardings):
-    import jax
-
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
-                                                              "generated_code")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
-
-
-def _flops(compiled) -> Optional[float]:
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    v = (ca or {}).get("flops")
-    return float(v) if v is not None else None
-
-
-def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
-    """``(abstract TrainState, its shardings)``; nothing is allocated.
-
-    Parameters follow ``models.sharding.param_shardings``. The optimizer state's shardings:
-
-    * ``"trainer"``: what ``stapo_jax.train.train_step.TrainState.create`` places (``optimizer_state_shardings``:
-      AdamW moments sharded like their parameters, scalars replicated);
-    * ``"replicated"``: the what-if of a plain ``jit(optimizer.init)``, whose moments XLA replicates.
-    Leaves ``jax.ShapeDtypeStruct`` (param_dtype, int32 step); PlanError for another opt_state. Source: optax."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from models.qwen3 import Qwen3
-    from models.sharding import param_shardings
-    from stapo_jax.train.train_step import TrainState, optimizer_state_shardings
-
-    if opt_state not in ("trainer", "replicated"):
-        raise PlanError(f"opt_state={opt_state!r}: expected 'trainer' or 'replicated'")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
-    p_sh = param_shardings(params, mesh)
-    params = _abstract(params, p_sh)
-    rep = NamedSharding(mesh, P())
-    opt_abs = jax.eval_shape(optimizer.init, params)
-    if opt_state == "trainer":  # what TrainState.create places: moments sharded like their parameters
-        opt_sh = optimizer_state_shardings(optimizer, params, p_sh, mesh)
-    else:  # what-if: XLA's choice for a plain jit(optimizer.init) (replicated moments)
-        opt_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
-    opt_state_abs = _abstract(opt_abs, opt_sh)
-    state = TrainState(params=params, opt_state=opt_state_abs,
-                       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), graphdef=graphdef)
-    shardings = TrainState(params=p_sh, opt_state=opt_sh, step=rep, graphdef=graphdef)
-    return state, shardings
-
-
-def _plan_train(spec, qcfg, mesh) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.algo.s2t import minibatch_stats_mode
-    from stapo_jax.train.packing import PackedLayout
-    from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step
-
-    o = spec["optim"]
-    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
-    recipe = _spec_recipe(spec)
-    with jax.set_mesh(mesh):
-        state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
-        b, p, r = spec["mini_batch_sequences"], spec["prompt_length"], spec["response_length"]
-        bs = batch_sharding(mesh)
-        sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=bs)  # noqa: E731
-        f32 = lambda: sd((b, r), jnp.float32)  # noqa: E731
-        batch = Batch(input_ids=sd((b, p + r), jnp.int32), attention_mask=sd((b, p + r), jnp.bool_),
-                      response_mask=sd((b, r), jnp.int32), advantages=sd((b,), jnp.float32), old_log_probs=f32(),
-                      ref_log_probs=f32() if spec["use_kl"] else None,
-                      rollout_log_probs=f32() if spec["sampler_is"] else None,
-                      old_entropy=f32() if spec["old_stats"] else None)
-        if spec.get("use_remove_padding"):  # packed rows of P + R tokens, the worst case: one sequence per row
-            i32 = lambda shape: sd(shape, jnp.int32)  # noqa: E731
-            dp = mesh.shape["data"] * mesh.shape["fsdp"]
-            batch = batch.replace(packing=PackedLayout(i32((b, p + r)), i32((b, p + r)), i32((b, p + r)),
-                                                       i32((b, r)), num_shards=dp))
-        step = make_train_step(recipe, opt, num_micro_batches=spec["num_micro_batches"],
-                               temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512,
-                               vocab_chunk=spec["vocab_chunk"], vocab_size=qcfg.vocab_size, mesh=mesh,
-                               state_shardings=shardings, donate=True)
-        compiled = step.lower(state, batch).compile()
-    return {
-        "params_bytes": _shard_bytes(state.params), "opt_state_bytes": _shard_bytes(state.opt_state),
-        "batch_bytes": _shard_bytes(batch), "params_total_bytes": _total_bytes(state.params),
-        "memory": _memory(compiled), "flops_per_device": _flops(compiled),
-        "prepass": minibatch_stats_mode(recipe, spec["old_stats"]) == "prepass",
-    }
-
-
-def _spec_recipe(spec: dict):
-    """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the scopes / S2T method)."""
-    from stapo_jax.algo.masks import QUANTILE_SCOPES
-    from stapo_jax.algo.recipes import get_recipe
-
-    changes = {}
-    if spec["s2t_scope"] in QUANTILE_SCOPES:
-        changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
-                          "minibatch_method": spec.get("s2t_minibatch_method", "correction")}
-    if spec["top_entropy_scope"] in QUANTILE_SCOPES:
-        changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
-    return get_recipe(spec["recipe"], **changes)
-
-
-def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
-    """The static ``DecodeSpec`` of ``stapo_jax.rollout.decode_fns``' jitted prefill/insert/step functions for a
-    model and engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model),
-    so the very functions the engine runs can be lowered with abstract arguments.
-    No arrays; never raises. Source: JetStream's engine functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
-    from stapo_jax.rollout.decode_fns import abstract_decode_spec
-    from stapo_jax.rollout.engine import engine_stop_ids
-
-    return abstract_decode_spec(graphdef, qcfg, engine_config, mesh, engine_stop_ids(qcfg, engine_config))
-
-
-def _plan_decode(spec, qcfg, mesh) -> dict:
-    import jax
-    from flax import nnx
-
-    from models.qwen3 import Qwen3
-    from models.sharding import param_shardings
-    from stapo_jax.rollout import engine as eng
-    from stapo_jax.rollout.decode_fns import init_fn, step_fn
-    from stapo_jax.rollout.sampling import SamplingParams
-
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
-    params = _abstract(params, param_shardings(params, mesh))
-    ecfg = eng.EngineConfig(max_concurrent_decodes=spec["decode_slots"], max_prefill_length=spec["prompt_length"],
-                            max_decode_length=spec["response_length"])
-    espec = abstract_engine_spec(qcfg, ecfg, mesh, graphdef)
-    with jax.set_mesh(mesh):
-        state = _abstract(jax.eval_shape(init_fn, espec, jax.random.key(0)), espec.state_shardings)
-        compiled = step_fn.lower(espec, params, state, SamplingParams(temperature=spec["temperature"])).compile()
-    return {"params_bytes": _shard_bytes(params), "kv_cache_bytes": _shard_bytes((state.cache.k, state.cache.v)),
-            "decode_state_bytes": _shard_bytes(state), "memory": _memory(compiled),
-            "flops_per_device": _flops(compiled)}
 
 
 def run_plan(spec: dict) -> dict:
@@ -379,63 +205,10 @@ def run_plan(spec: dict) -> dict:
     mesh = make_mesh(**spec["mesh"])
     out = {"spec": spec, "analytic": analytic(spec, qcfg)}
     if spec.get("plan_train", True):
-        out["train"] = _plan_train(spec, qcfg, mesh)
+        out["train"] = plan_train(spec, qcfg, mesh)
     if spec.get("plan_decode", True):
-        out["decode"] = _plan_decode(spec, qcfg, mesh)
+        out["decode"] = plan_decode(spec, qcfg, mesh)
     return out
-
-
-# ---------------------------------------------------------------------------------------- analytic
-
-
-def analytic(spec: dict, qcfg) -> dict:
-    """Compiler-independent counts: parameters, ideal per-device bytes (everything divided evenly over the
-    shards that hold it) and matmul FLOPs of one update and of one decode step.
-
-    FLOPs (dense, padding included, attention over the full T x T score matrix as the XLA kernel computes it):
-    forward per sequence = 2 x (matmul params x T) + 4 x L x T^2 x Nh x H + 2 x D x V x R (LM head on the
-    response positions only); an update = forward x (1 pre-pass if any + 1) + 2 x forward (backward) + the
-    remat recompute (``full``: the decoder forward again; ``dots_no_batch``: the attention score/value
-    matmuls, which have batch dimensions; ``dots``/``none``: none). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
-    case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
-    No arrays: int / float counts; raises KeyError for a spec not from :func:`make_spec`. Source: Kaplan et al. 2020
-    (forward = 2 x params x tokens, backward = 2 x forward)."""
-    d, f, layers = qcfg.hidden_size, qcfg.intermediate_size, qcfg.num_hidden_layers
-    nh, nkv, h, v = qcfg.num_attention_heads, qcfg.num_key_value_heads, qcfg.head_dim, qcfg.vocab_size
-    layer = d * nh * h * 2 + d * nkv * h * 2 + 3 * d * f
-    n_params = layers * (layer + 2 * d + 2 * h) + v * d + d + (0 if qcfg.tie_word_embeddings else d * v)
-    mesh = spec["mesh"]
-    shards = mesh["fsdp"] * mesh["tensor"]
-    itemsize = 2 if qcfg.param_dtype in ("bfloat16", "float16") else 4
-    p, r = spec["prompt_length"], spec["response_length"]
-    t = p + r
-    fwd = 2 * layers * layer * t + 4 * layers * t * t * nh * h + 2 * d * v * r
-    from stapo_jax.algo.s2t import minibatch_stats_mode
-
-    mode = minibatch_stats_mode(_spec_recipe(spec), spec["old_stats"])
-    recompute = {"full": 2 * layers * layer * t + 4 * layers * t * t * nh * h,
-                 "dots_no_batch": 4 * layers * t * t * nh * h}.get(qcfg.remat, 0)  # remat, per sequence
-    grad_passes = 1 + recompute / fwd + 2  # forward (+ recompute) + backward, in forwards
-    passes = (1 if mode == "prepass" else 0) + grad_passes
-    # S2T correction: XLA counts the compiled conditional, in which every micro-batch is redone (the worst case)
-    correction = mode == "correction"
-    b = spec["mini_batch_sequences"]
-    cache_item = 2 if qcfg.dtype in ("bfloat16", "float16") else 4
-    slot_shards = min(spec["decode_slots"], mesh["data"] * mesh["fsdp"])
-    kv_shards = slot_shards * (mesh["tensor"] if nkv % mesh["tensor"] == 0 else 1)
-    kv = 2 * layers * spec["decode_slots"] * t * nkv * h * cache_item
-    decode_fwd = 2 * (layers * layer + d * v) + 4 * layers * t * nh * h
-    return {
-        "params": n_params, "params_bytes_ideal": n_params * itemsize / shards,
-        "opt_state_bytes_ideal": 2 * n_params * itemsize / shards,
-        "kv_cache_bytes_ideal": kv / kv_shards, "kv_cache_total_bytes": kv,
-        "train_flops_per_update": float(b * fwd * passes),
-        "train_flops_per_update_max": float(b * fwd * (passes + (grad_passes if correction else 0))),
-        "forward_flops_per_sequence": float(fwd),
-        "decode_flops_per_step": float(spec["decode_slots"] * decode_fwd),
-        # one layer's attention scores of one sequence in float32, [heads / tensor shards, T, T]
-        "attention_scores_bytes": (nh / (mesh["tensor"] if nh % mesh["tensor"] == 0 else 1)) * t * t * 4,
-    }
 
 
 # ------------------------------------------------------------------------------------ subprocess + CLI
@@ -467,6 +240,26 @@ def _gb(x: Optional[float]) -> str:
     return "-" if x is None else f"{x / GB:.2f}"
 
 
+def layout_line(layout: dict, spec: dict) -> str:
+    """One report line on the planned train-step batch layout (``plan_programs.train_batch_layout``): for the
+    token-budget slot layout, K', n_max, the slot rows and the packed geometry. No arrays (dicts of int / str in,
+    str out); raises KeyError for a layout not from ``train_batch_layout``. Source: ``packing.token_budget_slots``."""
+    dp = spec["mesh"]["data"] * spec["mesh"]["fsdp"]
+    w = layout["row_length"]
+    if layout["kind"] == "padded":
+        return f"train batch: {layout['rows']} padded rows of {w} tokens"
+    if layout["kind"] == "packed rows":
+        return (f"train batch: packed rows, worst case of one sequence per row ({layout['rows']} rows of {w} tokens; "
+                f"the update depends on a row's micro-batch, so micro-batches are not chosen by tokens)")
+    m_b = layout["sequences_per_padded_micro_batch"]
+    return (f"train batch: micro-batches chosen by tokens (token budget {layout['budget_tokens']} tokens = "
+            f"{m_b} padded row(s) of {w} per device), planned at the largest slot layout: "
+            f"K'={layout['micro_batches']} micro-batches of n_max={layout['n_max']} sequence slots per device "
+            f"(cap {spec['max_sequences']}: actor.max_sequences_per_micro_batch), {layout['rows']} slot rows "
+            f"({layout['rows'] // dp} per device; padded: {spec['mini_batch_sequences'] // dp}), packed rows "
+            f"{m_b} x {w} per micro-batch per device")
+
+
 def format_report(result: dict) -> str:
     """Human-readable report of :func:`run_plan`'s result (per-device memory in GB = 1e9 bytes; FLOPs).
     No arrays: str out. Raises KeyError for a result not from :func:`run_plan`. Source: XLA ``memory_analysis``."""
@@ -484,8 +277,8 @@ def format_report(result: dict) -> str:
         f"{s['response_length']} tokens, {s['micro_batch_per_device']} per device per micro-batch, "
         f"{s['num_micro_batches']} micro-batches, {s['updates_per_step']} updates per step; "
         f"optimizer state: {s.get('opt_state', 'trainer')}; model.use_remove_padding: "
-        + ("packed rows of P+R tokens, planned at the worst case (every sequence full length)"
-           if s.get("use_remove_padding") else "off (padded rows)"),
+        + ("on" if s.get("use_remove_padding") else "off (padded rows)"),
+        *([layout_line(result["train"]["layout"], s)] if "train" in result and "layout" in result["train"] else []),
         "", "per device, GB (1e9 bytes)          XLA (CPU-compiled)   analytic (even split)"]
     verdicts = []
     if "train" in result:

@@ -340,8 +340,8 @@ def lightest_first_groups(lengths: np.ndarray, k: int, cap: Optional[int] = None
 
 
 def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches: int, width: int,
-                       num_shards: int = 1, long_rows: bool = True,
-                       variable_counts: bool = True) -> tuple[int, np.ndarray]:
+                       num_shards: int = 1, long_rows: bool = True, variable_counts: bool = True,
+                       max_sequences: Optional[int] = None) -> tuple[int, np.ndarray]:
     """Micro-batches chosen by tokens for a packed update: K' and the slot layout of every mini-batch.
 
     The budget is the tokens of one padded micro-batch of the configured K: ``mini_rows / num_shards / K`` rows
@@ -353,6 +353,9 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
     then, where K' divides the block, with equal counts; the first K' whose shared packed geometry
     (:func:`micro_batch_rows` over the groups, M rows of L tokens) holds at most the budget wins. The configured
     K with equal counts always fits (at most one padded row per sequence; it is the fallback), so K' <= K.
+    ``max_sequences`` caps the sequences of any micro-batch (``actor.max_sequences_per_micro_batch``): a K' whose
+    groups cannot hold the mini-batch under the cap, or whose equal counts exceed it, is skipped; it bounds
+    ``n_max`` and so the ``[slots, ...]`` batch arrays (``stapo_jax.tools.plan_analytic.packed_slot_bound``).
 
     Micro-batch ``j`` of shard ``s`` of mini-batch ``q`` owns the slot rows ``base + j + K' * i`` (``i <
     n_max``, ``base = (q * S + s) * K' * n_max``): the train step's strided split of a ``[S * K' * n_max]``
@@ -364,7 +367,9 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
       lengths: [B] int tokens per sequence (``attention_mask.sum(-1)``), B a multiple of ``mini_rows``.
       mini_rows: sequences per mini-batch; num_micro_batches: the configured K (``update.num_micro_batches``);
       width: P + R; num_shards: S, data-parallel shards (K x S divides ``mini_rows``); long_rows: as
-      :func:`micro_batch_rows`; variable_counts: False keeps equal counts (a permutation, no dummy slots).
+      :func:`micro_batch_rows`; variable_counts: False keeps equal counts (a permutation, no dummy slots);
+      max_sequences: most sequences per micro-batch (None: no cap; raised to the fallback's ``mini_rows / S /
+      K`` if below it).
     Returns:
       (K', slots): slots [B / mini_rows * S * K' * n_max] int64, the row each slot reads (-1 = dummy).
     Raises:
@@ -386,9 +391,11 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
             groups.update({(q, s): gs[s * kk:(s + 1) * kk] for s in range(num_shards)})
         return groups
 
+    cap = None if max_sequences is None else max(int(max_sequences), per // k)
     chosen = None
     for kk in range(1, k + 1):
-        caps = ([None] if variable_counts else []) + ([per // kk] if per % kk == 0 else [])
+        caps = ([cap] if variable_counts and (cap is None or num_shards * kk * cap >= mini_rows) else []) \
+            + ([per // kk] if per % kk == 0 and (cap is None or per // kk <= cap) else [])
         chosen = next((g for g in (plan(kk, c) for c in caps) if g is not None), None)
         if chosen is not None:
             break

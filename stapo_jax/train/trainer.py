@@ -156,7 +156,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if cfg.model.use_remove_padding and balance_allowed(recipe):
                 kk, slots = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=mini_rows,
                                                        num_micro_batches=k, num_shards=data_parallel_size(mesh),
-                                                       long_rows=long_rows)
+                                                       long_rows=long_rows,
+                                                       max_sequences=cfg.actor.sequences_cap())
             first_fn, step_fn, log_prob_fn = steps_for(kk)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,

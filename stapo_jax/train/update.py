@@ -5,6 +5,7 @@ preemption (SIGTERM) agreement and the finite-parameter check the loop runs afte
 from __future__ import annotations
 
 import signal
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,8 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
 
 def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, num_micro_batches: int,
                                num_shards: int = 1, long_rows: bool = True,
-                               variable_counts: bool = True) -> tuple[int, np.ndarray]:
+                               variable_counts: bool = True,
+                               max_sequences: Optional[int] = None) -> tuple[int, np.ndarray]:
     """K and the slot layout for a packed update chosen by tokens: the fewest micro-batches per mini-batch (more
     sequences each, a variable number of them, so one long sequence no longer sets every micro-batch's row)
     whose packed rows hold no more tokens than one padded micro-batch of the configured K (``mini_rows /
@@ -97,7 +99,8 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
     mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
     long_rows as ``stapo_jax.train.packing.micro_batch_rows``; variable_counts: False keeps equal sequence
-    counts per micro-batch. Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)
+    counts per micro-batch; max_sequences: most sequences per micro-batch (``actor.sequences_cap()``; None: no
+    cap). Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)
     for :func:`update_policy`'s ``slots``. Raises: ValueError for a mask that is not [B, P + R], sizes < 1, or K
     not dividing the rows per shard; as ``packing.token_budget_slots`` otherwise. Source: verl
     ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``.
@@ -111,7 +114,7 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     mask = np.asarray(attention_mask).astype(bool)
     return token_budget_slots(mask.sum(1), mini_rows=mini_rows, num_micro_batches=num_micro_batches,
                               width=mask.shape[1], num_shards=num_shards, long_rows=long_rows,
-                              variable_counts=variable_counts)
+                              variable_counts=variable_counts, max_sequences=max_sequences)
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
