@@ -316,7 +316,8 @@ def body_overrides(cfg) -> dict:
 def random_init_label(cfg) -> str:
     """How results of a model with no ``model.path`` are labelled: ``"Qwen3-0.6B (random init)"``, or with an
     overridden body ``"Qwen3-0.6B vocabulary, 1 layer(s) x hidden_size 32 (random init)"`` so that a toy model is
-    never reported under the preset's name. Returns a str; never raises. Source: this project's eval report."""
+    never reported under the preset's name. No arrays: returns a str; never raises. Source: this project's eval
+    report."""
     m, body = cfg.model, body_overrides(cfg)
     if not body:
         return f"{m.preset or 'from-scratch'} (random init)"
