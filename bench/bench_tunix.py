@@ -182,9 +182,9 @@ def main(argv=None) -> int:
     model_flops = 6 * (n_dec * b * t + d * v * b * r)
     print(f"shape: Qwen3-0.6B widths D={d} F={f} Nh={nh} Nkv={nkv} H={hd}, L={a.layers}, V={v}, tied head; "
           f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, attention {cfg.attention}; logits "
-          f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES {logprobs.SAVED_LOGITS_BYTES / 2**20:.0f}"
-          f" MiB (kept: {b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES}); model FLOPs 6·(N·B·T + D·V·B·R) = "
-          f"{model_flops / 1e9:.1f} GFLOP", flush=True)
+          f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
+          f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB (kept: {b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES}); "
+          f"model FLOPs 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)
 
     t0 = time.perf_counter()
     model = Qwen3(cfg, rngs=nnx.Rngs(0))

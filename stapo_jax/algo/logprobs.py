@@ -203,13 +203,11 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     z_y, so the weight is read once and no tile outlives its step.
     """
     acc = _acc_of(h, w)
-    _, t, _ = h.shape
+    b, t, _ = h.shape
     v = w.shape[1]
     c, vc = seq_chunk, vocab_chunk
     neg = _neg(acc)
     zeros = jnp.zeros(ids.shape, acc)
-
-    b = h.shape[0]
     kept = jnp.zeros((b, t, v), acc) if keep else None
 
     def logits(start, w_c):
