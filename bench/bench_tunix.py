@@ -32,7 +32,8 @@ the losses agree and the gradient of the tied embedding agrees (max |diff| print
 
 Reported: machine and load (before/after), per side the median [min..max] seconds of ``--repeats``
 interleaved calls (one warm-up call each), tokens/s = B·(P+R) / median, the ratio ours/tunix in tokens/s
-(> 1: ours faster; per-round spread), and the fraction of the measured fp32 matmul peak (``[n, n] @ [n, n]``
+(> 1: ours faster; per-round spread) and of the process CPU seconds of the same calls (the steadier measure of
+work on a shared machine), and the fraction of the measured fp32 matmul peak (``[n, n] @ [n, n]``
 in JAX) reached by the model FLOPs 6·(N·B·(P+R) + D·V·B·R) (N = the decoder's matmul weights, the tied
 head over the R response positions; attention not counted).
 
@@ -264,7 +265,8 @@ def main(argv=None) -> int:
         raise SystemExit("ours and Tunix disagree on the loss or its gradient")
     del g_o, g_t, ge_o, ge_t
 
-    times = interleaved(sides, a.repeats, warmup=1)
+    cpu: dict[str, list[float]] = {}
+    times = interleaved(sides, a.repeats, warmup=1, cpu=cpu)
     peak = matmul_peak(a.peak_n)
     print(f"measured fp32 matmul peak ({a.peak_n}^3, median of 3): jax {peak:.1f} GFLOP/s")
     for k, ts in times.items():
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
               f"GFLOP/s = {model_flops / sec / 1e9 / peak * 100:4.1f} % of the matmul peak")
     for k in [k for k in times if k != "ours"]:
         print(f"ratio ours/{k} (tokens/s) = {ratio(times[k], times['ours'])} (median [per-round min..max]; "
-              f"> 1: ours faster)")
+              f"> 1: ours faster); process CPU seconds (all threads) {k} / ours = {ratio(cpu[k], cpu['ours'])}")
     print(load_line("at end"))
     return 0
 
