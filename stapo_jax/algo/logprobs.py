@@ -379,7 +379,7 @@ def chunked_log_probs_and_entropy(
     The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
     tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
     exponentials, their z-weighted sum (and sum of squares of the other tokens' probabilities), so the largest
-    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile. The backward is hand-written (``jax.custom_vjp``): it
+    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile (and the logits when they are kept, below). The backward is hand-written (``jax.custom_vjp``): it
     saves the inputs and logZ, E_p[z] (and C') per token, and the float32 logits only when they fit
     ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once, accumulates the hidden-state
     gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 ``[D, vocab_chunk]`` tile at a
