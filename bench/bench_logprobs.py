@@ -6,6 +6,10 @@ V=151,936, T=4,096, D=1,024, B=1, and wall time (forward and forward+backward), 
     .venv/bin/python bench/bench_logprobs.py --vocab-chunk 0 --seq-chunk 128 --time-T 0   # vocab_chunk=None
 
 Goals (issue 3): chunked peak memory <= 1/8 of naive, time <= 1.3x naive.
+
+The chunked side runs with the default ``max_saved_logits_bytes`` (``SAVED_LOGITS_BYTES``, 512 MiB): its backward
+keeps the float32 logits when B·T·V·4 bytes fit (the timing run's T=256: 148 MiB) and recomputes them otherwise
+(the memory run's T=4,096: 2.3 GiB); each line says which.
 """
 
 import argparse
@@ -19,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
 
 from stapo_jax.algo.logprobs import (  # noqa: E402
+    SAVED_LOGITS_BYTES,
     chunked_log_probs_and_entropy,
     logits_to_log_probs_and_entropy,
 )
@@ -40,6 +45,13 @@ def with_grad(fn):
         return jnp.sum(log_probs) + jnp.sum(entropy)
 
     return jax.grad(loss, argnums=(0, 1))
+
+
+def kept_or_not(b, t, v) -> str:
+    """Which backward the chunked side's default takes at [B, T, V] (float32 logits vs SAVED_LOGITS_BYTES)."""
+    kept = b * t * v * 4 <= SAVED_LOGITS_BYTES
+    return f"backward {'keeps' if kept else 'recomputes'} the logits ({b * t * v * 4 / 2**20:.0f} MiB vs " \
+           f"{SAVED_LOGITS_BYTES / 2**20:.0f} MiB)"
 
 
 def peak_bytes(fn, args):
@@ -71,7 +83,7 @@ def main():
         print(f"memory {label:8s} B={a.B} T={a.T} D={a.D} V={a.V} seq_chunk={a.seq_chunk} vocab_chunk={a.vocab_chunk}:"
               f" temporaries naive {nt / 2**30:.3f} GiB, chunked {ct / 2**30:.3f} GiB, ratio {ct / nt:.3f} "
               f"(goal <= 0.125); with args+outputs naive {n / 2**30:.2f} GiB, chunked {c / 2**30:.2f} GiB, ratio "
-              f"{c / n:.3f}; fits 24 GB: {c < 24e9}")
+              f"{c / n:.3f}; fits 24 GB: {c < 24e9}; {kept_or_not(a.B, a.T, a.V)}")
     if a.time_T <= 0:
         print(load_line("at end"))
         return
@@ -87,7 +99,8 @@ def main():
                           "chunked": lambda: jax.block_until_ready(fc(*args))}, a.reps, cpu=cpu)
         print(f"time   {label:8s} B={a.B} T={t} ({a.reps} interleaved rounds): naive {summary(ts['naive'])}, chunked "
               f"{summary(ts['chunked'])}; ratio chunked/naive = {ratio(ts['chunked'], ts['naive'])} (goal <= 1.3); "
-              f"process CPU time ratio {median(cpu['chunked']) / median(cpu['naive']):.2f}", flush=True)
+              f"process CPU time ratio {median(cpu['chunked']) / median(cpu['naive']):.2f}; "
+              f"{kept_or_not(a.B, t, a.V)}", flush=True)
     print(load_line("at end"))
 
 

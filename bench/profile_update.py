@@ -7,8 +7,9 @@ XLA's cost analysis counts the body of a ``while`` loop (``lax.scan`` / ``fori_l
 count. Every loop is therefore given a trip count of 1: one decoder layer (``--layers 1``), one micro-batch,
 ``seq_chunk`` = the response length and ``vocab_chunk=None`` in the head; the one loop that cannot be (the head's
 custom backward always walks ``BACKWARD_VOCAB_CHUNK``-wide vocabulary tiles, ceil(V / 8192) = 19 at 0.6B) is
-corrected: its measured body (head forward + backward minus head forward) is counted ceil(V / 8192) times,
-in the head row and in every update step (twice in the correction's worst case: the redo has its own). The per-layer figures are then
+corrected: its measured body (head forward + backward minus head forward) is counted ceil(V / 8192) times
+(with the head's logits kept or recomputed as the update does: ``--saved-logits-mib``), in the head row and in
+every update step (twice in the correction's worst case: the redo has its own). The per-layer figures are then
 scaled to ``--target-layers`` (28 = Qwen3-0.6B) analytically: update(L) = update(1) + (L - 1) x layer.
 A ``lax.cond`` (the S2T correction's redo branch) is counted as XLA counts it (the larger branch), i.e. the
 worst case in which every micro-batch is redone.
@@ -17,7 +18,8 @@ Pieces (shape: Qwen3-0.6B widths, B x (P + R) tokens, float32):
 
 * model forward (hidden states) and forward + backward of the decoder (loss = <hidden, g>);
 * the log-prob/entropy head over the R response positions: forward, and forward + the custom backward
-  (gradient of sum(log_probs * g) w.r.t. hidden and the tied head);
+  (gradient of sum(log_probs * g) w.r.t. hidden and the tied head), with the logits kept for the backward
+  (when they fit ``SAVED_LOGITS_BYTES``, the default) and recomputed in it (``max_saved_logits_bytes=0``);
 * the optimizer (AdamW update + apply) over all parameters;
 * the full update step ``stapo_jax.train.train_step.make_train_step``: justrl (no mask) and stapo (correction,
   prepass); the rest (S2T statistics and correction, diagnostics, gradient norm) is the difference;
@@ -31,6 +33,7 @@ head 2 D V R_tokens (+ ~5 V R elementwise for softmax/entropy); backward 2x forw
 
     .venv/bin/python bench/profile_update.py                       # B=2, P=R=128, one layer, V=151,936
     .venv/bin/python bench/profile_update.py --B 1 --P 8 --R 8 --vocab 1024 --skip-remat   # quick
+    .venv/bin/python bench/profile_update.py --saved-logits-mib 0   # the update as before the logits were kept
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from flax import nnx  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
+import stapo_jax.algo.logprobs as logprobs  # noqa: E402
 from stapo_jax.algo.logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.algo.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
@@ -89,7 +93,12 @@ def main() -> int:
                     help="layers of the remat memory run, compared with 2 layers (a 1-layer scan is compiled "
                          "differently); FLOPs are taken at 1 layer")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--saved-logits-mib", type=float, default=None,
+                    help="stapo_jax.algo.logprobs.SAVED_LOGITS_BYTES in MiB for the update steps (default: as is, "
+                         "512; 0: the head's backward recomputes its logits)")
     a = ap.parse_args()
+    if a.saved_logits_mib is not None:
+        logprobs.SAVED_LOGITS_BYTES = int(a.saved_logits_mib * 2**20)
     print(machine_line(), flush=True)
     base = from_hf_config(str(qwen3_config_dir() / "Qwen3-0.6B.json"), dtype="float32", param_dtype="float32")
     cfg = dataclasses.replace(base, num_hidden_layers=a.layers, vocab_size=a.vocab or base.vocab_size,
@@ -131,20 +140,30 @@ def main() -> int:
 
     h_r, w, ids_r = spec((b, r, d), jnp.float32), spec((d, v), jnp.float32), spec((b, r), jnp.int32)
 
-    def head(h, w, ids):
-        return chunked_log_probs_and_entropy(h, w, ids, seq_chunk=r, vocab_chunk=None)
+    def head(h, w, ids, budget=None):
+        return chunked_log_probs_and_entropy(h, w, ids, seq_chunk=r, vocab_chunk=None, max_saved_logits_bytes=budget)
 
-    def head_fb(h, w, ids, g):
-        return jax.grad(lambda h, w: jnp.sum(head(h, w, ids)[0] * g), argnums=(0, 1))(h, w)
+    def head_fb(budget):
+        return lambda h, w, ids, g: jax.grad(lambda h, w: jnp.sum(head(h, w, ids, budget)[0] * g),
+                                             argnums=(0, 1))(h, w)
 
     c_head = cost(jax.jit(head), h_r, w, ids_r)
-    c_head_fb = cost(jax.jit(head_fb), h_r, w, ids_r, spec((b, r), jnp.float32))
     n_v = -(-v // BACKWARD_VOCAB_CHUNK)
-    loop_fix = (n_v - 1) * (c_head_fb["flops"] - c_head["flops"])  # the uncounted backward vocabulary tiles
-    c_head_fb = dict(c_head_fb, flops=c_head_fb["flops"] + loop_fix)
+    kept = b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES
+    heads = {}
+    for mode, budget in (("kept", b * r * v * 4), ("recomputed", 0)):
+        c_hfb = cost(jax.jit(head_fb(budget)), h_r, w, ids_r, spec((b, r), jnp.float32))
+        fix = (n_v - 1) * (c_hfb["flops"] - c_head["flops"])  # the uncounted backward vocabulary tiles
+        heads[mode] = (dict(c_hfb, flops=c_hfb["flops"] + fix), fix)
+    c_head_fb, loop_fix = heads["kept" if kept else "recomputed"]
     rows.append(("log-prob/entropy head forward (R tokens)", c_head, head_an, ""))
-    rows.append(("head forward + custom backward", c_head_fb, 3 * head_an,
-                 f"backward recomputes the logits tile; {n_v} backward vocab tiles counted"))
+    rows.append((f"head forward + custom backward ({'logits kept' if kept else 'logits recomputed'}: the update's)",
+                 c_head_fb, 3 * head_an,
+                 f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
+                 f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB; {n_v} backward vocab tiles counted"))
+    other = "recomputed" if kept else "kept"
+    rows.append((f"head forward + custom backward (logits {other})", heads[other][0], 3 * head_an,
+                 "for comparison, not in the update"))
 
     opt_state = jax.eval_shape(opt.init, params)
 
@@ -185,7 +204,7 @@ def main() -> int:
 
     # breakdown of one update, scaled to target layers: per extra layer, its decoder fwd+bwd and its optimizer
     L = a.target_layers
-    layer_fb, head_fb_flops, opt1 = c_fb["flops"], rows[3][1]["flops"], rows[4][1]["flops"]
+    layer_fb, head_fb_flops, opt1 = c_fb["flops"], c_head_fb["flops"], rows[5][1]["flops"]
     layer_params = (n_all - v * d - d) / a.layers  # all but the (tied) embedding and the final norm
     opt_layer = opt1 / n_all * layer_params
     extra = L - a.layers

@@ -42,15 +42,16 @@ def naive(h, w, ids, temp):
     return logits_to_log_probs_and_entropy(jnp.einsum("btd,dv->btv", h, w), ids, temp)
 
 
+@pytest.mark.parametrize("budget", [0, None])  # 0: the backward recomputes the logits; None: it keeps them
 @pytest.mark.parametrize("seq_chunk,vocab_chunk", [(4, None), (5, 7), (16, 41), (3, 64)])
-def test_chunked_equals_naive_values_and_gradients(seq_chunk, vocab_chunk):
+def test_chunked_equals_naive_values_and_gradients(seq_chunk, vocab_chunk, budget):
     rng = np.random.default_rng(1)
     b, t, d, v = 2, 13, 8, 41  # T and V not multiples of the chunks
     h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, v, size=(b, t)))
     ch = lambda h, w: chunked_log_probs_and_entropy(h, w, ids, temperature=0.8, seq_chunk=seq_chunk,
-                                                    vocab_chunk=vocab_chunk)
+                                                    vocab_chunk=vocab_chunk, max_saved_logits_bytes=budget)
     a, n = ch(h, w), naive(h, w, ids, 0.8)
     np.testing.assert_allclose(np.asarray(a[0]), np.asarray(n[0]), atol=2e-5)
     np.testing.assert_allclose(np.asarray(a[1]), np.asarray(n[1]), atol=2e-5)
@@ -79,21 +80,75 @@ def test_chunked_float64_matches_torch_tightly():
     np.testing.assert_allclose(ent, ref.entropy_from_logits(logits).numpy(), atol=1e-12)
 
 
-def test_no_full_logits_buffer_in_compiled_chunked_function():
+def test_full_logits_buffer_only_within_the_saved_logits_budget():
+    """Compiled forward+backward temporaries (XLA memory analysis): below the budget the [B, T, V] float32 logits
+    are kept for the backward; one byte less and they are recomputed, and the temporaries stay < 1/8 of the
+    naive path's. A forward without differentiation keeps nothing whatever the budget."""
     b, t, d, v = 1, 256, 16, 4096
     h = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
     w = jax.ShapeDtypeStruct((d, v), jnp.float32)
     ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    logits_bytes = b * t * v * 4
 
-    def peak(fn):
-        m = jax.jit(jax.grad(lambda h, w, i: jnp.sum(sum(fn(h, w, i))), argnums=(0, 1))).lower(h, w, ids).compile()
-        ma = m.memory_analysis()
-        return ma.temp_size_in_bytes
+    def peak(fn, grad=True):
+        f = jax.grad(lambda h, w, i: jnp.sum(sum(fn(h, w, i))), argnums=(0, 1)) if grad else fn
+        return jax.jit(f).lower(h, w, ids).compile().memory_analysis().temp_size_in_bytes
+
+    def chunked(budget):
+        return lambda h, w, i: chunked_log_probs_and_entropy(h, w, i, seq_chunk=32, vocab_chunk=1024,
+                                                             max_saved_logits_bytes=budget)
 
     full = peak(lambda h, w, i: naive(h, w, i, 1.0))
-    chunked = peak(lambda h, w, i: chunked_log_probs_and_entropy(h, w, i, seq_chunk=32, vocab_chunk=1024))
-    assert full >= b * t * v * 4  # the naive path holds [B, T, V] f32
-    assert chunked < full / 8, (chunked, full)
+    assert full >= logits_bytes  # the naive path holds [B, T, V] f32
+    recompute = peak(chunked(logits_bytes - 1))
+    assert recompute < full / 8, (recompute, full)
+    assert peak(chunked(0)) == recompute
+    kept = peak(chunked(logits_bytes))
+    assert logits_bytes <= kept < logits_bytes + full / 8, (kept, logits_bytes)
+    assert peak(chunked(logits_bytes), grad=False) < logits_bytes / 8
+
+
+def test_default_budget_recomputes_at_long_sequences():
+    """The default at the log-prob memory goal's shape (T=4,096, V=151,936, D=1,024, bf16 head): the logits
+    (2.3 GiB) exceed ``SAVED_LOGITS_BYTES``, so the compiled forward+backward holds no [B, T, V] float32 buffer
+    (its temporaries are a sixth of one; ``bench/bench_logprobs.py`` compares them with the naive path's)."""
+    b, t, d, v = 1, 4096, 1024, 151936
+    assert b * t * v * 4 > logprobs_module.SAVED_LOGITS_BYTES
+    specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+             jax.ShapeDtypeStruct((b, t), jnp.int32))
+    fn = jax.grad(lambda h, w, i: jnp.sum(sum(chunked_log_probs_and_entropy(h, w, i, seq_chunk=128))),
+                  argnums=(0, 1))
+    temp = _compiled_temp_bytes(fn, *specs)
+    assert temp < b * t * v * 4 / 4, (temp, b * t * v * 4)
+
+
+@pytest.mark.parametrize("seq_chunk,vocab_chunk", [(4, None), (5, 7), (13, 41), (16, 10)])
+def test_kept_logits_backward_equals_recompute_backward(monkeypatch, seq_chunk, vocab_chunk):
+    """The two backward modes (logits kept vs recomputed) give the same values and gradients w.r.t. hidden, head
+    and temperature in float32, with collision probabilities and ragged tiles on both axes."""
+    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 16)
+    rng = np.random.default_rng(5)
+    b, t, d, v = 2, 13, 8, 41
+    h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, v)) * 0.8, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, size=(b, t)))
+    cts = [jnp.asarray(rng.normal(size=(b, t)), jnp.float32) for _ in range(3)]
+
+    def run(budget):
+        def loss(h, w, temperature):
+            outs = chunked_log_probs_and_entropy(h, w, ids, temperature=temperature, seq_chunk=seq_chunk,
+                                                 vocab_chunk=vocab_chunk, with_collision=True,
+                                                 max_saved_logits_bytes=budget)
+            return sum(jnp.sum(o * g) for o, g in zip(outs, cts)), outs
+
+        (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(h, w, jnp.float32(0.7))
+        return [np.asarray(x) for x in outs], [np.asarray(x) for x in grads]
+
+    (outs_k, grads_k), (outs_r, grads_r) = run(b * t * v * 4), run(0)
+    for x, y in zip(outs_k, outs_r):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-6)
+    for x, y in zip(grads_k, grads_r):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
 
 
 def _torch_reference_with_grads(h, w, ids, temp, cotangents):
@@ -112,9 +167,10 @@ def _torch_reference_with_grads(h, w, ids, temp, cotangents):
 
 
 # (seq_chunk, vocab_chunk, backward vocabulary tile when vocab_chunk is None); T=13, V=41 are multiples of none
+@pytest.mark.parametrize("budget", [0, None])  # 0: the backward recomputes the logits; None: it keeps them
 @pytest.mark.parametrize("seq_chunk,vocab_chunk,bwd_tile", [(4, None, 8192), (5, None, 16), (13, 7, None),
                                                             (3, 41, None), (16, 10, None)])
-def test_custom_vjp_gradients_match_torch_autograd_float64(monkeypatch, seq_chunk, vocab_chunk, bwd_tile):
+def test_custom_vjp_gradients_match_torch_autograd_float64(monkeypatch, seq_chunk, vocab_chunk, bwd_tile, budget):
     """Hand-written backward vs PyTorch autograd: d/d hidden, d/d lm_head_weight and d/d temperature of a
     weighted sum of log-probs, entropies and collision probabilities, with ragged last tiles on both axes."""
     if bwd_tile is not None:
@@ -128,7 +184,8 @@ def test_custom_vjp_gradients_match_torch_autograd_float64(monkeypatch, seq_chun
     with jax.enable_x64(True):
         def loss(h, w, temperature):
             outs = chunked_log_probs_and_entropy(h, w, jnp.asarray(ids), temperature=temperature,
-                                                 seq_chunk=seq_chunk, vocab_chunk=vocab_chunk, with_collision=True)
+                                                 seq_chunk=seq_chunk, vocab_chunk=vocab_chunk, with_collision=True,
+                                                 max_saved_logits_bytes=budget)
             return sum(jnp.sum(o * g) for o, g in zip(outs, cts)), outs
 
         (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
@@ -140,8 +197,9 @@ def test_custom_vjp_gradients_match_torch_autograd_float64(monkeypatch, seq_chun
         np.testing.assert_allclose(got, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("budget", [0, None])
 @pytest.mark.parametrize("vocab_chunk", [None, 16])
-def test_bf16_weight_gradients_match_float64_reference(monkeypatch, vocab_chunk):
+def test_bf16_weight_gradients_match_float64_reference(monkeypatch, vocab_chunk, budget):
     """bf16 hidden states and head weight (the training dtype): float32 accumulation gives gradients within
     bf16 rounding of the float64 torch gradient, returned in the inputs' dtypes, no worse than JAX autodiff of
     the naive path."""
@@ -159,7 +217,8 @@ def test_bf16_weight_gradients_match_float64_reference(monkeypatch, vocab_chunk)
         return lambda h, w: sum(jnp.sum(o * jnp.asarray(g, jnp.float32)) for o, g in zip(fn(h, w), cts))
 
     chunked = lambda h, w: chunked_log_probs_and_entropy(h, w, jnp.asarray(ids), temperature=temp,
-                                                         seq_chunk=4, vocab_chunk=vocab_chunk)
+                                                         seq_chunk=4, vocab_chunk=vocab_chunk,
+                                                         max_saved_logits_bytes=budget)
     naive_fn = lambda h, w: logits_to_log_probs_and_entropy(
         jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), jnp.asarray(ids), temp)
     gh, gw = jax.jit(jax.grad(loss(chunked), argnums=(0, 1)))(h, w)
@@ -177,9 +236,9 @@ def _compiled_temp_bytes(fn, *specs):
 
 @pytest.mark.parametrize("vocab_chunk", [512, None])
 def test_backward_holds_no_full_size_float32_head_gradient(monkeypatch, vocab_chunk):
-    """Compiled forward+backward with a bf16 head (XLA memory analysis): the temporaries stay below one float32
-    [D, V] buffer -- no float32 copy of the weight, no [D, V] float32 gradient carry, no padded weight copy --
-    and below 1/8 of the naive path's."""
+    """Compiled forward+backward with a bf16 head (XLA memory analysis), logits recomputed (budget 0, as at long
+    sequences): the temporaries stay below one float32 [D, V] buffer -- no float32 copy of the weight, no [D, V]
+    float32 gradient carry, no padded weight copy -- and below 1/8 of the naive path's."""
     monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 512)
     b, t, d, v = 1, 256, 64, 8192 + 100  # ragged last vocabulary tile
     specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
@@ -189,7 +248,7 @@ def test_backward_holds_no_full_size_float32_head_gradient(monkeypatch, vocab_ch
         return jax.grad(lambda h, w, i: jnp.sum(sum(fn(h, w, i))), argnums=(0, 1))
 
     chunked = _compiled_temp_bytes(grad_of(lambda h, w, i: chunked_log_probs_and_entropy(
-        h, w, i, seq_chunk=16, vocab_chunk=vocab_chunk)), *specs)
+        h, w, i, seq_chunk=16, vocab_chunk=vocab_chunk, max_saved_logits_bytes=0)), *specs)
     full = _compiled_temp_bytes(grad_of(lambda h, w, i: naive(h, w, i, 1.0)), *specs)
     assert chunked < d * v * 4, (chunked, d * v * 4)
     assert chunked < full / 8, (chunked, full)
@@ -210,3 +269,6 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="vocab_chunk"):
         chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((3, 5)), jnp.zeros((1, 2), jnp.int32),
                                       vocab_chunk=-1)
+    with pytest.raises(ValueError, match="max_saved_logits_bytes"):
+        chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((3, 5)), jnp.zeros((1, 2), jnp.int32),
+                                      max_saved_logits_bytes=-1)

@@ -11,10 +11,14 @@ which is the trainer definition of conventions.md §5 (verl ``logprobs_from_logi
 sampler and the trainer share it, which makes the first ratio of an on-policy update exactly 1.
 
 ``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head without
-materialising the ``[B, T, V]`` logits: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
+a ``[B, T, V]`` logits temporary: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
 logits (EasyDeL ``_logprob_utils.py``; Tunix ``compute_chunked_logps`` chunks the sequence the same way) with
-entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that recomputes each tile once and
-keeps only a ``[D, vocab_chunk]`` float32 head-gradient accumulator.
+entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that keeps only a ``[D, vocab_chunk]``
+float32 head-gradient accumulator. The backward needs each logits tile again: when the float32 logits of the
+call fit ``max_saved_logits_bytes`` (default ``SAVED_LOGITS_BYTES``, 512 MiB: 883 tokens at Qwen3's
+V = 151,936) the forward keeps them (as PyTorch autograd and Tunix do) and the backward reads them; otherwise it
+recomputes each tile once (one more ``h @ w`` matmul per tile, 4/3 of the head's FLOPs), so long sequences
+never hold ``[B, T, V]``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "BACKWARD_VOCAB_CHUNK",
+    "SAVED_LOGITS_BYTES",
     "chunked_log_probs_and_entropy",
     "logits_to_log_probs",
     "logits_to_log_probs_and_entropy",
@@ -35,6 +40,11 @@ __all__ = [
 # Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32
 # head-gradient accumulator is [D, BACKWARD_VOCAB_CHUNK] instead of [D, V] (1024 x 8192 x 4 B = 32 MiB for Qwen3-0.6B).
 BACKWARD_VOCAB_CHUNK = 8192
+
+# Default byte budget of the float32 logits that the forward keeps for the backward (B * T * V * 4 bytes at most):
+# above it the backward recomputes each logits tile. 512 MiB holds one Qwen3 micro-batch of 883 tokens
+# (V = 151,936); at T = 4,096 (2.3 GiB of logits) the recompute path keeps the memory goal of the chunked head.
+SAVED_LOGITS_BYTES = 512 * 2**20
 
 
 def _check_temperature(temperature) -> None:
@@ -180,25 +190,34 @@ def _tile_logits(h_c, w_c, temperature, acc):
     return jnp.einsum("bcd,dv->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
 
 
-def _per_token_seq_loop(t: int, c: int, names, init, step):
+def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None):
     """``fori_loop`` over sequence tiles updating per-token ``[B, T]`` arrays ``init`` (named ``names``):
     ``step(k, start, old)`` gets tile k's slice of each array and returns its new values; rows of a shifted
-    last tile that an earlier tile already visited keep their values."""
+    last tile that an earlier tile already visited keep their values. With a buffer ``kept`` (the ``[B, T, V]``
+    logits being saved), ``step`` also returns the tile's logits under ``"logits"`` and ``write(kept, tile,
+    start)`` stores them (all rows: a re-visited row gets its own logits again). Returns the arrays by name
+    (and ``"logits"``: the filled buffer)."""
     ragged = t % c != 0
 
     def body(k, carry):
+        arrays, buf = carry
         start, row_fresh = _tile(k, c, t, ragged)
-        old = {n: _slice(a, start, c, 1) for n, a in zip(names, carry)}
+        old = {n: _slice(a, start, c, 1) for n, a in zip(names, arrays)}
         new = step(k, start, old)
+        if buf is not None:
+            buf = write(buf, new.pop("logits"), start)
         if row_fresh is not None:
             new = {n: jnp.where(row_fresh, new[n], old[n]) for n in names}
-        return tuple(_put(a, new[n], start, 1) for n, a in zip(names, carry))
+        return tuple(_put(a, new[n], start, 1) for n, a in zip(names, arrays)), buf
 
-    return dict(zip(names, jax.lax.fori_loop(0, -(-t // c), body, tuple(init))))
+    arrays, buf = jax.lax.fori_loop(0, -(-t // c), body, (tuple(init), kept))
+    return dict(zip(names, arrays), **({} if buf is None else {"logits": buf}))
 
 
-def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool):
-    """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile.
+def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool,
+                     keep: bool = False):
+    """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile, and
+    (``keep``) the ``[B, T, V]`` logits z in the accumulation dtype, else None.
 
     With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
     ``logits_to_log_probs_and_entropy`` does (``jax.nn.logsumexp``, ``jax.nn.softmax``), so the trainer's
@@ -207,11 +226,12 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     z_y, so the weight is read once and no tile outlives its step.
     """
     acc = _acc_of(h, w)
-    _, t, _ = h.shape
+    b, t, _ = h.shape
     v = w.shape[1]
     c, vc = seq_chunk, vocab_chunk
     neg = _neg(acc)
     zeros = jnp.zeros(ids.shape, acc)
+    kept = jnp.zeros((b, t, v), acc) if keep else None
 
     def logits(start, w_c):
         return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc)
@@ -227,20 +247,25 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
                 label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
                 new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
+            if keep:
+                new["logits"] = z
             return new
 
-        out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab)
-        return out["log_z"], out["e_z"], out.get("q"), out["z_y"]
+        out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab, kept,
+                                  lambda buf, z, start: _put(buf, z, start, 1))
+        return out["log_z"], out["e_z"], out.get("q"), out["z_y"], out.get("logits")
 
     ragged_v = v % vc != 0
     names = ("m", "s", "t", "q", "z_y") if with_collision else ("m", "s", "t", "z_y")
 
     def vocab_step(j, carry):
+        carry, buf = carry
         vs, col_fresh = _tile(j, vc, v, ragged_v)
         w_c = _fenced_slice(w, vs, vc, 1)
 
         def streaming(k, start, old):
             z = logits(start, w_c)
+            raw = z
             if col_fresh is not None:
                 z = jnp.where(col_fresh, z, neg)  # stale columns: exp underflows to exactly 0
             m = jnp.maximum(old["m"], jnp.max(z, axis=-1))
@@ -255,33 +280,41 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             hit = (i_c >= j * vc) & (i_c < vs + vc)
             picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
             new["z_y"] = jnp.where(hit, picked, old["z_y"])
+            if keep:  # unmasked: the stale columns of a shifted tile are those columns' logits too
+                new["logits"] = raw
             return new
 
-        out = _per_token_seq_loop(t, c, names, carry, streaming)
-        return tuple(out[n] for n in names)
+        out = _per_token_seq_loop(t, c, names, carry, streaming, buf,
+                                  lambda buf, z, start: jax.lax.dynamic_update_slice(buf, z, (0, start, vs)))
+        return tuple(out[n] for n in names), out.get("logits")
 
     init = tuple(jnp.full(ids.shape, neg, acc) if n == "m" else zeros for n in names)
-    out = dict(zip(names, jax.lax.fori_loop(0, -(-v // vc), vocab_step, init)))
+    arrays, kept = jax.lax.fori_loop(0, -(-v // vc), vocab_step, (init, kept))
+    out = dict(zip(names, arrays))
     log_z = out["m"] + jnp.log(out["s"])
     collision = out["q"] / (out["s"] * out["s"]) if with_collision else None
-    return log_z, out["t"] / out["s"], collision, out["z_y"]
+    return log_z, out["t"] / out["s"], collision, out["z_y"], kept
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
-    """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``."""
-    return _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep):
+    """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``. Called
+    without differentiation (old log-probs, the sampler) it keeps no logits whatever ``keep`` says."""
+    log_z, e_z, collision, z_y, _ = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision)
+    return (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
 
 
-def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision):
-    log_z, e_z, collision, z_y = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision)
+def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep):
+    log_z, e_z, collision, z_y, kept = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk,
+                                                        with_collision, keep)
     outs = (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
-    # residuals: the inputs and three [B, T] statistics; no logits are kept
-    return outs, (h, w, ids, temperature, log_z, e_z, collision)
+    # residuals: the inputs, three [B, T] statistics and (keep) the [B, T, V] logits
+    return outs, (h, w, ids, temperature, log_z, e_z, collision, kept)
 
 
-def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
-    """Hand-written backward over the same tiles, recomputing each logits tile once.
+def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts):
+    """Hand-written backward over the same tiles, reading each logits tile from the kept logits (``keep``) or
+    recomputing it once.
 
     With p = softmax(z), E = E_p[z], C' = sum_{v != y} p_v^2 and cotangents (g_lp, g_H, g_C') per token:
       dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C' p_v (p_v 1[v != y] - C')
@@ -289,7 +322,7 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
     Vocabulary tiles (``bwd_vocab_chunk`` wide) are outermost, so the float32 head-gradient accumulator is one tile
     (written once into the ``[D, V]`` result in the weight's dtype) while dh ``[B, T, D]`` (small) accumulates.
     """
-    h, w, ids, temperature, log_z, e_z, collision = res
+    h, w, ids, temperature, log_z, e_z, collision, kept = res
     g_lp, g_h = cts[0], cts[1]
     g_c = cts[2] if with_collision else None
     acc = _acc_of(h, w)
@@ -315,7 +348,10 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, res, cts):
             ss, row_fresh = _tile(k, c, t, ragged_t)
             h_c = _fenced_slice(h, ss, c, 1)
             i_c, lz, ez, glp, gh, *coll = (_slice(a, ss, c, 1)[..., None] for a in per_token)
-            z = _tile_logits(h_c, w_c, temperature, acc)
+            if keep:
+                z = jax.lax.dynamic_slice(kept, (0, ss, vs), (kept.shape[0], c, vc))
+            else:
+                z = _tile_logits(h_c, w_c, temperature, acc)
             p = jnp.exp(z - lz)
             onehot = i_c == vs + jnp.arange(vc)
             dz = glp * (onehot - p) - gh * p * (z - ez)
@@ -354,8 +390,9 @@ def chunked_log_probs_and_entropy(
     seq_chunk: int = 512,
     vocab_chunk: int | None = None,
     with_collision: bool = False,
+    max_saved_logits_bytes: int | None = None,
 ) -> tuple[jax.Array, ...]:
-    """Per-token log-probability and entropy from hidden states, never materialising ``[B, T, V]`` logits.
+    """Per-token log-probability and entropy from hidden states; ``[B, T, V]`` logits exist only within a budget.
 
     ``logits[b, t] = hidden[b, t] @ lm_head_weight`` (accumulated in float32), divided by ``temperature``;
     ``log_probs[b, t] = log softmax(logits[b, t])[token_ids[b, t]]`` and
@@ -365,10 +402,11 @@ def chunked_log_probs_and_entropy(
     The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
     tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
     exponentials, their z-weighted sum (and sum of squares of the other tokens' probabilities), so the largest
-    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile. The backward is hand-written (``jax.custom_vjp``): it
-    saves only the inputs and logZ, E_p[z] (and C') per token, recomputes each tile once, accumulates the
-    hidden-state gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32
-    ``[D, vocab_chunk]`` tile at a time, written into the ``[D, V]`` result in the weight's dtype. Gradients
+    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile (and the logits when they are kept, below). The backward is hand-written (``jax.custom_vjp``): it
+    saves the inputs and logZ, E_p[z] (and C') per token, and the float32 logits only when they fit
+    ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once, accumulates the hidden-state
+    gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 ``[D, vocab_chunk]`` tile at a
+    time, written into the ``[D, V]`` result in the weight's dtype. Gradients
     w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
     differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
     its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so
@@ -388,14 +426,20 @@ def chunked_log_probs_and_entropy(
         ``C' = sum_{v != y} softmax(z)_v^2`` ``[B, T]``, summed without the sampled token so that it keeps its
         relative precision as ``p_y -> 1`` (the collision probability is ``C = C' + exp(2 log_probs)``; the Lemma
         A.1 gradient norm is ``(1 - p)^2 + C'``, ``stapo_jax.algo.diagnostics.gradient_norm_sq``).
+      max_saved_logits_bytes: int >= 0 or None (``SAVED_LOGITS_BYTES``, 512 MiB). When differentiated and the
+        logits take ``B * T * V * 4`` bytes (8 for float64) or fewer, the forward keeps them for the backward,
+        which then does no recomputation (2 head matmuls per tile instead of 3, measured by
+        ``bench/profile_update.py``); above it (long sequences) the backward recomputes each tile and no
+        ``[B, T, V]`` buffer exists. 0: always recompute. Values and gradients are the same either way (to float
+        rounding). Without differentiation nothing is kept.
 
     Returns:
       ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision_others)``), each ``[B, T]`` float32
       (float64 for float64 inputs); log-probs and entropy in nats.
 
     Raises:
-      ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, or
-        non-positive ``seq_chunk`` / ``vocab_chunk`` / ``temperature``.
+      ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, non-positive
+        ``seq_chunk`` / ``vocab_chunk`` / ``temperature``, or a negative ``max_saved_logits_bytes``.
 
     Source: conventions.md §5 (EasyDeL streaming log-sum-exp; Tunix ``compute_chunked_logps``); the entropy
     identity is verl ``entropy_from_logits``.
@@ -416,6 +460,9 @@ def chunked_log_probs_and_entropy(
         raise ValueError(f"seq_chunk must be > 0, got {seq_chunk}")
     if vocab_chunk is not None and int(vocab_chunk) <= 0:
         raise ValueError(f"vocab_chunk must be > 0 or None, got {vocab_chunk}")
+    budget = SAVED_LOGITS_BYTES if max_saved_logits_bytes is None else int(max_saved_logits_bytes)
+    if budget < 0:
+        raise ValueError(f"max_saved_logits_bytes must be >= 0 or None, got {max_saved_logits_bytes}")
 
     acc = _acc_of(hidden, lm_head_weight)
     b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1]
@@ -425,6 +472,7 @@ def chunked_log_probs_and_entropy(
     c = min(int(seq_chunk), t)
     vc = v if vocab_chunk is None else min(int(vocab_chunk), v)
     vc_bwd = min(BACKWARD_VOCAB_CHUNK if vocab_chunk is None else int(vocab_chunk), v)
+    keep = b * t * v * jnp.dtype(acc).itemsize <= budget
     temp = jnp.asarray(temperature, acc)
     return _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
-                          bool(with_collision))
+                          bool(with_collision), bool(keep))
