@@ -71,19 +71,63 @@ class SamplingParams:
 
 
 def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """Set the logits that top-k, then top-p, remove to ``-inf`` (transformers warper semantics).
+    """Set the logits that top-k, then top-p, remove to ``-inf`` (transformers warper semantics, ties kept).
+
+    Kept: with ``t_k`` the k-th largest value (counted with repeats; ``-inf`` when top-k is off), the entries
+    ``>= max(t_k, t_p)``, where ``t_p`` is the smallest value ``v >= t_k`` present in the row whose strictly larger
+    values hold probability mass ``< top_p`` (the mass is the softmax over the entries ``>= t_k``, what
+    ``TopKLogitsWarper`` kept). This is ``TopPLogitsWarper``'s rule (drop a token when the ascending
+    cumulative probability up to it is ``<= 1 - top_p``, always keep the most likely) with ties of the last
+    kept value kept as well, so that the result does not depend on a sort's order among equal logits.
+
+    Both thresholds are found by bisection over the float32 order, not by a sort: each of at most 32 steps is
+    one masked ``[B, V]`` count (top-k) or probability sum (top-p) on an order-preserving uint32 key of the
+    logits, so ``t_k`` is exact and ``t_p`` is exact up to the rounding of that sum. The sum's order differs
+    from a cumulative sum over sorted values, so a token whose larger-value mass equals ``top_p`` to within
+    float32 rounding (~1e-7 relative) may land on either side; tests/test_sampling.py measures it against
+    the sort-based thresholds. A sort-based top-p (this module before the bisection) normalised over exactly
+    ``k`` candidates; here, as in transformers, every entry tied with the k-th value is in the softmax.
 
     Args:
-      scaled_logits: ``[B, V]`` float32, logits already divided by the temperature.
+      scaled_logits: ``[B, V]`` float32 (no NaN), logits already divided by the temperature; ``-inf`` allowed.
       top_k: >= 0 (static); 0 = off. Values >= V keep everything.
       top_p: in (0, 1] (static); 1.0 = off.
     Returns:
-      ``[B, V]`` float32; removed entries are ``-inf``. At least one entry per row stays finite.
+      ``[B, V]`` float32; removed entries are ``-inf``, kept ones unchanged. At least one entry per row is kept
+      (finite when the row has a finite entry).
     Raises:
       SamplingParamsError: top_k < 0 or top_p outside (0, 1].
     Source: transformers ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (``generation/logits_process.py``).
     """
     return _truncate(scaled_logits, top_k, top_p)[0]
+
+
+_SIGN = 0x80000000
+_STEPS = 32  # bisection steps that shrink any uint32 interval to one key
+
+
+def _order_keys(x):
+    """uint32 keys in the float order of ``x`` (float32, no NaN); -0.0 and +0.0 get the same key."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    sign = jnp.uint32(_SIGN)
+    return jnp.where(bits >= sign, ~bits, bits | sign)
+
+
+def _bisect(pred, lo, hi, largest: bool):
+    """Per row, the largest (``largest``) or smallest key in ``[lo, hi]`` (``[B]`` uint32) where the monotone
+    ``pred`` (``[B]`` uint32 -> ``[B]`` bool) holds; it must hold at ``lo`` (largest) or ``hi`` (smallest)."""
+
+    def body(carry):
+        lo, hi, step = carry
+        d = hi - lo
+        mid = lo + (d >> 1) + (d & 1 if largest else jnp.uint32(0))
+        ok = pred(mid)
+        if largest:
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), step + 1
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi), step + 1
+
+    lo, hi, _ = jax.lax.while_loop(lambda c: jnp.any(c[0] < c[1]) & (c[2] < _STEPS), body, (lo, hi, 0))
+    return lo if largest else hi
 
 
 def _truncate(scaled_logits, top_k, top_p):
@@ -96,18 +140,18 @@ def _truncate(scaled_logits, top_k, top_p):
     use_k = 0 < top_k < v
     if not use_k and top_p >= 1.0:
         return scaled_logits, None
-    # Descending candidate values: only the top-k when top-k is on (no full-vocabulary sort).
-    vals = jax.lax.top_k(scaled_logits, top_k)[0] if use_k else -jnp.sort(-scaled_logits, axis=-1)
-    threshold = vals[:, -1] if use_k else jnp.full(vals.shape[:1], -jnp.inf, vals.dtype)
-    if top_p < 1.0:
-        probs = jax.nn.softmax(vals, axis=-1)
-        cum_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely candidates
-        keep = cum_before < top_p
-        keep = keep.at[:, 0].set(True)
-        n_keep = jnp.sum(keep, axis=-1)
-        p_threshold = jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
-        threshold = jnp.maximum(threshold, p_threshold)
-    return jnp.where(scaled_logits >= threshold[:, None], scaled_logits, -jnp.inf), vals[:, 0]
+    keys = _order_keys(scaled_logits)
+    row_max = jnp.max(scaled_logits, axis=-1)
+    hi = _order_keys(row_max)
+    threshold = jnp.min(keys, axis=-1)
+    if use_k:  # t_k: the largest key with at least k entries >= it
+        threshold = _bisect(lambda u: jnp.sum(keys >= u[:, None], axis=-1, dtype=jnp.int32) >= top_k,
+                            threshold, hi, largest=True)
+    if top_p < 1.0:  # t_p: the smallest key >= t_k whose strictly larger entries hold mass < top_p
+        probs = jax.nn.softmax(jnp.where(keys >= threshold[:, None], scaled_logits, -jnp.inf), axis=-1)
+        threshold = _bisect(lambda u: jnp.sum(jnp.where(keys <= u[:, None], probs, 0.0), axis=-1) > 1.0 - top_p,
+                            threshold, hi, largest=False)
+    return jnp.where(keys >= threshold[:, None], scaled_logits, -jnp.inf), row_max
 
 
 def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
