@@ -7,14 +7,16 @@ function the trainer uses (its body :func:`~stapo_jax.algo.logprobs.scaled_log_p
 definition. Sampling and the log-prob share one temperature-scaled copy of the logits: the draw is Gumbel-max
 over its truncation, ``argmax(gumbel(key, [V]) + truncated)``, exactly what ``jax.random.categorical`` computes
 (same noise, same sum, so the same tokens for the same keys), and the log-prob is taken from the untruncated
-scaled logits; greedy decoding takes the row maximum from its argmax, and top-k from its first value, instead
-of a second max pass over the vocabulary, giving the same float (tests/test_sampling.py).
+scaled logits; greedy decoding takes the row maximum from its argmax, and truncation from the maximum its
+bisection needs anyway, instead of a second max pass over the vocabulary, giving the same float
+(tests/test_sampling.py).
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
 temperature -> top-k (``TopKLogitsWarper``: keep logits >= the k-th largest, ties kept) -> top-p
 (``TopPLogitsWarper``: over the softmax of what top-k kept, drop the tokens whose ascending cumulative
-probability is <= 1 - top_p, always keeping the most likely token). The token is then drawn from the
-softmax of the truncated, temperature-scaled logits with ``jax.random.categorical`` (Gumbel-max).
+probability is <= 1 - top_p, always keeping the most likely token; ties of the last kept value kept), with
+both thresholds found by bisection over the float order, not by sorting the vocabulary (see
+:func:`truncate_logits`). The token is then drawn from the softmax of the truncated, temperature-scaled logits with ``jax.random.categorical`` (Gumbel-max).
 """
 from __future__ import annotations
 
@@ -73,20 +75,23 @@ class SamplingParams:
 def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
     """Set the logits that top-k, then top-p, remove to ``-inf`` (transformers warper semantics, ties kept).
 
-    Kept: with ``t_k`` the k-th largest value (counted with repeats; ``-inf`` when top-k is off), the entries
-    ``>= max(t_k, t_p)``, where ``t_p`` is the smallest value ``v >= t_k`` present in the row whose strictly larger
-    values hold probability mass ``< top_p`` (the mass is the softmax over the entries ``>= t_k``, what
-    ``TopKLogitsWarper`` kept). This is ``TopPLogitsWarper``'s rule (drop a token when the ascending
-    cumulative probability up to it is ``<= 1 - top_p``, always keep the most likely) with ties of the last
-    kept value kept as well, so that the result does not depend on a sort's order among equal logits.
+    Kept: with ``t_k`` the k-th largest value (counted with repeats; the row minimum when top-k is off), the
+    entries ``>= t_p``, where ``t_p`` is the smallest value ``>= t_k`` present in the row whose entries ``<=`` it
+    hold probability mass ``> 1 - top_p``, or the row maximum when none does (the mass is the softmax over the
+    entries ``>= t_k``, what ``TopKLogitsWarper`` kept). This is ``TopPLogitsWarper``'s rule (drop a token when
+    the ascending cumulative probability up to it is ``<= 1 - top_p``, always keep the most likely), with every
+    entry tied with the last kept value kept too, so that the result does not depend on a sort's order among
+    equal logits (transformers may keep only some of them).
 
-    Both thresholds are found by bisection over the float32 order, not by a sort: each of at most 32 steps is
-    one masked ``[B, V]`` count (top-k) or probability sum (top-p) on an order-preserving uint32 key of the
-    logits, so ``t_k`` is exact and ``t_p`` is exact up to the rounding of that sum. The sum's order differs
-    from a cumulative sum over sorted values, so a token whose larger-value mass equals ``top_p`` to within
-    float32 rounding (~1e-7 relative) may land on either side; tests/test_sampling.py measures it against
-    the sort-based thresholds. A sort-based top-p (this module before the bisection) normalised over exactly
-    ``k`` candidates; here, as in transformers, every entry tied with the k-th value is in the softmax.
+    Both thresholds are found by bisection over the float32 order instead of a sort: each of at most 32 steps
+    is one masked ``[B, V]`` count (top-k) or probability sum (top-p) over an order-preserving uint32 key of the
+    logits. ``t_k`` is exact. ``t_p`` is exact up to float32 rounding of that sum: like transformers it sums the
+    small tail (mass ``<= 1 - top_p`` at the boundary), so for top_p near 1 the keep-masks equal a float64
+    reference and transformers' where the sort-based cumulative sum of the head mass (this module before the
+    bisection) dropped or kept one boundary token wrongly; a row whose boundary mass equals ``1 - top_p`` to
+    within float32 rounding (~1e-7 relative) may still land on either side (tests/test_sampling.py measures
+    it). The sort-based top-p normalised over exactly ``k`` top-k candidates; here, as in transformers, every
+    entry tied with the k-th value is in the softmax.
 
     Args:
       scaled_logits: ``[B, V]`` float32 (no NaN), logits already divided by the temperature; ``-inf`` allowed.
@@ -147,7 +152,7 @@ def _truncate(scaled_logits, top_k, top_p):
     if use_k:  # t_k: the largest key with at least k entries >= it
         threshold = _bisect(lambda u: jnp.sum(keys >= u[:, None], axis=-1, dtype=jnp.int32) >= top_k,
                             threshold, hi, largest=True)
-    if top_p < 1.0:  # t_p: the smallest key >= t_k whose strictly larger entries hold mass < top_p
+    if top_p < 1.0:  # t_p: the smallest key >= t_k whose entries <= it hold mass > 1 - top_p
         probs = jax.nn.softmax(jnp.where(keys >= threshold[:, None], scaled_logits, -jnp.inf), axis=-1)
         threshold = _bisect(lambda u: jnp.sum(jnp.where(keys <= u[:, None], probs, 0.0), axis=-1) > 1.0 - top_p,
                             threshold, hi, largest=False)
