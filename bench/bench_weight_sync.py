@@ -16,7 +16,10 @@ Sections (every one interleaved old/new, >= 3 repeats, median [min..max] and the
 2. **Sampler** (``sample_tokens`` at temperature > 0, B x V logits, jitted): old (re-created here:
    ``jax.random.categorical`` over the truncated scaled logits, then ``logits_to_log_probs`` from the raw
    logits) vs new (one shared scaled copy, Gumbel-max draw, ``scaled_log_probs`` with the row maximum reused
-   when truncation has it); the tokens of both are checked equal.
+   when truncation has it); the tokens of both are checked equal. When the setting truncates, a third side,
+   "before" (``sort_sample_tokens``), is the new sampler with the sort-based truncation it had before the
+   bisection (``tests/sampling_reference.py``, ``jax.lax.top_k`` / full-vocabulary sort), with the ratio
+   before/new and whether its tokens equal the new ones.
 3. **Decode** (``--decode-tokens`` > 0): ``RolloutDriver.generate`` at temperature 1.0 with the old sampler
    (patched into ``decode_fns`` for that side only) and the new one; tokens checked equal.
 
@@ -33,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,11 +48,12 @@ from benchutil import interleaved, load_line, machine_line, ratio, summary  # no
 from models.decode import LAYERS_KEY  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from models.sharding import param_shardings  # noqa: E402
-from stapo_jax.algo.logprobs import logits_to_log_probs  # noqa: E402
+from sampling_reference import sort_truncate_logits  # noqa: E402
+from stapo_jax.algo.logprobs import logits_to_log_probs, scaled_log_probs  # noqa: E402
 from stapo_jax.rollout import decode_fns  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine  # noqa: E402
-from stapo_jax.rollout.sampling import SamplingParams, sample_tokens, truncate_logits  # noqa: E402
+from stapo_jax.rollout.sampling import SamplingParams, gumbel_noise, sample_tokens, truncate_logits  # noqa: E402
 
 
 def old_sample_tokens(logits, keys, params: SamplingParams):
@@ -58,6 +63,15 @@ def old_sample_tokens(logits, keys, params: SamplingParams):
     scaled = truncate_logits(logits / params.temperature, params.top_k, params.top_p)
     tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return tokens, logits_to_log_probs(logits, tokens, params.temperature)
+
+
+def sort_sample_tokens(logits, keys, params: SamplingParams):
+    """The fused sampler with the sort-based truncation of before the bisection (re-created): the "before"
+    side of the truncation change."""
+    z = logits.astype(jnp.float32) / params.temperature
+    truncated = sort_truncate_logits(z, params.top_k, params.top_p)
+    tokens = jnp.argmax(gumbel_noise(keys, z.shape[-1]) + truncated, axis=-1).astype(jnp.int32)
+    return tokens, scaled_log_probs(z, tokens, jnp.max(z, axis=-1))
 
 
 def bench_sync(engine: Qwen3Engine, states: list, repeats: int) -> None:
@@ -104,9 +118,11 @@ def bench_sampler(batch: int, vocab: int, repeats: int) -> None:
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(batch, vocab)) * 3, jnp.float32)
     keys = jax.random.split(jax.random.key(0), batch)
-    for params in (SamplingParams(1.0), SamplingParams(0.6, top_k=50), SamplingParams(1.0, top_p=0.9),
+    for params in (SamplingParams(1.0), SamplingParams(0.6, top_k=50), SamplingParams(0.7, top_p=0.9),
                    SamplingParams(0.7, top_k=50, top_p=0.95)):
         fns = {"old": jax.jit(old_sample_tokens, static_argnums=2), "new": jax.jit(sample_tokens, static_argnums=2)}
+        if params.truncates:
+            fns["before"] = jax.jit(sort_sample_tokens, static_argnums=2)
         out = {}
 
         def side(k):
@@ -120,6 +136,12 @@ def bench_sampler(batch: int, vocab: int, repeats: int) -> None:
         print(f"[sampler B={batch} V={vocab} T={params.temperature} top_k={params.top_k} top_p={params.top_p}] "
               f"old {summary(times['old'])} | new {summary(times['new'])} | ratio old/new "
               f"{ratio(times['old'], times['new'])}x | same tokens {same}, max |d log_prob| {dlp:.1e}", flush=True)
+        if "before" in fns:
+            same = bool(np.array_equal(np.asarray(out["before"][0]), np.asarray(out["new"][0])))
+            print(f"[sampler B={batch} V={vocab} T={params.temperature} top_k={params.top_k} top_p={params.top_p}] "
+                  f"truncation: before (sort-based) {summary(times['before'])} | new (bisection) "
+                  f"{summary(times['new'])} | ratio before/new {ratio(times['before'], times['new'])}x | "
+                  f"same tokens {same}", flush=True)
 
 
 def bench_decode(engine: Qwen3Engine, batch: int, new_tokens: int, repeats: int) -> None:

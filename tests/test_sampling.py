@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from sampling_reference import sort_truncate_logits
 from stapo_jax.algo.logprobs import logits_to_log_probs
 from stapo_jax.rollout.sampling import SamplingParams, SamplingParamsError, sample_tokens, truncate_logits
 
@@ -162,3 +163,132 @@ def test_fused_draw_equals_categorical_and_log_probs_equal_the_trainers(temperat
     assert kept[np.arange(b), np.asarray(tok)].all()
     if top_k:
         assert kept.sum(-1).max() <= top_k
+
+
+# --- Bisection thresholds vs sort-based, float64 and transformers references -------------------------------------
+
+
+def exact_keep(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Float64 keep-mask of the value rule of truncate_logits (independent of it, by sorting): keep
+    x >= max(t_k, t_p), t_k the k-th largest value (repeats counted), t_p the smallest present value >= t_k whose
+    entries <= it hold softmax mass (over the entries >= t_k) > 1 - top_p, else the row maximum."""
+    x = logits.astype(np.float64)
+    s = np.sort(x, axis=-1)  # ascending
+    t_k = s[:, -top_k] if 0 < top_k < x.shape[-1] else np.full(x.shape[0], -np.inf)
+    t = t_k
+    if top_p < 1.0:
+        cand = s >= t_k[:, None]
+        e = np.where(cand, np.exp(s - s[:, -1:]), 0.0)
+        tail = np.cumsum(e / e.sum(-1, keepdims=True), axis=-1)  # mass of the entries <= s[:, i]
+        last_of_value = np.concatenate([s[:, :-1] != s[:, 1:], np.ones((x.shape[0], 1), bool)], axis=-1)
+        ok = cand & last_of_value & (tail > np.float64(np.float32(1.0 - top_p)))  # the float32 bound, as ours
+        t_p = np.where(ok, s, np.inf).min(-1)
+        t = np.maximum(t_k, np.where(np.isinf(t_p), s[:, -1], t_p))
+    return x >= t[:, None]
+
+
+def hf_keep(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    scores = torch.tensor(logits)
+    ids = torch.zeros((logits.shape[0], 1), dtype=torch.long)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(ids, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(ids, scores)
+    return np.isfinite(scores.numpy())
+
+
+def new_keep(logits, top_k, top_p) -> np.ndarray:
+    out = np.asarray(jax.jit(truncate_logits, static_argnums=(1, 2))(jnp.asarray(logits), top_k, top_p))
+    kept = np.isfinite(out)
+    np.testing.assert_array_equal(out[kept], np.asarray(logits)[kept])  # kept entries unchanged
+    return kept
+
+
+def sort_keep(logits, top_k, top_p) -> np.ndarray:
+    return np.isfinite(np.asarray(jax.jit(sort_truncate_logits, static_argnums=(1, 2))(jnp.asarray(logits), top_k,
+                                                                                         top_p)))
+
+
+@pytest.mark.parametrize("shape,scale", [((1024, 1000), 3.0), ((64, 20000), 3.0), ((1024, 300), 10.0)])
+def test_bisection_keep_masks_equal_float64_transformers_and_sort_references(shape, scale):
+    """Over many random rows (float32, no ties at a boundary) the bisection's keep-masks are exactly the float64
+    reference's and transformers' warpers', for top-k, top-p and both; the sort-based thresholds it replaced
+    agree wherever their float32 head-mass cumsum resolves the boundary, i.e. all settings except top_p close
+    to 1, where that cumsum misplaces the boundary token in some rows and the tail sum does not."""
+    logits = (np.random.default_rng(shape[1]).normal(size=shape) * scale).astype(np.float32)
+    for top_k, top_p in [(50, 1.0), (1, 1.0), (0, 0.9), (0, 0.3), (0, 1e-6), (50, 0.9), (7, 0.5), (0, 0.99),
+                         (0, 0.999), (100, 0.999)]:
+        ours, exact, hf = new_keep(logits, top_k, top_p), exact_keep(logits, top_k, top_p), hf_keep(logits, top_k, top_p)
+        np.testing.assert_array_equal(ours, exact, err_msg=f"top_k={top_k} top_p={top_p}")
+        np.testing.assert_array_equal(ours, hf, err_msg=f"top_k={top_k} top_p={top_p}")
+        assert ours.any(-1).all()
+        old = sort_keep(logits, top_k, top_p)
+        if top_p <= 0.9:
+            np.testing.assert_array_equal(old, ours, err_msg=f"top_k={top_k} top_p={top_p}")
+        elif top_p == 0.999 and top_k == 0 and shape[1] >= 1000 and scale == 3.0:
+            wrong = (old != exact).any(-1)
+            assert wrong.sum() >= 3 and (old != exact).sum(-1).max() == 1  # one boundary token per such row
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (40, 1.0), (0, 0.9), (0, 0.5), (40, 0.8), (3, 0.95)])
+def test_bisection_with_many_ties_keeps_every_tie_of_the_thresholds(top_k, top_p):
+    """bf16-quantised logits (1/8 steps, many exact ties): keep-masks equal the float64 value rule; top-k alone equals
+    transformers' (value threshold there too); with top-p, transformers keeps a sort-order subset of the tied
+    last value and ours keeps all of them, nothing else. Top-p alone equals the sort-based thresholds."""
+    rng = np.random.default_rng(5)
+    logits = (np.round(rng.normal(size=(256, 500)) * 16) / 8).astype(np.float32)  # steps of 1/8: bf16 values
+    assert np.array_equal(np.asarray(jnp.asarray(logits).astype(jnp.bfloat16).astype(jnp.float32)), logits)
+    assert len(np.unique(logits[0])) < 150  # really tied
+    ours, exact, hf = new_keep(logits, top_k, top_p), exact_keep(logits, top_k, top_p), hf_keep(logits, top_k, top_p)
+    np.testing.assert_array_equal(ours, exact)
+    if top_p == 1.0:
+        np.testing.assert_array_equal(ours, hf)
+        assert (ours.sum(-1) >= top_k).all() and (ours.sum(-1) > top_k).any()  # ties at the k-th value kept
+    else:
+        assert (ours >= hf).all()
+        extra = ours & ~hf
+        last = np.where(hf, logits, np.inf).min(-1)  # the smallest value transformers kept, per row
+        assert np.all(logits[extra] == np.broadcast_to(last[:, None], logits.shape)[extra])
+    if top_k == 0:
+        np.testing.assert_array_equal(ours, sort_keep(logits, top_k, top_p))
+
+
+def test_top_k_tied_at_the_kth_value_are_all_in_the_top_p_softmax():
+    """[1, 0, 0], top_k=2, top_p=0.6: top-k keeps all three (ties); over their softmax (0.576, 0.212, 0.212)
+    the two zeros hold 0.424 > 1 - 0.6, so they stay (transformers keeps one of them, by sort order). The
+    sort-based code normalised over two candidates only (0.731, 0.269) and kept [1] alone."""
+    x = np.array([[1.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(new_keep(x, 2, 0.6), [[True, True, True]])
+    assert hf_keep(x, 2, 0.6).sum() == 2
+    np.testing.assert_array_equal(sort_keep(x, 2, 0.6), [[True, False, False]])
+
+
+def test_truncation_edge_cases_top_k_over_vocab_top_p_one_tiny_top_p_and_neg_inf():
+    rng = np.random.default_rng(9)
+    x = (rng.normal(size=(8, 64)) * 3).astype(np.float32)
+    for top_k, top_p in [(0, 1.0), (64, 1.0), (1000, 1.0)]:  # nothing removed: the input itself
+        np.testing.assert_array_equal(np.asarray(truncate_logits(jnp.asarray(x), top_k, top_p)), x)
+    np.testing.assert_array_equal(new_keep(x, 1000, 0.5), new_keep(x, 0, 0.5))
+    # tiny top_p (1 - top_p rounds to 1 in float32): only the maximum, with its ties
+    tied = x.copy()
+    tied[:, 5] = tied.max(-1)
+    for p in (1e-6, 1e-30):
+        keep = new_keep(tied, 0, p)
+        np.testing.assert_array_equal(keep, tied == tied.max(-1, keepdims=True))
+        assert (keep.sum(-1) == 2).all()
+    # -inf entries: never kept unless the whole row is -inf; top_k beyond the finite count keeps every finite one
+    y = x.copy()
+    y[:, 10:] = -np.inf
+    y[0, 1:] = -np.inf  # one finite entry
+    out = np.asarray(truncate_logits(jnp.asarray(y), 20, 0.999))
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(y) & exact_keep(y, 20, 0.999))
+    assert np.isfinite(out[0]).sum() == 1
+    for top_k, top_p in [(3, 1.0), (0, 0.5), (3, 0.7), (15, 0.9)]:
+        np.testing.assert_array_equal(new_keep(y, top_k, top_p) & np.isfinite(y), exact_keep(y, top_k, top_p)
+                                      & np.isfinite(y))
+        np.testing.assert_array_equal(np.isfinite(np.asarray(truncate_logits(jnp.asarray(y), top_k, top_p))),
+                                      hf_keep(y, top_k, top_p))
+    # -0.0 and +0.0 are one value (tied)
+    z = np.array([[0.0, -0.0, -1.0, -2.0]], np.float32)
+    np.testing.assert_array_equal(new_keep(z, 1, 1.0), [[True, True, False, False]])
+    np.testing.assert_array_equal(new_keep(z, 0, 0.5), [[True, True, False, False]])

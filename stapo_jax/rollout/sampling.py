@@ -7,14 +7,16 @@ function the trainer uses (its body :func:`~stapo_jax.algo.logprobs.scaled_log_p
 definition. Sampling and the log-prob share one temperature-scaled copy of the logits: the draw is Gumbel-max
 over its truncation, ``argmax(gumbel(key, [V]) + truncated)``, exactly what ``jax.random.categorical`` computes
 (same noise, same sum, so the same tokens for the same keys), and the log-prob is taken from the untruncated
-scaled logits; greedy decoding takes the row maximum from its argmax, and top-k from its first value, instead
-of a second max pass over the vocabulary, giving the same float (tests/test_sampling.py).
+scaled logits; greedy decoding takes the row maximum from its argmax, and truncation from the maximum its
+bisection needs anyway, instead of a second max pass over the vocabulary, giving the same float
+(tests/test_sampling.py).
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
 temperature -> top-k (``TopKLogitsWarper``: keep logits >= the k-th largest, ties kept) -> top-p
 (``TopPLogitsWarper``: over the softmax of what top-k kept, drop the tokens whose ascending cumulative
-probability is <= 1 - top_p, always keeping the most likely token). The token is then drawn from the
-softmax of the truncated, temperature-scaled logits with ``jax.random.categorical`` (Gumbel-max).
+probability is <= 1 - top_p, always keeping the most likely token; ties of the last kept value kept), with
+both thresholds found by bisection over the float order, not by sorting the vocabulary (see
+:func:`truncate_logits`). The token is then drawn from the softmax of the truncated, temperature-scaled logits with ``jax.random.categorical`` (Gumbel-max).
 """
 from __future__ import annotations
 
@@ -71,19 +73,66 @@ class SamplingParams:
 
 
 def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """Set the logits that top-k, then top-p, remove to ``-inf`` (transformers warper semantics).
+    """Set the logits that top-k, then top-p, remove to ``-inf`` (transformers warper semantics, ties kept).
+
+    Kept: with ``t_k`` the k-th largest value (counted with repeats; the row minimum when top-k is off), the
+    entries ``>= t_p``, where ``t_p`` is the smallest value ``>= t_k`` present in the row whose entries ``<=`` it
+    hold probability mass ``> 1 - top_p``, or the row maximum when none does (the mass is the softmax over the
+    entries ``>= t_k``, what ``TopKLogitsWarper`` kept). This is ``TopPLogitsWarper``'s rule (drop a token when
+    the ascending cumulative probability up to it is ``<= 1 - top_p``, always keep the most likely), with every
+    entry tied with the last kept value kept too, so that the result does not depend on a sort's order among
+    equal logits (transformers may keep only some of them).
+
+    Both thresholds are found by bisection over the float32 order instead of a sort: each of at most 32 steps
+    is one masked ``[B, V]`` count (top-k) or probability sum (top-p) over an order-preserving uint32 key of the
+    logits. ``t_k`` is exact. ``t_p`` is exact up to float32 rounding of that sum: like transformers it sums the
+    small tail (mass ``<= 1 - top_p`` at the boundary), so for top_p near 1 the keep-masks equal a float64
+    reference and transformers' where the sort-based cumulative sum of the head mass (this module before the
+    bisection) dropped or kept one boundary token wrongly; a row whose boundary mass equals ``1 - top_p`` to
+    within float32 rounding (~1e-7 relative) may still land on either side (tests/test_sampling.py measures
+    it). The sort-based top-p normalised over exactly ``k`` top-k candidates; here, as in transformers, every
+    entry tied with the k-th value is in the softmax.
 
     Args:
-      scaled_logits: ``[B, V]`` float32, logits already divided by the temperature.
+      scaled_logits: ``[B, V]`` float32 (no NaN), logits already divided by the temperature; ``-inf`` allowed.
       top_k: >= 0 (static); 0 = off. Values >= V keep everything.
       top_p: in (0, 1] (static); 1.0 = off.
     Returns:
-      ``[B, V]`` float32; removed entries are ``-inf``. At least one entry per row stays finite.
+      ``[B, V]`` float32; removed entries are ``-inf``, kept ones unchanged. At least one entry per row is kept
+      (finite when the row has a finite entry).
     Raises:
       SamplingParamsError: top_k < 0 or top_p outside (0, 1].
     Source: transformers ``TopKLogitsWarper`` / ``TopPLogitsWarper`` (``generation/logits_process.py``).
     """
     return _truncate(scaled_logits, top_k, top_p)[0]
+
+
+_SIGN = 0x80000000
+_STEPS = 32  # bisection steps that shrink any uint32 interval to one key
+
+
+def _order_keys(x):
+    """uint32 keys in the float order of ``x`` (float32, no NaN); -0.0 and +0.0 get the same key."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
+    sign = jnp.uint32(_SIGN)
+    return jnp.where(bits >= sign, ~bits, bits | sign)
+
+
+def _bisect(pred, lo, hi, largest: bool):
+    """Per row, the largest (``largest``) or smallest key in ``[lo, hi]`` (``[B]`` uint32) where the monotone
+    ``pred`` (``[B]`` uint32 -> ``[B]`` bool) holds; it must hold at ``lo`` (largest) or ``hi`` (smallest)."""
+
+    def body(carry):
+        lo, hi, step = carry
+        d = hi - lo
+        mid = lo + (d >> 1) + (d & 1 if largest else jnp.uint32(0))
+        ok = pred(mid)
+        if largest:
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), step + 1
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi), step + 1
+
+    lo, hi, _ = jax.lax.while_loop(lambda c: jnp.any(c[0] < c[1]) & (c[2] < _STEPS), body, (lo, hi, 0))
+    return lo if largest else hi
 
 
 def _truncate(scaled_logits, top_k, top_p):
@@ -96,18 +145,18 @@ def _truncate(scaled_logits, top_k, top_p):
     use_k = 0 < top_k < v
     if not use_k and top_p >= 1.0:
         return scaled_logits, None
-    # Descending candidate values: only the top-k when top-k is on (no full-vocabulary sort).
-    vals = jax.lax.top_k(scaled_logits, top_k)[0] if use_k else -jnp.sort(-scaled_logits, axis=-1)
-    threshold = vals[:, -1] if use_k else jnp.full(vals.shape[:1], -jnp.inf, vals.dtype)
-    if top_p < 1.0:
-        probs = jax.nn.softmax(vals, axis=-1)
-        cum_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely candidates
-        keep = cum_before < top_p
-        keep = keep.at[:, 0].set(True)
-        n_keep = jnp.sum(keep, axis=-1)
-        p_threshold = jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
-        threshold = jnp.maximum(threshold, p_threshold)
-    return jnp.where(scaled_logits >= threshold[:, None], scaled_logits, -jnp.inf), vals[:, 0]
+    keys = _order_keys(scaled_logits)
+    row_max = jnp.max(scaled_logits, axis=-1)
+    hi = _order_keys(row_max)
+    threshold = jnp.min(keys, axis=-1)
+    if use_k:  # t_k: the largest key with at least k entries >= it
+        threshold = _bisect(lambda u: jnp.sum(keys >= u[:, None], axis=-1, dtype=jnp.int32) >= top_k,
+                            threshold, hi, largest=True)
+    if top_p < 1.0:  # t_p: the smallest key >= t_k whose entries <= it hold mass > 1 - top_p
+        probs = jax.nn.softmax(jnp.where(keys >= threshold[:, None], scaled_logits, -jnp.inf), axis=-1)
+        threshold = _bisect(lambda u: jnp.sum(jnp.where(keys <= u[:, None], probs, 0.0), axis=-1) > 1.0 - top_p,
+                            threshold, hi, largest=False)
+    return jnp.where(keys >= threshold[:, None], scaled_logits, -jnp.inf), row_max
 
 
 def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
