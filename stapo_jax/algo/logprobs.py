@@ -124,7 +124,7 @@ def scaled_log_probs(z: jax.Array, token_ids: jax.Array, row_max: jax.Array | No
       z: ``[..., V]`` float32 (or float64) temperature-scaled logits, full vocabulary (no truncation).
       token_ids: ``[...]`` integer ids in ``[0, V)``.
       row_max: optional ``[...]`` exact ``max(z, axis=-1)`` the caller already has (greedy's chosen logit,
-        top-k's first value); the max pass of the log-sum-exp is then skipped, and the result is the same
+        the sampler's row maximum); the max pass of the log-sum-exp is then skipped, and the result is the same
         float (``log(sum(exp(z - max))) + max``, the order of ``jax.nn.logsumexp``) for finite ``z``.
     Returns:
       ``[...]`` log-probs in nats (dtype of ``z``).
