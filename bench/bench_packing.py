@@ -159,6 +159,9 @@ class HiddenAsModel:
     def lm_head_weight(self):
         return self.w
 
+    def lm_head_weight_and_layout(self):
+        return self.w, "dv"
+
 
 def head_cost(mini_batch: int, seed: int, d: int, v: int) -> dict:
     """LM-head tokens, FLOPs and temporary bytes of one packed micro-batch, before vs after (module docstring, 3)."""

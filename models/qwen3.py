@@ -532,13 +532,24 @@ class Qwen3(nnx.Module):
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
 
+    def lm_head_weight_and_layout(self) -> tuple[jax.Array, str]:
+        """The LM head weight as stored and its layout, for ``chunked_log_probs_and_entropy(weight_layout=...)``.
+
+        Returns ``(embedding [vocab_size, hidden_size], "vd")`` when tied (no transposed copy; its gradient is
+        the embedding's gradient as stored) and ``(kernel [hidden_size, vocab_size], "dv")`` otherwise, in the
+        parameters' dtype. No errors raised. Source: HF ``tie_word_embeddings`` (Tunix ``x @ embedding.T``).
+        """
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...], "vd"
+        return self.lm_head.kernel[...], "dv"
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Logits [..., vocab_size] float32 from hidden [..., hidden_size] (f32 accumulation).
 
         Materialises the full vocabulary; loss code should use ``stapo_jax.algo.logprobs`` (chunked) instead.
         """
-        w = self.lm_head_weight()
-        return jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
+        w, layout = self.lm_head_weight_and_layout()
+        return jnp.einsum(f"...d,{layout}->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
 
 
 def param_count(config: Qwen3Config) -> int:

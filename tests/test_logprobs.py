@@ -1,6 +1,7 @@
 """Log-prob / entropy definitions vs PyTorch (verl), and the chunked path vs the naive one (values, gradients)."""
 
 import os
+import re
 import sys
 
 import jax
@@ -254,6 +255,75 @@ def test_backward_holds_no_full_size_float32_head_gradient(monkeypatch, vocab_ch
     assert chunked < full / 8, (chunked, full)
 
 
+@pytest.mark.parametrize("budget", [0, None])  # 0: the backward recomputes the logits; None: it keeps them
+@pytest.mark.parametrize("seq_chunk,vocab_chunk,bwd_tile", [(4, None, 8192), (5, None, 16), (13, 7, None),
+                                                            (16, 10, None)])
+def test_vd_layout_equals_dv_layout_on_the_transposed_weight(monkeypatch, seq_chunk, vocab_chunk, bwd_tile, budget):
+    """A ``[V, D]`` weight (``weight_layout="vd"``, a tied embedding as stored) gives the values and gradients
+    (hidden, weight -- in [V, D] -- and temperature) of the ``[D, V]`` call on its transpose, with collision
+    probabilities and ragged tiles on both axes: the same float64 numbers (1e-12), float32 to rounding (the two
+    einsums sum in different orders; both are as close to the float64 result)."""
+    if bwd_tile is not None:
+        monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
+    rng = np.random.default_rng(7)
+    b, t, d, v = 2, 13, 8, 41
+    h, emb = rng.normal(size=(b, t, d)), rng.normal(size=(v, d))
+    ids = jnp.asarray(rng.integers(0, v, size=(b, t)))
+    cts = [rng.normal(size=(b, t)) for _ in range(3)]
+
+    def run(w, layout, dtype):
+        def loss(h, w, temperature):
+            outs = chunked_log_probs_and_entropy(h, w, ids, temperature=temperature, seq_chunk=seq_chunk,
+                                                 vocab_chunk=vocab_chunk, with_collision=True,
+                                                 max_saved_logits_bytes=budget, weight_layout=layout)
+            return sum(jnp.sum(o * jnp.asarray(g, dtype)) for o, g in zip(outs, cts)), outs
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, outs), grads = f(jnp.asarray(h, dtype), jnp.asarray(w, dtype), jnp.asarray(0.7, dtype))
+        return [np.asarray(x) for x in outs], [np.asarray(x) for x in grads]
+
+    for dtype, atol_values, atol_grads in ((jnp.float32, 1e-6, 1e-4), (jnp.float64, 1e-12, 1e-12)):
+        with jax.enable_x64(dtype == jnp.float64):
+            outs_vd, (gh_vd, gw_vd, gt_vd) = run(emb, "vd", dtype)
+            outs_dv, (gh_dv, gw_dv, gt_dv) = run(emb.T, "dv", dtype)
+        assert gw_vd.shape == (v, d) and gw_vd.dtype == dtype
+        for x, y in zip(outs_vd, outs_dv):
+            np.testing.assert_allclose(x, y, atol=atol_values, rtol=atol_values)
+        for x, y in ((gh_vd, gh_dv), (gw_vd, gw_dv.T), (gt_vd, gt_dv)):
+            np.testing.assert_allclose(x, y, atol=atol_grads, rtol=atol_grads)
+    n = naive(jnp.asarray(h, jnp.float32), jnp.asarray(emb.T, jnp.float32), ids, 0.7)  # float32 values above
+    np.testing.assert_allclose(outs_vd[0], np.asarray(n[0]), atol=2e-5)
+    np.testing.assert_allclose(outs_vd[1], np.asarray(n[1]), atol=2e-5)
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_tied_head_hlo_has_no_dv_gradient_or_float32_copy(monkeypatch, budget):
+    """Compiled value_and_grad of a tied head (bf16 ``[V, D]`` embedding, ``weight_layout="vd"``), both backward
+    modes, several backward vocabulary tiles: the gradient is written as ``[V, D]`` and no array of the
+    transposed shape ``[D, V]`` other than in the weight's own dtype exists (no float32 / uint16 ``[D, V]``
+    gradient buffer, zero fill or transpose of it back, no float32 copy of the weight), whereas the ``[D, V]``
+    call on ``embedding.T`` has them (so the check can fail). The CPU compiler still makes one bf16 ``[D, V]``
+    copy of the weight for the forward's whole-vocabulary dot inside the sequence loop (it makes none for
+    the same dot outside a loop); the assertion allows it."""
+    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 1024)
+    b, t, d, v = 1, 48, 64, 4096
+    specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), jnp.bfloat16),
+             jax.ShapeDtypeStruct((b, t), jnp.int32))
+
+    def dv_dtypes(layout):
+        def loss(h, emb, i):
+            w = emb if layout == "vd" else emb.T
+            return jnp.sum(sum(chunked_log_probs_and_entropy(h, w, i, seq_chunk=16, max_saved_logits_bytes=budget,
+                                                             weight_layout=layout)))
+
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*specs).compile().as_text()
+        assert f"ROOT %tuple" in text and f"bf16[{v},{d}]" in text  # the [V, D] gradient
+        return {m.group(1) for m in re.finditer(rf"\b(\w+)\[{d},{v}\]", text)}
+
+    assert dv_dtypes("vd") <= {"bf16"}, dv_dtypes("vd")
+    assert {"f32", "u16"} <= dv_dtypes("dv")
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="token_ids"):
         logits_to_log_probs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
@@ -261,6 +331,12 @@ def test_bad_inputs():
         logits_to_log_probs(jnp.zeros((2, 5)), jnp.zeros((2,), jnp.int32), 0.0)
     with pytest.raises(ValueError, match="lm_head_weight"):
         chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((4, 5)), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="weight_layout"):
+        chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((3, 5)), jnp.zeros((1, 2), jnp.int32),
+                                      weight_layout="vd")
+    with pytest.raises(ValueError, match="weight_layout"):
+        chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((5, 3)), jnp.zeros((1, 2), jnp.int32),
+                                      weight_layout="VD")
     with pytest.raises(ValueError, match="token_ids"):
         chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((3, 5)), jnp.zeros((1, 2)))
     with pytest.raises(ValueError, match="seq_chunk"):

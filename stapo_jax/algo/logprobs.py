@@ -13,7 +13,7 @@ sampler and the trainer share it, which makes the first ratio of an on-policy up
 ``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head without
 a ``[B, T, V]`` logits temporary: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
 logits (EasyDeL ``_logprob_utils.py``; Tunix ``compute_chunked_logps`` chunks the sequence the same way) with
-entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that keeps only a ``[D, vocab_chunk]``
+entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that keeps only a ``vocab_chunk``-wide
 float32 head-gradient accumulator. The backward needs each logits tile again: when the float32 logits of the
 call fit ``max_saved_logits_bytes`` (default ``SAVED_LOGITS_BYTES``, 512 MiB: 883 tokens at Qwen3's
 V = 151,936) the forward keeps them (as PyTorch autograd and Tunix do) and the backward reads them; otherwise it
@@ -185,9 +185,15 @@ def _neg(acc):
     return jnp.asarray(-1e30 if acc == jnp.float32 else -1e300, acc)
 
 
-def _tile_logits(h_c, w_c, temperature, acc):
-    """z = (h_c @ w_c) / temperature, ``[B, c, vc]`` in ``acc`` (``h_c [B, c, D]``, ``w_c [D, vc]``)."""
-    return jnp.einsum("bcd,dv->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
+def _vocab_axis(layout: str) -> int:
+    """Axis of the vocabulary in a head weight of ``layout`` ("dv": ``[D, V]``, "vd": ``[V, D]``)."""
+    return layout.index("v")
+
+
+def _tile_logits(h_c, w_c, temperature, acc, layout: str):
+    """z = (h_c @ w_c) / temperature, ``[B, c, vc]`` in ``acc`` (``h_c [B, c, D]``, ``w_c`` ``[D, vc]`` for
+    layout "dv" or ``[vc, D]`` for "vd": the layout string is the weight's einsum subscript)."""
+    return jnp.einsum(f"bcd,{layout}->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
 
 
 def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None):
@@ -215,7 +221,7 @@ def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None
 
 
 def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool,
-                     keep: bool = False):
+                     layout: str, keep: bool = False):
     """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile, and
     (``keep``) the ``[B, T, V]`` logits z in the accumulation dtype, else None.
 
@@ -223,18 +229,20 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     ``logits_to_log_probs_and_entropy`` does (``jax.nn.logsumexp``, ``jax.nn.softmax``), so the trainer's
     log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles outermost
     carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
-    z_y, so the weight is read once and no tile outlives its step.
+    z_y, so the weight is read once and no tile outlives its step. ``w`` is ``[D, V]`` (``layout`` "dv") or
+    ``[V, D]`` ("vd"); the layout only chooses the axis of its vocabulary tiles and the einsum.
     """
     acc = _acc_of(h, w)
     b, t, _ = h.shape
-    v = w.shape[1]
+    v_axis = _vocab_axis(layout)
+    v = w.shape[v_axis]
     c, vc = seq_chunk, vocab_chunk
     neg = _neg(acc)
     zeros = jnp.zeros(ids.shape, acc)
     kept = jnp.zeros((b, t, v), acc) if keep else None
 
     def logits(start, w_c):
-        return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc)
+        return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc, layout)
 
     if vc == v:
         names = ("log_z", "e_z", "q", "z_y") if with_collision else ("log_z", "e_z", "z_y")
@@ -261,7 +269,7 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     def vocab_step(j, carry):
         carry, buf = carry
         vs, col_fresh = _tile(j, vc, v, ragged_v)
-        w_c = _fenced_slice(w, vs, vc, 1)
+        w_c = _fenced_slice(w, vs, vc, v_axis)
 
         def streaming(k, start, old):
             z = logits(start, w_c)
@@ -296,23 +304,25 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     return log_z, out["t"] / out["s"], collision, out["z_y"], kept
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep, layout):
     """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``. Called
     without differentiation (old log-probs, the sampler) it keeps no logits whatever ``keep`` says."""
-    log_z, e_z, collision, z_y, _ = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision)
+    log_z, e_z, collision, z_y, _ = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision,
+                                                     layout)
     return (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
 
 
-def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep):
+def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep,
+                       layout):
     log_z, e_z, collision, z_y, kept = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk,
-                                                        with_collision, keep)
+                                                        with_collision, layout, keep)
     outs = (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
     # residuals: the inputs, three [B, T] statistics and (keep) the [B, T, V] logits
     return outs, (h, w, ids, temperature, log_z, e_z, collision, kept)
 
 
-def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts):
+def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, res, cts):
     """Hand-written backward over the same tiles, reading each logits tile from the kept logits (``keep``) or
     recomputing it once.
 
@@ -320,14 +330,16 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts
       dz_v = g_lp (1[v = y] - p_v) - g_H p_v (z_v - E) + 2 g_C' p_v (p_v 1[v != y] - C')
     then d logits = dz / temperature, dh = d logits @ w^T, dw = h^T @ d logits, d temperature = -sum dz z / T.
     Vocabulary tiles (``bwd_vocab_chunk`` wide) are outermost, so the float32 head-gradient accumulator is one tile
-    (written once into the ``[D, V]`` result in the weight's dtype) while dh ``[B, T, D]`` (small) accumulates.
+    (written once into the result, ``[D, V]`` or ``[V, D]`` as ``layout`` says, in the weight's dtype) while dh
+    ``[B, T, D]`` (small) accumulates.
     """
     h, w, ids, temperature, log_z, e_z, collision, kept = res
     g_lp, g_h = cts[0], cts[1]
     g_c = cts[2] if with_collision else None
     acc = _acc_of(h, w)
     _, t, d = h.shape
-    v = w.shape[1]
+    v_axis = _vocab_axis(layout)
+    v = w.shape[v_axis]
     c, vc = seq_chunk, vocab_chunk
     ragged_t, ragged_v = t % c != 0, v % vc != 0
     g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
@@ -341,7 +353,7 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts
         j = n_v - 1 - i
         dh, dw, dtemp = carry
         vs, col_fresh = _tile(j, vc, v, ragged_v)
-        w_c = _fenced_slice(w, vs, vc, 1)
+        w_c = _fenced_slice(w, vs, vc, v_axis)
 
         def seq_step(k, carry):
             dh, dw_c, dtemp = carry
@@ -351,7 +363,7 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts
             if keep:
                 z = jax.lax.dynamic_slice(kept, (0, ss, vs), (kept.shape[0], c, vc))
             else:
-                z = _tile_logits(h_c, w_c, temperature, acc)
+                z = _tile_logits(h_c, w_c, temperature, acc, layout)
             p = jnp.exp(z - lz)
             onehot = i_c == vs + jnp.arange(vc)
             dz = glp * (onehot - p) - gh * p * (z - ez)
@@ -365,13 +377,14 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, res, cts
                 dz = jnp.where(fresh, dz, 0.0)
             dtemp = dtemp - jnp.sum(dz * z) / temperature
             dlogits = dz / temperature
-            dh_c = jnp.einsum("bcv,dv->bcd", dlogits, w_c, preferred_element_type=acc)
+            dh_c = jnp.einsum(f"bcv,{layout}->bcd", dlogits, w_c, preferred_element_type=acc)
             dh = _put(dh, _slice(dh, ss, c, 1) + dh_c, ss, 1)
-            dw_c = dw_c + jnp.einsum("bcd,bcv->dv", h_c, dlogits, preferred_element_type=acc)
+            dw_c = dw_c + jnp.einsum(f"bcd,bcv->{layout}", h_c, dlogits, preferred_element_type=acc)
             return dh, dw_c, dtemp
 
-        dh, dw_c, dtemp = jax.lax.fori_loop(0, -(-t // c), seq_step, (dh, jnp.zeros((d, vc), acc), dtemp))
-        return dh, _put(dw, _to_storage(dw_c.astype(w.dtype)), vs, 1), dtemp
+        dw_c = jnp.zeros((vc, d) if layout == "vd" else (d, vc), acc)
+        dh, dw_c, dtemp = jax.lax.fori_loop(0, -(-t // c), seq_step, (dh, dw_c, dtemp))
+        return dh, _put(dw, _to_storage(dw_c.astype(w.dtype)), vs, v_axis), dtemp
 
     init = (jnp.zeros(h.shape, acc), _to_storage(jnp.zeros(w.shape, w.dtype)), jnp.zeros((), acc))
     dh, dw, dtemp = jax.lax.fori_loop(0, n_v, vocab_step, init)
@@ -391,13 +404,15 @@ def chunked_log_probs_and_entropy(
     vocab_chunk: int | None = None,
     with_collision: bool = False,
     max_saved_logits_bytes: int | None = None,
+    weight_layout: str = "dv",
 ) -> tuple[jax.Array, ...]:
     """Per-token log-probability and entropy from hidden states; ``[B, T, V]`` logits exist only within a budget.
 
-    ``logits[b, t] = hidden[b, t] @ lm_head_weight`` (accumulated in float32), divided by ``temperature``;
+    ``logits[b, t] = hidden[b, t] @ W`` (accumulated in float32; ``W = lm_head_weight`` for ``weight_layout``
+    "dv", ``lm_head_weight.T`` for "vd"), divided by ``temperature``;
     ``log_probs[b, t] = log softmax(logits[b, t])[token_ids[b, t]]`` and
     ``entropy[b, t] = logsumexp(logits[b, t]) - E_softmax[logits[b, t]]``, identical (to float rounding)
-    to ``logits_to_log_probs_and_entropy(hidden @ lm_head_weight, token_ids, temperature)``.
+    to ``logits_to_log_probs_and_entropy(hidden @ W, token_ids, temperature)``.
 
     The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
     tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
@@ -405,8 +420,11 @@ def chunked_log_probs_and_entropy(
     buffer is one ``[B, seq_chunk, vocab_chunk]`` tile (and the logits when they are kept, below). The backward is hand-written (``jax.custom_vjp``): it
     saves the inputs and logZ, E_p[z] (and C') per token, and the float32 logits only when they fit
     ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once, accumulates the hidden-state
-    gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 ``[D, vocab_chunk]`` tile at a
-    time, written into the ``[D, V]`` result in the weight's dtype. Gradients
+    gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 vocabulary tile at a time,
+    written into a result of the weight's own shape, layout and dtype. A tied head passes the embedding as
+    stored (``[V, D]``, ``weight_layout="vd"``): its tiles are row slices and its gradient is ``[V, D]``, so no
+    transposed copy of the weight or of its gradient exists (Tunix computes ``x @ embedding.T`` the same way).
+    Gradients
     w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
     differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
     its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so
@@ -415,7 +433,8 @@ def chunked_log_probs_and_entropy(
     Args:
       hidden: ``[B, T, D]`` float (bf16/f32/f64), the model's final-norm hidden states at the positions that
         predict ``token_ids`` (i.e. already shifted by the caller).
-      lm_head_weight: ``[D, V]`` float (``embedding.T`` for tied models).
+      lm_head_weight: float, ``[D, V]`` (``weight_layout`` "dv", an untied ``lm_head`` kernel) or ``[V, D]``
+        ("vd", the embedding of a tied model); ``Qwen3.lm_head_weight_and_layout`` returns both.
       token_ids: ``[B, T]`` integer ids of the tokens whose probability is wanted.
       temperature: positive float, the sampling temperature.
       seq_chunk: positive int, sequence positions per tile (capped at T).
@@ -432,13 +451,16 @@ def chunked_log_probs_and_entropy(
         ``bench/profile_update.py``); above it (long sequences) the backward recomputes each tile and no
         ``[B, T, V]`` buffer exists. 0: always recompute. Values and gradients are the same either way (to float
         rounding). Without differentiation nothing is kept.
+      weight_layout: "dv" or "vd", the layout of ``lm_head_weight`` (above). Values and gradients are the same
+        either way (to float rounding); the gradient has the weight's layout.
 
     Returns:
       ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision_others)``), each ``[B, T]`` float32
       (float64 for float64 inputs); log-probs and entropy in nats.
 
     Raises:
-      ValueError: on rank/shape mismatches (naming the argument), non-integer ``token_ids``, non-positive
+      ValueError: on rank/shape mismatches (naming the argument), an unknown ``weight_layout``, non-integer
+        ``token_ids``, non-positive
         ``seq_chunk`` / ``vocab_chunk`` / ``temperature``, or a negative ``max_saved_logits_bytes``.
 
     Source: conventions.md §5 (EasyDeL streaming log-sum-exp; Tunix ``compute_chunked_logps``); the entropy
@@ -447,10 +469,13 @@ def chunked_log_probs_and_entropy(
     _check_temperature(temperature)
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {tuple(hidden.shape)}")
-    if lm_head_weight.ndim != 2 or lm_head_weight.shape[0] != hidden.shape[-1]:
+    if weight_layout not in ("dv", "vd"):
+        raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got {weight_layout!r}")
+    d_axis = weight_layout.index("d")
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[d_axis] != hidden.shape[-1]:
         raise ValueError(
-            f"lm_head_weight must be [D, V] with D = hidden.shape[-1] = {hidden.shape[-1]}, "
-            f"got shape {tuple(lm_head_weight.shape)}"
+            f"lm_head_weight must be {'[D, V]' if weight_layout == 'dv' else '[V, D]'} (weight_layout="
+            f"{weight_layout!r}) with D = hidden.shape[-1] = {hidden.shape[-1]}, got shape {tuple(lm_head_weight.shape)}"
         )
     if tuple(token_ids.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"token_ids shape {tuple(token_ids.shape)} must equal hidden.shape[:2] = {hidden.shape[:2]}")
@@ -465,7 +490,7 @@ def chunked_log_probs_and_entropy(
         raise ValueError(f"max_saved_logits_bytes must be >= 0 or None, got {max_saved_logits_bytes}")
 
     acc = _acc_of(hidden, lm_head_weight)
-    b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1]
+    b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1 - d_axis]
     if t == 0:
         empty = jnp.zeros((b, 0), acc)
         return (empty,) * (3 if with_collision else 2)
@@ -475,4 +500,4 @@ def chunked_log_probs_and_entropy(
     keep = b * t * v * jnp.dtype(acc).itemsize <= budget
     temp = jnp.asarray(temperature, acc)
     return _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
-                          bool(with_collision), bool(keep))
+                          bool(with_collision), bool(keep), weight_layout)

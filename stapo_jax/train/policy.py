@@ -47,17 +47,19 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
     if not 1 <= response_length < t:
         raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
     p = t - response_length
-    w = model.lm_head_weight()
+    w, layout = model.lm_head_weight_and_layout()
     if packing is None:
         hidden, _ = model(input_ids, attention_mask)
         return chunked_log_probs_and_entropy(hidden[:, p - 1:t - 1], w, input_ids[:, p:], temperature=temperature,
-                                             seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+                                             seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
+                                             weight_layout=layout)
     hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
                       segment_ids=packing.segment_ids)
     # [M, L] per packed position; positions no response column reads (prompt, padding) hold finite values
     # (attention outputs at padding are finite) and get a zero cotangent from the gather
     lp, ent = chunked_log_probs_and_entropy(hidden, w, packing.next_token_ids, temperature=temperature,
-                                            seq_chunk=seq_chunk, vocab_chunk=vocab_chunk)
+                                            seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
+                                            weight_layout=layout)
     shards = packing.num_shards if packing_shards is None else packing_shards
     return (gather_response_values(lp, packing.response_index, shards),
             gather_response_values(ent, packing.response_index, shards))
