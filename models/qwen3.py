@@ -367,12 +367,15 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     nkv, s = k.shape[1], k.shape[2]
     g = n // nkv
     qg = q.reshape(b, t, nkv, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, h)
-    logits = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    # keys as the left operand ([S, H] x [H, T*G] per batch: a row-major matrix times a few columns, no
+    # transposed operand) and logits laid out [B, Nkv, S, T*G]: ~25 % less CPU time than [B, Nkv, T*G, S] at
+    # decode shapes (T*G = 2, S = 144; XLA:CPU), the same sums.
+    logits = jnp.einsum("bksh,bkqh->bksq", k.astype(q.dtype), qg, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(scale)
     m = jnp.broadcast_to(mask[:, :, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
-    logits = jnp.where(m, logits, jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
-    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkqs,bksh->bkqh", probs, v.astype(q.dtype))
+    logits = jnp.where(jnp.swapaxes(m, -1, -2), logits, jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
+    probs = jax.nn.softmax(logits, axis=-2).astype(q.dtype)
+    out = jnp.einsum("bksq,bksh->bkqh", probs, v.astype(q.dtype))
     return out.reshape(b, nkv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 
