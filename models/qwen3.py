@@ -368,8 +368,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     g = n // nkv
     qg = q.reshape(b, t, nkv, g, h).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, h)
     # keys as the left operand ([S, H] x [H, T*G] per batch: a row-major matrix times a few columns, no
-    # transposed operand) and logits laid out [B, Nkv, S, T*G]: ~25 % less CPU time than [B, Nkv, T*G, S] at
-    # decode shapes (T*G = 2, S = 144; XLA:CPU), the same sums.
+    # transposed operand) and logits laid out [B, Nkv, S, T*G], which XLA:CPU runs faster than [B, Nkv, T*G, S]
+    # at decode shapes (T*G = 2, S = 144; bench/bench_rollout.py times the whole decode); the same sums.
     logits = jnp.einsum("bksh,bkqh->bksq", k.astype(q.dtype), qg, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(scale)
     m = jnp.broadcast_to(mask[:, :, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
