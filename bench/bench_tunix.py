@@ -59,7 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, report_throughput  # noqa: E402
 
 import stapo_jax.algo.logprobs as logprobs  # noqa: E402
 from models.hf import iter_hf_tensors  # noqa: E402
@@ -269,13 +269,8 @@ def main(argv=None) -> int:
     times = interleaved(sides, a.repeats, warmup=1, cpu=cpu)
     peak = matmul_peak(a.peak_n)
     print(f"measured fp32 matmul peak ({a.peak_n}^3, median of 3): jax {peak:.1f} GFLOP/s")
-    for k, ts in times.items():
-        sec = median(ts)
-        print(f"{k:22s} loss+grad {summary(ts, 's')}: {b * t / sec:7.1f} tok/s, {model_flops / sec / 1e9:6.1f} "
-              f"GFLOP/s = {model_flops / sec / 1e9 / peak * 100:4.1f} % of the matmul peak")
-    for k in [k for k in times if k != "ours"]:
-        print(f"ratio ours/{k} (tokens/s) = {ratio(times[k], times['ours'])} (median [per-round min..max]; "
-              f"> 1: ours faster); process CPU seconds (all threads) {k} / ours = {ratio(cpu[k], cpu['ours'])}")
+    report_throughput(times, what="loss+grad", tokens=b * t, flops=model_flops, peaks=dict.fromkeys(times, peak),
+                      width=22, peak_word="the", cpu=cpu)
     print(load_line("at end"))
     return 0
 

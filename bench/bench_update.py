@@ -51,7 +51,7 @@ from flax import nnx  # noqa: E402
 
 from bench_forward import hf_copy  # noqa: E402
 from bench_loss import torch_pg_loss  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, median, pick_torch_threads, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, pick_torch_threads, report_throughput  # noqa: E402
 
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
@@ -199,15 +199,8 @@ def main(argv=None) -> int:
     peak_jax, peak_torch = matmul_peak(a.peak_n)
     print(f"measured fp32 matmul peak ({a.peak_n}^3, median of 3): jax {peak_jax:.1f} GFLOP/s, torch "
           f"{peak_torch:.1f} GFLOP/s")
-    tok = b * t
-    for k, ts in times.items():
-        peak = peak_jax if k == "ours" else peak_torch
-        sec = median(ts)
-        print(f"{k:16s} update {summary(ts, 's')}: {tok / sec:7.1f} tok/s, {model_flops / sec / 1e9:6.1f} GFLOP/s "
-              f"= {model_flops / sec / 1e9 / peak * 100:4.1f} % of its matmul peak")
-    for k in [k for k in times if k != "ours"]:
-        print(f"ratio ours/{k} (tokens/s) = {ratio(times[k], times['ours'])} (median [per-round min..max]; "
-              f"> 1: ours faster)")
+    report_throughput(times, what="update", tokens=b * t, flops=model_flops,
+                      peaks={k: peak_jax if k == "ours" else peak_torch for k in times})
     print(load_line("at end"))
     return 0
 

@@ -87,6 +87,22 @@ def summary(ts: list[float], unit: str = "ms") -> str:
             f"(median [min..max], n={len(ts)})")
 
 
+def report_throughput(times: dict[str, list[float]], *, what: str, tokens: int, flops: float, peaks: dict[str, float],
+                      width: int = 16, peak_word: str = "its", cpu: dict[str, list[float]] | None = None) -> None:
+    """Print, for each side of :func:`interleaved`'s ``times``, the median time, tokens/s, GFLOP/s and the fraction
+    of that side's matmul peak (``peaks[side]``, GFLOP/s), then each other side's paired ratio against ``"ours"``
+    (and, with ``cpu``, the process CPU-seconds ratio). ``tokens`` per call, ``flops`` per call (model FLOPs)."""
+    for k, ts in times.items():
+        sec = median(ts)
+        print(f"{k:{width}s} {what} {summary(ts, 's')}: {tokens / sec:7.1f} tok/s, {flops / sec / 1e9:6.1f} GFLOP/s "
+              f"= {flops / sec / 1e9 / peaks[k] * 100:4.1f} % of {peak_word} matmul peak")
+    for k in [k for k in times if k != "ours"]:
+        extra = (f"; process CPU seconds (all threads) {k} / ours = {ratio(cpu[k], cpu['ours'])}"
+                 if cpu is not None else "")
+        print(f"ratio ours/{k} (tokens/s) = {ratio(times[k], times['ours'])} (median [per-round min..max]; "
+              f"> 1: ours faster){extra}")
+
+
 def ratio(a: list[float], b: list[float]) -> str:
     """``median(a) / median(b)`` with the spread of the per-round ratios, ``"r [lo..hi]"`` (the rounds are
     paired by :func:`interleaved`, so each round's ratio saw the same load)."""

@@ -530,10 +530,10 @@ class Qwen3(nnx.Module):
         return hidden, new_cache
 
     def lm_head_weight(self) -> jax.Array:
-        """The LM head as a [hidden_size, vocab_size] matrix (the embedding transposed when tied)."""
-        if self.lm_head is None:
-            return self.embed_tokens.embedding[...].T
-        return self.lm_head.kernel[...]
+        """The LM head as a [hidden_size, vocab_size] matrix (the embedding transposed when tied; see
+        :meth:`lm_head_weight_and_layout`, which says which one is stored)."""
+        w, layout = self.lm_head_weight_and_layout()
+        return w.T if layout == "vd" else w
 
     def lm_head_weight_and_layout(self) -> tuple[jax.Array, str]:
         """The LM head weight as stored and its layout, for ``chunked_log_probs_and_entropy(weight_layout=...)``.
