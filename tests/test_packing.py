@@ -96,6 +96,51 @@ def test_packed_log_probs_entropy_and_gradients_equal_padded():
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
 
 
+@pytest.mark.parametrize("row_length", [29, 40])
+def test_head_runs_on_the_fewer_of_packed_positions_and_response_columns(row_length):
+    """Short rows: the M x L packed positions are no more than the B x R response columns and the head runs on
+    them; long rows (more packed positions than response columns, as with long prompts): the hidden states
+    of the response positions are gathered first and the head runs on B x R rows only (compiled FLOPs below
+    one head matmul over M x L). Both give the padded computation's log-probs, entropies and gradients."""
+    cfg = dataclasses.replace(CFG_STEP, vocab_size=1024)   # the head dominates the FLOPs, as at V = 151,936
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    p = padded(seed=1)   # 22 and 29 real tokens in the two shard blocks: one row each
+    lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=row_length, num_shards=2))
+    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
+    resp = jnp.asarray(p["response_mask"], jnp.float32)
+    w = jnp.asarray(np.random.default_rng(5).normal(size=resp.shape), jnp.float32) * resp
+    (m, l), (b, r) = lay.input_ids.shape, lay.response_index.shape
+    assert (b * r < m * l) == (row_length == 40), (m, l, b, r)
+
+    def f(params, packing):
+        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=packing,
+                                                 packing_shards=2, seq_chunk=4)
+        return jnp.sum(lp * w) + jnp.sum(ent * w), (lp, ent)
+
+    vg = jax.jit(jax.value_and_grad(f, has_aux=True))
+    (v0, (lp0, e0)), g0 = vg(params, None)
+    (v1, (lp1, e1)), g1 = vg(params, lay)
+    real = np.asarray(resp) > 0
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(e1)[real], np.asarray(e0)[real], rtol=1e-5, atol=1e-5)
+    for a, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-5)
+    def flops(where):   # one sequence tile, so XLA's cost analysis (a loop body counted once) counts it all
+        def fwd(params):
+            return response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=lay,
+                                                  packing_shards=2, seq_chunk=512, lm_head_positions=where)
+        return jax.jit(fwd).lower(params).compile().cost_analysis()["flops"]
+
+    auto, packed, response = flops("auto"), flops("packed"), flops("response")
+    head = 2 * cfg.hidden_size * cfg.vocab_size   # one head row's matmul
+    assert packed - response == pytest.approx(head * (m * l - b * r), rel=0.5), (packed, response)
+    assert auto == min(packed, response), (auto, packed, response)
+    with pytest.raises(ValueError, match="lm_head_positions"):
+        flops("prompt")
+
+
 def test_gather_response_values_is_a_shard_local_gather_of_scalars():
     values = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(6, 4)   # 2 shard blocks of 3 rows x 4 positions
     idx = jnp.asarray([[0, 5], [11, 1], [0, 7], [2, 3]], jnp.int32)   # rows 0-1 read block 0, rows 2-3 block 1
@@ -109,7 +154,9 @@ def test_gather_response_values_is_a_shard_local_gather_of_scalars():
     with pytest.raises(ValueError, match="num_shards=3"):
         gather_response_values(jnp.zeros((4, 5)), jnp.zeros((8, 3), jnp.int32), 3)
     with pytest.raises(ValueError, match="values must be"):
-        gather_response_values(jnp.zeros((4, 5, 2)), jnp.zeros((8, 3), jnp.int32), 1)
+        gather_response_values(jnp.zeros((20,)), jnp.zeros((8, 3), jnp.int32), 1)
+    rows = jnp.stack([values, -values], axis=-1)   # a trailing axis (hidden states) moves with its position
+    np.testing.assert_array_equal(gather_response_values(rows, idx, 2), np.stack([out, -out], axis=-1))
 
 
 def test_packed_lm_head_cost_follows_packed_tokens_not_response_slots():

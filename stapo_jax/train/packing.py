@@ -250,29 +250,31 @@ def packing_long_rows(attention: str) -> bool:
 
 
 def gather_response_values(values: jax.Array, response_index: jax.Array, num_shards: int = 1) -> jax.Array:
-    """Per-position values of packed rows (log-probs, entropies) in the ``[B, R]`` response layout.
+    """Per-position values of packed rows (log-probs, entropies, hidden states) in the ``[B, R]`` response layout.
 
     Args:
-      values: [M, L] (any dtype), one value per packed position of :class:`PackedLayout` rows.
+      values: [M, L, ...] (any dtype), one value (a scalar, or a trailing-shaped array such as a ``[D]`` hidden
+        state) per packed position of :class:`PackedLayout` rows.
       response_index: [B, R] int32 from :func:`pack_sequences` (local to each of the ``num_shards`` blocks).
       num_shards: the ``num_shards`` the layout was planned with.
     Returns:
-      [B, R] in values' dtype: ``out[b, r] = values`` at block ``b // (B / S)``'s flat position
+      [B, R, ...] in values' dtype: ``out[b, r] = values`` at block ``b // (B / S)``'s flat position
       ``response_index[b, r]``, a gather batched over the shard blocks (each block reads only its rows; the
-      VJP is a scatter-add of scalars into ``[M, L]``, zero at positions no response column reads).
+      VJP is a scatter-add into ``[M, L, ...]``, zero at positions no response column reads).
     Raises:
-      ValueError: M or B not divisible by ``num_shards``, or values not 2-D.
+      ValueError: M or B not divisible by ``num_shards``, or values of rank < 2.
     Source: verl ``use_remove_padding`` (log-probs computed on the packed tokens, then ``pad_input`` back).
     """
-    if values.ndim != 2:
-        raise ValueError(f"values must be [M, L] (one value per packed position), got shape {tuple(values.shape)}")
-    m, l = values.shape
+    if values.ndim < 2:
+        raise ValueError(f"values must be [M, L, ...] (one value per packed position), got shape "
+                         f"{tuple(values.shape)}")
+    m, l, rest = values.shape[0], values.shape[1], tuple(values.shape[2:])
     b, r = response_index.shape
     if m % num_shards or b % num_shards:
         raise ValueError(f"packed rows {m} and batch rows {b} must be divisible by num_shards={num_shards}")
-    v = values.reshape(num_shards, (m // num_shards) * l)
+    v = values.reshape(num_shards, (m // num_shards) * l, *rest)
     idx = response_index.reshape(num_shards, (b // num_shards) * r)
-    return jnp.take_along_axis(v, idx, axis=1).reshape(b, r)
+    return jax.vmap(lambda vs, i: jnp.take(vs, i, axis=0))(v, idx).reshape(b, r, *rest)
 
 
 def check_split(who: str, lengths: np.ndarray, mini_rows: int, num_micro_batches: int,

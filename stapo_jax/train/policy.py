@@ -6,10 +6,13 @@ temperature-scaled, f32), so no ``[B, T, V]`` logits exist. Padded batches: the 
 the positions that predict the response tokens. Packed batches (``stapo_jax.train.packing``, verl's rmpad
 log-prob path): the head runs on every packed position ``[M, L, D]`` against the next packed token, and only
 the resulting scalars are gathered back to ``[B, R]``, so the head's work and activations follow the packed
-tokens, not the response slots.
+tokens, not the response slots; when the ``[B, R]`` response columns are fewer than the ``M x L`` packed
+positions (prompts long against responses), the hidden states at the response positions are gathered first and
+the head runs on those only (HF ``logits_to_keep``), so it never does more than the smaller of the two.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -21,7 +24,8 @@ from stapo_jax.train.packing import PackedLayout, gather_response_values
 def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                                    *, temperature: float = 1.0, seq_chunk: int = 512,
                                    vocab_chunk: Optional[int] = None, packing: Optional[PackedLayout] = None,
-                                   packing_shards: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+                                   packing_shards: Optional[int] = None,
+                                   lm_head_positions: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Log-prob and entropy of each response token under ``model`` (see ``stapo_jax.train.batching`` for the layout).
 
     Args:
@@ -35,14 +39,19 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
         ``num_shards=packing_shards``; default: the layout's ``num_shards``): the transformer runs on the
         packed rows (no padding; segment ids, per-sequence positions), the LM head on every packed position
         (targets: the next packed token, ``PackedLayout.next_token_ids``), and the per-token log-probs and
-        entropies are gathered back into the [B, R] layout (``gather_response_values``), so the outputs equal
-        the padded computation's on every response token; ``input_ids`` / ``attention_mask`` only give the
-        shapes.
+        entropies are gathered back into the [B, R] layout (``gather_response_values``); when B * R < M * L
+        the hidden states and targets are gathered to [B, R] first and the head runs there. Either way the
+        outputs equal the padded computation's on every response token; ``input_ids`` / ``attention_mask``
+        only give the shapes.
+      lm_head_positions: where a packed batch runs the LM head: "packed" (every packed position), "response"
+        (the [B, R] response positions) or "auto" (the fewer of the two; same values either way).
     Returns:
       (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
     Raises:
-      ValueError: ``response_length`` not in [1, T-1].
+      ValueError: ``response_length`` not in [1, T-1]; ``lm_head_positions`` not one of the three.
     """
+    if lm_head_positions not in ("auto", "packed", "response"):
+        raise ValueError(f"lm_head_positions must be 'auto', 'packed' or 'response', got {lm_head_positions!r}")
     t = input_ids.shape[1]
     if not 1 <= response_length < t:
         raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
@@ -55,11 +64,21 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
                                              weight_layout=layout)
     hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
                       segment_ids=packing.segment_ids)
+    shards = packing.num_shards if packing_shards is None else packing_shards
+    m, l = packing.input_ids.shape
+    b, r = packing.response_index.shape
+    if lm_head_positions == "response" or (lm_head_positions == "auto" and b * r < m * l):
+        # fewer response columns than packed positions (short responses beside long prompts): the head runs on
+        # the [B, R] positions that predict response tokens only (as HF's ``logits_to_keep``); padding columns
+        # read position 0 of their block and get a zero cotangent from the masked loss
+        pick = functools.partial(gather_response_values, response_index=packing.response_index, num_shards=shards)
+        return chunked_log_probs_and_entropy(pick(hidden), w, pick(packing.next_token_ids),
+                                             temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
+                                             weight_layout=layout)
     # [M, L] per packed position; positions no response column reads (prompt, padding) hold finite values
     # (attention outputs at padding are finite) and get a zero cotangent from the gather
     lp, ent = chunked_log_probs_and_entropy(hidden, w, packing.next_token_ids, temperature=temperature,
                                             seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                                             weight_layout=layout)
-    shards = packing.num_shards if packing_shards is None else packing_shards
     return (gather_response_values(lp, packing.response_index, shards),
             gather_response_values(ent, packing.response_index, shards))
