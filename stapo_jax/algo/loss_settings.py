@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from stapo_jax.config.loading import ConfigError, check_field_types
+from stapo_jax.config.loading import ConfigError, check_field_types, check_one_of
 
 __all__ = ["PolicyLossConfig", "LOSS_AGG_MODES", "CONSTANT_DENOMINATOR_MODES", "KL_TYPES", "SAMPLER_IS_MODES"]
 
@@ -62,9 +62,9 @@ class PolicyLossConfig:
 
     def __post_init__(self):
         check_field_types(self, "actor")  # the subclass's (ActorConfig's) fields too
-        _one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
-        _one_of("actor.sampler_is", self.sampler_is, SAMPLER_IS_MODES)
+        check_one_of("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
+        check_one_of("actor.sampler_is", self.sampler_is, SAMPLER_IS_MODES)
         _need(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low, "must be in [0, 1)")
         _need(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
         _need(self.clip_ratio_c is None or self.clip_ratio_c > 1.0, "clip_ratio_c", self.clip_ratio_c,
@@ -82,10 +82,6 @@ class PolicyLossConfig:
         """The truncated importance weight's cap: ``sampler_is_cap`` with ``sampler_is=truncate``, else None."""
         return self.sampler_is_cap if self.sampler_is == "truncate" else None
 
-
-def _one_of(key, value, allowed):
-    if value not in allowed:
-        raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
 
 
 def _need(ok: bool, field: str, value, rule: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stapo_jax.config.loading import ConfigError, check_field_types
+from stapo_jax.config.loading import ConfigError, check_field_types, check_one_of
 
 __all__ = ["S2TConfig", "TopEntropyConfig", "CovConfig", "QUANTILE_METHODS", "QUANTILE_SCOPES", "QUANTILE_TOKENS"]
 
@@ -50,11 +50,11 @@ class S2TConfig:
             raise ConfigError(f"s2t.tau_p must be in (0, 1], got {self.tau_p}")
         if not 0.0 <= self.entropy_quantile <= 1.0:
             raise ConfigError(f"s2t.entropy_quantile must be in [0, 1], got {self.entropy_quantile}")
-        _one_of("s2t.quantile_scope", self.quantile_scope, QUANTILE_SCOPES)
-        _one_of("s2t.quantile_tokens", self.quantile_tokens, QUANTILE_TOKENS)
-        _one_of("s2t.quantile_method", self.quantile_method, QUANTILE_METHODS)
-        _one_of("s2t.stats_policy", self.stats_policy, ("current", "old"))
-        _one_of("s2t.minibatch_method", self.minibatch_method, ("correction", "prepass"))
+        check_one_of("s2t.quantile_scope", self.quantile_scope, QUANTILE_SCOPES)
+        check_one_of("s2t.quantile_tokens", self.quantile_tokens, QUANTILE_TOKENS)
+        check_one_of("s2t.quantile_method", self.quantile_method, QUANTILE_METHODS)
+        check_one_of("s2t.stats_policy", self.stats_policy, ("current", "old"))
+        check_one_of("s2t.minibatch_method", self.minibatch_method, ("correction", "prepass"))
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class TopEntropyConfig:
         check_field_types(self, "top_entropy")
         if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"top_entropy.ratio must be in (0, 1], got {self.ratio}")
-        _one_of("top_entropy.scope", self.scope, QUANTILE_SCOPES)
+        check_one_of("top_entropy.scope", self.scope, QUANTILE_SCOPES)
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,3 @@ class CovConfig:
     kl_cov_ratio: float = 0.0002
 
 
-def _one_of(name, value, allowed):
-    if value not in allowed:
-        raise ConfigError(f"{name}: {value!r} is not one of {list(allowed)}")

@@ -35,6 +35,7 @@ from stapo_jax.algo.mask_settings import (  # noqa: F401  (re-exported: part of 
     TopEntropyConfig,
 )
 from stapo_jax.algo.registry import register_into
+from stapo_jax.config.loading import check_one_of
 
 __all__ = [
     "TokenMask",
@@ -53,10 +54,6 @@ __all__ = [
     "QUANTILE_SCOPES",
     "QUANTILE_TOKENS",
 ]
-
-def _one_of(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ def masked_quantile(
 
     Source: stapo_spec.md §3 and §10 item 4.
     """
-    _one_of("quantile_method", method, QUANTILE_METHODS)
+    check_one_of("quantile_method", method, QUANTILE_METHODS)
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")
     _check_same_shape("values", values, valid=valid)
@@ -228,7 +225,7 @@ def s2t_mask(
     Source: STAPO (arXiv 2602.15620) §3-4, Algorithm 1; stapo_spec.md §3.
     """
     _check_same_shape("response_mask", response_mask, log_probs=log_probs, entropy=entropy, advantages=advantages)
-    _one_of("quantile_tokens", quantile_tokens, QUANTILE_TOKENS)
+    check_one_of("quantile_tokens", quantile_tokens, QUANTILE_TOKENS)
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
     adv = _tokenwise(sg(advantages), response_mask)

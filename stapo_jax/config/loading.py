@@ -15,7 +15,7 @@ import yaml
 
 __all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
            "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override", "safe_load_unique",
-           "check_field_types"]
+           "check_field_types", "check_one_of"]
 
 
 class ConfigError(ValueError):
@@ -158,6 +158,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict:
     return get_type_hints(cls)
+
+
+def check_one_of(key: str, value, allowed) -> None:
+    """Raise ConfigError ``"<key>: <value!r> is not one of [...]"`` unless ``value`` is in ``allowed`` (any
+    container of the allowed values; listed in its order). The one check of a named choice for the config
+    dataclasses and the algorithm functions' string arguments. Raises: ConfigError (a ValueError) naming
+    ``key``. Source: this project's config errors (name the key, say what is allowed)."""
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
 
 
 def check_field_types(obj: Any, section: str) -> None:

@@ -128,7 +128,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
 
     Args:
       exp: an ``experience.Experience`` whose ``arrays`` hold ``input_ids`` int32 / ``attention_mask`` bool [B, P+R],
-        ``response_mask`` bool [B, R], ``advantages`` float32 [B, R] (and optionally ``rollout_log_probs``
+        ``response_mask`` bool [B, R], ``advantages`` float32 [B] or [B, R] (and optionally ``rollout_log_probs``
         float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
         data-parallel shards (``num_micro_batches`` checks that first).
       mesh: the training mesh (rows go to its data-parallel devices); None = one device.
