@@ -152,6 +152,50 @@ def test_kept_logits_backward_equals_recompute_backward(monkeypatch, seq_chunk, 
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
 
 
+def test_kept_logits_backward_holds_one_logits_buffer_with_temperature_and_collision_gradients():
+    """The kept-logits backward overwrites the kept [B, T, V] logits with d logits in place: the compiled
+    forward+backward holds one such buffer also when d temperature or the collision gradient is wanted (the
+    label logits they need come from the forward, not from the kept buffer, which would then stay live across
+    the in-place loop and be copied)."""
+    b, t, d, v = 2, 64, 32, 4096
+    logits_bytes = b * t * v * 4
+    specs = (jax.ShapeDtypeStruct((b, t, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+             jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32))
+    for with_collision in (False, True):
+        for argnums in ((0, 1), (0, 1, 3)):
+            fn = jax.grad(lambda h, w, i, temp: jnp.sum(sum(chunked_log_probs_and_entropy(
+                h, w, i, temperature=temp, seq_chunk=16, with_collision=with_collision))), argnums=argnums)
+            temp_bytes = _compiled_temp_bytes(fn, *specs)
+            assert logits_bytes <= temp_bytes < 1.5 * logits_bytes, (with_collision, argnums, temp_bytes)
+
+
+def test_kept_logits_collision_gradient_keeps_relative_precision_as_p_y_goes_to_one():
+    """d C' / d h at a near-certain token (p_y -> 1, C' ~ 1e-18) is ~1e-17: the kept-logits backward must not
+    form it as the difference of two O(1) terms (2 p_y (p_y - C') - 2 p_y^2), which cancels to 0 or noise; it
+    agrees with the recompute backward and the float64 gradient to float32 relative precision."""
+    rng = np.random.default_rng(3)
+    b, t, d, v = 2, 6, 8, 33
+    h = rng.normal(size=(b, t, d)) * 8.0
+    w = rng.normal(size=(d, v))
+    ids = np.argmax(np.einsum("btd,dv->btv", h, w), axis=-1)
+
+    def collision_others(h, w):
+        p = jax.nn.softmax(jnp.einsum("btd,dv->btv", h, w, precision="highest"), axis=-1)
+        return jnp.sum(jnp.where(jax.nn.one_hot(ids, v, dtype=bool), 0.0, p * p), axis=-1)
+
+    with jax.enable_x64(True):
+        want = np.asarray(jax.grad(lambda h: jnp.sum(collision_others(h, jnp.asarray(w))))(jnp.asarray(h)))
+        c = np.asarray(collision_others(jnp.asarray(h), jnp.asarray(w)))
+    peaked = c < 1e-12
+    assert peaked.any()
+    for budget in (0, None):
+        got = np.asarray(jax.grad(lambda h: jnp.sum(chunked_log_probs_and_entropy(
+            h, jnp.asarray(w, jnp.float32), jnp.asarray(ids), seq_chunk=4, with_collision=True,
+            max_saved_logits_bytes=budget)[2]))(jnp.asarray(h, jnp.float32)))
+        err = np.abs(got[peaked] - want[peaked]).max(axis=-1)
+        assert np.all(err <= 1e-3 * np.abs(want[peaked]).max(axis=-1)), (budget, err, np.abs(want[peaked]).max(-1))
+
+
 def _torch_reference_with_grads(h, w, ids, temp, cotangents):
     """verl log-probs / entropy (and sum_{v != y} p_v^2) in float64 torch, and the autograd gradient of
     sum(cotangent * output) w.r.t. hidden, head weight and temperature."""

@@ -360,43 +360,44 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
     the vocabulary-tiled loop, whose many small tiles neither parallelise nor reuse buffers as well.
 
     With ``p = exp(z - lz)`` the cotangent of ``_logits_cotangent`` splits into
-    ``-p (glp + gh (z - E)) (+ 2 gc p (p - C'))`` on every entry and ``glp (- 2 gc p_y^2)`` at the label."""
+    ``-p (glp + gh (z - E)) (+ 2 gc p (p 1[v != y] - C'))`` on every entry and ``glp`` at the label. The collision
+    term keeps its label mask (one compare per entry, only ``with_collision``): split into ``2 gc p (p - C')``
+    everywhere and ``- 2 gc p_y^2`` at the label, it would be the difference of two O(1) terms as ``p_y -> 1``
+    and lose all the relative precision of its true value ``- 2 gc p_y C'``.
+
+    ``d temperature = -sum(dz z) / temperature = -sum(h . dh) / temperature`` (``z = h W / temperature`` and
+    ``dh = dz W^T / temperature``): a ``[B, T, D]`` reduction after the loop. Reading the logits for it inside
+    the loop (or ``z_y`` from them after it) keeps the buffer being overwritten live, and XLA then copies the
+    whole ``[B, T, V]`` buffer (on CPU twice per tile)."""
     acc = kept.dtype
     b, t, _ = kept.shape
     c = min(seq_chunk, t)
     ragged = t % c != 0
     g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
-    z_y = jnp.take_along_axis(kept, ids[..., None], axis=-1)[..., 0]
-    label = g_lp
-    if g_c is not None:
-        label = label - 2.0 * g_c.astype(acc) * jnp.exp(2.0 * (z_y - log_z))
-    per_token = (log_z, e_z, g_lp, g_h) + (() if g_c is None else (collision, g_c.astype(acc)))
+    v = kept.shape[-1]
+    per_token = (log_z, e_z, g_lp, g_h) + (() if g_c is None else (ids, collision, g_c.astype(acc)))
 
-    def body(k, carry):
-        buf, dtemp = carry
+    def body(k, buf):
         start, row_fresh = _tile(k, c, t, ragged)
         z = _slice(buf, start, c, 1)
         lz, ez, glp, gh, *coll = (_slice(a, start, c, 1)[..., None] for a in per_token)
         p = jnp.exp(z - lz)
         dz = -p * (glp + gh * (z - ez))
         if coll:
-            cc, gc = coll
-            dz = dz + 2.0 * gc * p * (p - cc)
+            i_c, cc, gc = coll
+            dz = dz + 2.0 * gc * p * (jnp.where(i_c == jnp.arange(v), 0.0, p) - cc)
         dlogits = dz / temperature
         if row_fresh is not None:  # rows an earlier tile visited already hold their d logits
-            dtemp = dtemp - jnp.sum(jnp.where(row_fresh[:, None], dz * z, 0.0))
             dlogits = jnp.where(row_fresh[:, None], dlogits, z)
-        else:
-            dtemp = dtemp - jnp.sum(dz * z)
-        return _put(buf, dlogits, start, 1), dtemp
+        return _put(buf, dlogits, start, 1)
 
-    dlogits, dtemp = jax.lax.fori_loop(0, -(-t // c), body, (kept, jnp.zeros((), acc)))
+    dlogits = jax.lax.fori_loop(0, -(-t // c), body, kept)
     rows = jnp.arange(b)[:, None]
-    dlogits = dlogits.at[rows, jnp.arange(t)[None, :], ids].add(label / temperature, unique_indices=True)
-    dtemp = dtemp - jnp.sum(label * z_y)
+    dlogits = dlogits.at[rows, jnp.arange(t)[None, :], ids].add(g_lp / temperature, unique_indices=True)
     dh = jnp.einsum(f"btv,{layout}->btd", dlogits, w, preferred_element_type=acc)
     dw = jnp.einsum(f"btd,btv->{layout}", h, dlogits, preferred_element_type=acc)
-    return dh.astype(h.dtype), dw.astype(w.dtype), None, (dtemp / temperature).astype(temperature.dtype)
+    dtemp = -jnp.sum(h * dh) / temperature
+    return dh.astype(h.dtype), dw.astype(w.dtype), None, dtemp.astype(temperature.dtype)
 
 
 def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, res, cts):
@@ -496,7 +497,9 @@ def chunked_log_probs_and_entropy(
     saves the inputs and logZ, E_p[z] (and C') per token, and the float32 logits only when they fit
     ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once, accumulates the hidden-state
     gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 vocabulary tile at a time,
-    written into a result of the weight's own shape, layout and dtype. A tied head passes the embedding as
+    written into a result of the weight's own shape, layout and dtype. (Kept logits with float32/float64
+    ``hidden`` and weight: the d logits overwrite the kept logits in place and two whole matmuls give dh and
+    dw; the weight's gradient is then a float32 ``[D, V]`` as the weight is.) A tied head passes the embedding as
     stored (``[V, D]``, ``weight_layout="vd"``): its tiles are row slices and its gradient is ``[V, D]``, so no
     transposed copy of the weight or of its gradient exists (Tunix computes ``x @ embedding.T`` the same way).
     Gradients
