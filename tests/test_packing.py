@@ -75,9 +75,18 @@ def test_packed_log_probs_entropy_and_gradients_equal_padded():
     graphdef, params = nnx.split(model)
     p = padded(seed=1)
     lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=20, num_shards=2))
+    assert_packed_equals_padded(graphdef, params, p, lay, weight_seed=2)
+    real = p["response_mask"] > 0
+    assert real.sum() > 20 and lay.input_ids.size < p["input_ids"].size   # packing removed padding
+
+
+def assert_packed_equals_padded(graphdef, params, p, lay, weight_seed):
+    """The packed batch ``lay`` of the padded batch ``p``: a random response-weighted sum of log-probs and
+    entropies has the padded value, log-probs / entropies on real tokens and the parameter gradients agree (fp32,
+    1e-5). Returns ``((lp, ent) packed, (lp, ent) padded)``."""
     ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
     resp = jnp.asarray(p["response_mask"], jnp.float32)
-    w = jnp.asarray(np.random.default_rng(2).normal(size=resp.shape), jnp.float32) * resp
+    w = jnp.asarray(np.random.default_rng(weight_seed).normal(size=resp.shape), jnp.float32) * resp
 
     def f(params, packing):
         lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=packing,
@@ -85,48 +94,34 @@ def test_packed_log_probs_entropy_and_gradients_equal_padded():
         return jnp.sum(lp * w) + jnp.sum(ent * w), (lp, ent)
 
     vg = jax.jit(jax.value_and_grad(f, has_aux=True))
-    (v0, (lp0, e0)), g0 = vg(params, None)
-    (v1, (lp1, e1)), g1 = vg(params, lay)
+    (v0, out0), g0 = vg(params, None)
+    (v1, out1), g1 = vg(params, lay)
     real = np.asarray(resp) > 0
-    assert real.sum() > 20 and lay.input_ids.size < ids.size   # packing removed padding
     assert abs(float(v1 - v0)) <= 1e-5 * abs(float(v0))
-    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(e1)[real], np.asarray(e0)[real], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out1, out0):
+        np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
+    return out1, out0
 
 
 @pytest.mark.parametrize("row_length", [29, 40])
 def test_head_runs_on_the_fewer_of_packed_positions_and_response_columns(row_length):
     """Short rows: the M x L packed positions are no more than the B x R response columns and the head runs on
     them; long rows (more packed positions than response columns, as with long prompts): the hidden states
-    of the response positions are gathered first and the head runs on B x R rows only (compiled FLOPs below
-    one head matmul over M x L). Both give the padded computation's log-probs, entropies and gradients."""
+    of the response positions are gathered first and the head runs on B x R rows only. Compiled FLOPs: "auto"
+    is the cheaper of "packed" and "response", which differ by the head matmuls of M x L - B x R rows. Both
+    give the padded computation's log-probs, entropies and gradients."""
     cfg = dataclasses.replace(CFG_STEP, vocab_size=1024)   # the head dominates the FLOPs, as at V = 151,936
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     p = padded(seed=1)   # 22 and 29 real tokens in the two shard blocks: one row each
     lay = on_device(pack_sequences(p["input_ids"], p["attention_mask"], R, row_length=row_length, num_shards=2))
-    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
-    resp = jnp.asarray(p["response_mask"], jnp.float32)
-    w = jnp.asarray(np.random.default_rng(5).normal(size=resp.shape), jnp.float32) * resp
     (m, l), (b, r) = lay.input_ids.shape, lay.response_index.shape
     assert (b * r < m * l) == (row_length == 40), (m, l, b, r)
+    ids, att = jnp.asarray(p["input_ids"]), jnp.asarray(p["attention_mask"])
+    assert_packed_equals_padded(graphdef, params, p, lay, weight_seed=5)
 
-    def f(params, packing):
-        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=packing,
-                                                 packing_shards=2, seq_chunk=4)
-        return jnp.sum(lp * w) + jnp.sum(ent * w), (lp, ent)
-
-    vg = jax.jit(jax.value_and_grad(f, has_aux=True))
-    (v0, (lp0, e0)), g0 = vg(params, None)
-    (v1, (lp1, e1)), g1 = vg(params, lay)
-    real = np.asarray(resp) > 0
-    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(lp1)[real], np.asarray(lp0)[real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(e1)[real], np.asarray(e0)[real], rtol=1e-5, atol=1e-5)
-    for a, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-5)
     def flops(where):   # one sequence tile, so XLA's cost analysis (a loop body counted once) counts it all
         def fwd(params):
             return response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=lay,
