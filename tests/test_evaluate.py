@@ -222,7 +222,7 @@ def test_eval_cli_tiny_model_end_to_end(tmp_path):
     assert all(1 <= s["num_tokens"] <= 6 for s in samples)
     md = (out / "results.md").read_text().splitlines()
     i = md.index(HEADER)
-    assert md[i + 2].startswith("| tiny | **tiny** (ours) |") and md[i + 3].startswith("| 14B | GRPO (paper) |")
+    assert md[i + 2].startswith("| tiny | **ours** |") and md[i + 3].startswith("| 14B | GRPO (paper) |")
     assert len([x for x in md if x.startswith("| 14B |")]) == 4
     assert ev.main(["--config", str(cfg), "--benchmarks", "nope"]) == 2
 

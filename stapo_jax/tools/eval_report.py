@@ -145,8 +145,9 @@ class EvalReport:
             vals = [self.get(c, s) for s in settings]
             cells.append(format_cell([None if v is None else v.avg_at_n for v in vals]))
         avg = format_cell([self.average(s) for s in settings])
-        model = self.meta.get("model_name", "ours")
-        lines.append("| " + " | ".join([str(model), f"**{self.label}** (ours)", *cells, f"**{avg}**"]) + " |")
+        model = str(self.meta.get("model_name", "ours"))
+        method = "**ours**" if self.label == model else f"**{self.label}** (ours)"  # no label twice in a row
+        lines.append("| " + " | ".join([model, method, *cells, f"**{avg}**"]) + " |")
         for size, method in self.paper_rows:
             row = PAPER_TABLE2[(size, method)]
             idx = {c: i for i, c in enumerate(COLUMNS)}
