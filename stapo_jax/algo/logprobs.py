@@ -242,8 +242,9 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     (``keep``) the ``[B, T, V]`` logits z in the accumulation dtype, else None.
 
     With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
-    ``logits_to_log_probs_and_entropy`` does (``_log_z_and_mean_logit``: ``jax.nn.logsumexp``'s arithmetic), so
-    the trainer's log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles outermost
+    ``logits_to_log_probs_and_entropy`` does (``_log_z_and_mean_logit``: ``jax.nn.logsumexp``'s arithmetic),
+    so the trainer's log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles
+    outermost
     carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
     z_y, so the weight is read once and no tile outlives its step. ``w`` is ``[D, V]`` (``layout`` "dv") or
     ``[V, D]`` ("vd"); the layout only chooses the axis of its vocabulary tiles and the einsum.
@@ -499,10 +500,10 @@ def chunked_log_probs_and_entropy(
     gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 vocabulary tile at a time,
     written into a result of the weight's own shape, layout and dtype. (Kept logits with float32/float64
     ``hidden`` and weight: the d logits overwrite the kept logits in place and two whole matmuls give dh and
-    dw; the weight's gradient is then a float32 ``[D, V]`` as the weight is.) A tied head passes the embedding as
-    stored (``[V, D]``, ``weight_layout="vd"``): its tiles are row slices and its gradient is ``[V, D]``, so no
-    transposed copy of the weight or of its gradient exists (Tunix computes ``x @ embedding.T`` the same way).
-    Gradients
+    dw; the weight's gradient is then one float32 array in the weight's layout.) A tied head passes the
+    embedding as stored (``[V, D]``, ``weight_layout="vd"``): its tiles are row slices and its gradient is
+    ``[V, D]``, so no transposed copy of the weight or of its gradient exists (Tunix computes
+    ``x @ embedding.T`` the same way). Gradients
     w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
     differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
     its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so

@@ -18,6 +18,7 @@ from typing import Optional
 import jax
 
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy
+from stapo_jax.config.loading import check_one_of
 from stapo_jax.train.packing import PackedLayout, gather_response_values
 
 
@@ -48,10 +49,10 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
     Returns:
       (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
     Raises:
-      ValueError: ``response_length`` not in [1, T-1]; ``lm_head_positions`` not one of the three.
+      ValueError: ``response_length`` not in [1, T-1]; ConfigError (a ValueError): ``lm_head_positions`` not
+        one of the three.
     """
-    if lm_head_positions not in ("auto", "packed", "response"):
-        raise ValueError(f"lm_head_positions must be 'auto', 'packed' or 'response', got {lm_head_positions!r}")
+    check_one_of("lm_head_positions", lm_head_positions, ("auto", "packed", "response"))
     t = input_ids.shape[1]
     if not 1 <= response_length < t:
         raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
