@@ -1,7 +1,7 @@
 """A clone works alone (issue 12): nothing in code, configs, tests, benchmarks, launch scripts, the Makefile or
 the README refers to a ``shared`` directory beside the repository, and the data the commands need is shipped
-as package data (``stapo_jax/assets``; DATA.md). CI keeps ../shared beside its clone, so only this check
-guarantees that a user's clone, which has nothing beside it, passes too."""
+as package data (``stapo_jax/assets``; DATA.md). CI keeps that sibling directory beside its clone, so only this
+check guarantees that a user's clone, which has nothing beside it, passes too."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,9 @@ SCANNED = ("stapo_jax", "models", "configs", "tests", "bench", "launch", "script
 TOP_FILES = ("README.md", "Makefile", "pyproject.toml", "requirements.txt", "requirements-test.txt",
              "requirements-jetstream.txt")
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".sh", ".sbatch", ".toml", ".txt", ".md", ".cfg", ".json", ""}
-# ../shared, shared/data, shared/reference, Path(...) / "shared"
-PATTERN = re.compile(r"""\.\./shared|shared/(data|reference)|["']shared["']""")
+# the sibling directory as a relative path, its data/ or reference/ subdirectory, or a quoted path component
+SIBLING = "shared"
+PATTERN = re.compile(rf"""\.\./{SIBLING}|{SIBLING}/(data|reference)|["']{SIBLING}["']""")
 
 
 def _files():
@@ -35,13 +36,13 @@ def test_no_path_to_a_shared_directory_beside_the_repository():
     hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in _files()
             for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
             if PATTERN.search(line)]
-    assert hits == [], "references to ../shared:\n" + "\n".join(hits)
+    assert hits == [], f"references to ../{SIBLING}:\n" + "\n".join(hits)
 
 
 def test_scanner_finds_what_it_looks_for(tmp_path):
     """The pattern is live: each spelling a test or a config used before issue 12 is caught."""
-    for line in ("path: ../shared/data/qwen3_tokenizer", 'REPO.parent / "shared" / "data"',
-                 "see shared/reference/stapo_spec.md"):
+    for line in (f"path: ../{SIBLING}/data/qwen3_tokenizer", f'REPO.parent / "{SIBLING}" / "data"',
+                 f"see {SIBLING}/reference/stapo_spec.md"):
         assert PATTERN.search(line), line
     assert not PATTERN.search("a weight shared by all layers; shared_data = 1")
 

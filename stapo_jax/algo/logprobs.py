@@ -94,21 +94,20 @@ def logits_to_log_probs_and_entropy(
 
 
 def _log_z_and_mean_logit(z: jax.Array):
-    """``(logsumexp(z), E_softmax(z)[z], exp(z - max))`` over the last axis of ``z`` ``[..., V]``.
+    """``(logsumexp(z), E_softmax(z)[z], softmax(z))`` over the last axis of ``z`` ``[..., V]``; the softmax is
+    a lazy ``exp(z - max) / sum`` that XLA only materialises for a caller that uses it.
 
     ``logsumexp`` is computed exactly as ``jax.nn.logsumexp`` does (max, ``log(sum(exp(z - max))) + max``), so
     log-probs round like ``scaled_log_probs``; ``E[z] = sum(exp(z - max) z) / sum(exp(z - max))`` reuses its
-    exponentials (no normalised ``[..., V]`` softmax) and takes the weighted sum as a dot product at full
-    float32 precision: XLA:CPU runs a fused multiply-and-reduce over a 151,936-wide row about 4x slower than the
+    exponentials and takes the weighted sum as a dot product at full float32 precision: XLA:CPU runs a fused multiply-and-reduce over a 151,936-wide row about 4x slower than the
     dot (0.33 s vs 1.3 s for the statistics of [511, 151,936] logits on a 2-core Xeon; the end-to-end effect is
-    in ``bench/bench_tunix.py``). The unnormalised exponentials are returned for callers that need the
-    probabilities themselves."""
+    in ``bench/bench_tunix.py``)."""
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(z - m)
     s = jnp.sum(e, axis=-1)
     weighted = jnp.einsum("...v,...v->...", e, z, precision=jax.lax.Precision.HIGHEST)
-    return jnp.log(s) + m[..., 0], weighted / s, e
+    return jnp.log(s) + m[..., 0], weighted / s, e / s[..., None]
 
 
 def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -266,11 +265,10 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
 
         def whole_vocab(k, start, old):
             z = logits(start, w)
-            log_z, e_z, e = _log_z_and_mean_logit(z)
+            log_z, e_z, probs = _log_z_and_mean_logit(z)
             new = {"log_z": log_z, "e_z": e_z,
                    "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
             if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
-                probs = e / jnp.sum(e, axis=-1, keepdims=True)
                 label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
                 new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
             if keep:
@@ -371,11 +369,10 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
     the loop (or ``z_y`` from them after it) keeps the buffer being overwritten live, and XLA then copies the
     whole ``[B, T, V]`` buffer (on CPU twice per tile)."""
     acc = kept.dtype
-    b, t, _ = kept.shape
+    b, t, v = kept.shape
     c = min(seq_chunk, t)
     ragged = t % c != 0
     g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
-    v = kept.shape[-1]
     per_token = (log_z, e_z, g_lp, g_h) + (() if g_c is None else (ids, collision, g_c.astype(acc)))
 
     def body(k, buf):
