@@ -9,7 +9,7 @@ layout; correct, but XLA:CPU copies every layer's weights out of the stack on ea
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.linear import KERNEL_LAYOUTS, preferred_kernel_layout
 from models.qwen3 import KVCache, Qwen3, init_cache
+from models.sharding import param_path
 
 LAYERS_KEY = "layers"  # the stacked decoder layers in nnx.state(Qwen3)
 
@@ -29,26 +31,51 @@ class DecodeParams:
     Fields:
       rest: ``nnx.State`` of everything but the decoder layers (embedding, final norm, LM head).
       layers: tuple of L ``nnx.State``, one per decoder layer, each leaf the stacked leaf's ``[i]`` slice
-        (same dtype; shape without the leading layer axis).
+        (same dtype; shape without the leading layer axis; :class:`~models.linear.Linear` kernels transposed
+        to [out, in] when ``kernel_layout == "out_in"``).
+      kernel_layout: static str, ``"in_out"`` (the parameters' layout) or ``"out_in"`` (see
+        :mod:`models.linear`: faster decode steps on XLA:CPU).
     """
 
     rest: Any
     layers: tuple
+    kernel_layout: str = flax.struct.field(pytree_node=False, default="in_out")
 
 
-def unstack_layers(stacked) -> tuple:
+def is_kernel(path) -> bool:
+    """True for the pytree path of a :class:`~models.linear.Linear` kernel (dotted name ending in ``kernel``).
+    No arrays; never raises. Source: the Flax ``nnx.Linear`` parameter name."""
+    return param_path(path).rsplit(".", 1)[-1] == "kernel"
+
+
+def _check_layout(kernel_layout: str) -> None:
+    if kernel_layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {kernel_layout!r}")
+
+
+def to_kernel_layout(path, layer: jax.Array, kernel_layout: str) -> jax.Array:
+    """One per-layer leaf (trainer layout) in ``kernel_layout``: a kernel [in, out] becomes [out, in] for
+    ``"out_in"``; every other leaf, and everything for ``"in_out"``, is returned as is (jittable).
+    Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` ``weight`` [out, in]."""
+    _check_layout(kernel_layout)
+    return layer.T if kernel_layout == "out_in" and is_kernel(path) else layer
+
+
+def unstack_layers(stacked, kernel_layout: str = "in_out") -> tuple:
     """The stacked layer state ``nnx.state(model.layers)`` (leaves [L, ...]) -> tuple of L per-layer states
-    (copies; jittable).
+    (copies; jittable with ``kernel_layout`` static), kernels in ``kernel_layout`` (:func:`to_kernel_layout`).
 
-    Dtypes kept (bfloat16 / float32 leaves stay so). Raises IndexError when ``stacked`` has no leaves. Source: the
-    ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for per-layer KV caches as JetStream /
-    MaxText decode do.
+    Dtypes kept (bfloat16 / float32 leaves stay so). Raises IndexError when ``stacked`` has no leaves, ValueError
+    for an unknown layout. Source: the ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for
+    per-layer KV caches as JetStream / MaxText decode do.
     """
+    _check_layout(kernel_layout)
     n = jax.tree.leaves(stacked)[0].shape[0]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+    return tuple(jax.tree_util.tree_map_with_path(lambda p, a, i=i: to_kernel_layout(p, a[i], kernel_layout),
+                                                  stacked) for i in range(n))
 
 
-def copy_layer_into(stacked, index: jax.Array, previous):
+def copy_layer_into(stacked, index: jax.Array, previous, kernel_layout: str = "in_out"):
     """Layer ``index`` of the stacked layer state written into ``previous``, a per-layer state of the same
     shapes and dtypes (jittable; jit it with ``donate_argnums=2`` so that the layer's weights are copied into
     the donated buffers: no fresh allocation, no second copy of the layers alive at once, and on CPU none of
@@ -57,54 +84,69 @@ def copy_layer_into(stacked, index: jax.Array, previous):
 
     Args:
       stacked: the stacked layer state (leaves ``[L, ...]``); index: [] int32 in ``[0, L)`` (clamped, as
-        ``lax.dynamic_slice``); previous: one per-layer state, leaves ``[...]``.
+        ``lax.dynamic_slice``); previous: one per-layer state, leaves ``[...]`` (kernels in ``kernel_layout``);
+      kernel_layout: static, as :func:`to_kernel_layout` (``"out_in"`` transposes each kernel while copying:
+        about 5x the time of the plain copy on XLA:CPU, bench/bench_weight_sync.py).
     Returns:
       the per-layer state with layer ``index``'s values (dtypes of ``previous``, equal to ``stacked``'s).
-    Raises nothing of its own; mismatched leaf shapes raise from JAX at trace time.
+    Raises ValueError for an unknown layout; mismatched leaf shapes raise from JAX at trace time.
     Source: JAX buffer donation (``jax.jit(donate_argnums=...)``); the layer is written with
     ``lax.dynamic_update_slice`` over the whole donated buffer, because jit drops a donated argument that the
     result does not read (it would then not alias).
     """
-    def one(old, a):
+    def one(path, old, a):
         layer = jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False).astype(old.dtype)
-        return jax.lax.dynamic_update_slice(old, layer, (0,) * old.ndim)
+        return jax.lax.dynamic_update_slice(old, to_kernel_layout(path, layer, kernel_layout), (0,) * old.ndim)
 
-    return jax.tree.map(one, previous, stacked)
-
-
-_unstack_jit = jax.jit(unstack_layers)
+    _check_layout(kernel_layout)
+    return jax.tree_util.tree_map_with_path(one, previous, stacked)
 
 
-def split_layers(state, unstack=_unstack_jit) -> DecodeParams:
-    """Stacked ``nnx.split(model)[1]`` -> :class:`DecodeParams`.
+_unstack_jit = jax.jit(unstack_layers, static_argnums=1)
 
-    ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack`` (default: a jitted
-    :func:`unstack_layers`; the engine passes one jitted with its shardings).
+
+def split_layers(state, unstack=None, kernel_layout: str = "in_out") -> DecodeParams:
+    """Stacked ``nnx.split(model)[1]`` -> :class:`DecodeParams` with kernels in ``kernel_layout``.
+
+    ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack(stacked_layers)``
+    (default: a jitted :func:`unstack_layers` with ``kernel_layout``; the engine passes one jitted with its
+    shardings, which must produce that layout).
     Raises:
       KeyError: ``state`` has no ``"layers"`` entry (not a Qwen3 state).
+      ValueError: unknown ``kernel_layout``.
 
     Shapes / dtypes: layer leaves [L, ...] become L leaves [...] of the same dtype. Source: the ``nnx.scan``
     stacked-layer layout of :class:`Qwen3` (Flax NNX ``nnx.split``).
     """
+    _check_layout(kernel_layout)
+    if unstack is None:
+        unstack = partial(_unstack_jit, kernel_layout=kernel_layout)
     rest = nnx.State({k: v for k, v in state.items() if k != LAYERS_KEY})
-    return DecodeParams(rest=rest, layers=tuple(unstack(state[LAYERS_KEY])))
+    return DecodeParams(rest=rest, layers=tuple(unstack(state[LAYERS_KEY])), kernel_layout=kernel_layout)
 
 
-def merge_model(graphdef, params) -> tuple[Qwen3, Optional[tuple]]:
-    """``(model, layers)`` for ``model(..., cache=..., layers=layers)`` from either parameter layout.
+def merge_model(graphdef, params) -> tuple[Qwen3, dict]:
+    """``(model, kwargs)`` for ``model(..., cache=..., **kwargs)`` from either parameter layout: ``kwargs`` is
+    ``{}`` for the stacked state and ``{"layers": ..., "kernel_layout": ...}`` for :class:`DecodeParams`.
 
     With :class:`DecodeParams` the model's stacked layer variables hold shape-only placeholders
-    (``jax.ShapeDtypeStruct``): only the cached path, which reads ``layers``, may run on it.
+    (``jax.ShapeDtypeStruct``, in the parameters' [in, out] kernel shapes): only the cached path, which reads
+    ``layers``, may run on it.
 
     Never raises for a state of ``graphdef`` (Flax ``nnx.merge`` raises ValueError for a mismatched state).
     Source: Flax NNX ``nnx.split`` / ``nnx.merge``.
     """
     if not isinstance(params, DecodeParams):
-        return nnx.merge(graphdef, params), None
-    n = len(params.layers)
-    placeholder = jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((n,) + tuple(xs[0].shape), xs[0].dtype),
-                               *params.layers)
-    return nnx.merge(graphdef, nnx.State({**dict(params.rest.items()), LAYERS_KEY: placeholder})), params.layers
+        return nnx.merge(graphdef, params), {}
+    n, out_in = len(params.layers), params.kernel_layout == "out_in"
+
+    def stacked_shape(path, x):
+        shape = tuple(x.shape)[::-1] if out_in and is_kernel(path) else tuple(x.shape)
+        return jax.ShapeDtypeStruct((n,) + shape, x.dtype)
+
+    placeholder = jax.tree_util.tree_map_with_path(stacked_shape, params.layers[0])
+    model = nnx.merge(graphdef, nnx.State({**dict(params.rest.items()), LAYERS_KEY: placeholder}))
+    return model, {"layers": params.layers, "kernel_layout": params.kernel_layout}
 
 
 def last_valid_index(attention_mask: jax.Array) -> jax.Array:
@@ -134,8 +176,8 @@ def prefill(graphdef, state, input_ids: jax.Array, attention_mask: jax.Array, ca
     Raises nothing of its own (shape errors of mismatched inputs come from JAX at trace time). Source: HF
     transformers ``past_key_values`` prefill / JetStream ``Engine.prefill``.
     """
-    model, layers = merge_model(graphdef, state)
-    hidden, cache = model(input_ids, attention_mask, cache=cache, layers=layers, prefill=True)
+    model, kw = merge_model(graphdef, state)
+    hidden, cache = model(input_ids, attention_mask, cache=cache, prefill=True, **kw)
     idx = last_valid_index(attention_mask)
     last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
     return model.logits(last), cache
@@ -156,9 +198,9 @@ def decode_step(graphdef, state, tokens: jax.Array, cache: KVCache, active: jax.
     Raises nothing of its own (shape errors come from JAX at trace time). Source: HF transformers
     incremental decoding with ``past_key_values`` / JetStream ``Engine.generate``.
     """
-    model, layers = merge_model(graphdef, state)
+    model, kw = merge_model(graphdef, state)
     mask = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
-    hidden, cache = model(tokens[:, None], mask[:, None], cache=cache, layers=layers)
+    hidden, cache = model(tokens[:, None], mask[:, None], cache=cache, **kw)
     return model.logits(hidden[:, 0]), cache
 
 
@@ -186,7 +228,7 @@ def greedy_generate(model: Qwen3, input_ids, attention_mask, max_new_tokens: int
     if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
         raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be equal [B, T]")
     graphdef, state = nnx.split(model)
-    state = split_layers(state)
+    state = split_layers(state, kernel_layout=preferred_kernel_layout(jax.default_backend()))
     b, t = input_ids.shape
     cache = init_cache(model.config, b, t + max_new_tokens)
     logits, cache = prefill(graphdef, state, input_ids, attention_mask, cache)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import DEFAULT_BLOCK, IMPLEMENTATIONS, dot_product_attention, segment_ids_from_mask
+from models.linear import Linear, set_kernel_layout
 from models.sharding import constrain
 from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
@@ -276,9 +277,9 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(dtype) * y.astype(dtype)
 
 
-def _linear(cfg: Qwen3Config, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-                      kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
+def _linear(cfg: Qwen3Config, din: int, dout: int, rngs: nnx.Rngs) -> Linear:
+    return Linear(din, dout, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
+                  kernel_init=nnx.initializers.normal(cfg.initializer_range), rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -433,7 +434,7 @@ class Qwen3(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
                  cache: Optional[KVCache] = None, layers: Optional[tuple] = None,
-                 segment_ids: Optional[jax.Array] = None, prefill: bool = False
+                 segment_ids: Optional[jax.Array] = None, prefill: bool = False, kernel_layout: str = "in_out"
                  ) -> tuple[jax.Array, Optional[KVCache]]:
         """Run the decoder.
 
@@ -450,6 +451,8 @@ class Qwen3(nnx.Module):
             to use instead of slicing the stacked ``self.layers``. XLA:CPU materialises every static slice of
             the stacked weights up front (a temporary as large as all layer weights, 2-3x slower steps), so
             the rollout engine keeps its parameters per layer and passes them here.
+          kernel_layout: with ``layers`` only: how their :class:`Linear` kernels are held, ``"in_out"`` (as the
+            parameters) or ``"out_in"`` (transposed, ``models.decode.DecodeParams.kernel_layout``).
           segment_ids: without a cache only: [B, T] int ids of packed sequences (tokens attend only within
             their segment; 0 or ``attention_mask == 0`` is padding). Default: the attention mask.
           prefill: with a cache only: the cache is empty (``length == 0`` on every row, as
@@ -462,7 +465,8 @@ class Qwen3(nnx.Module):
         Raises:
           ValueError: mismatched shapes between ``input_ids``, ``attention_mask``, ``segment_ids`` and the
             cache, or a cache with another number of layers than the model; ``layers`` without a cache or of
-            the wrong length; ``segment_ids`` with a cache or ``prefill`` without one.
+            the wrong length; ``segment_ids`` with a cache or ``prefill`` without one; ``kernel_layout`` other
+            than ``"in_out"`` without ``layers`` (or unknown).
         """
         cfg = self.config
         if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
@@ -516,10 +520,14 @@ class Qwen3(nnx.Module):
 
         if layers is not None and len(layers) != cfg.num_hidden_layers:
             raise ValueError(f"layers has {len(layers)} entries, the model {cfg.num_hidden_layers}")
+        if kernel_layout != "in_out" and layers is None:
+            raise ValueError(f"kernel_layout={kernel_layout!r} needs per-layer parameters (layers)")
         ks, vs = [], []
         for i in range(cfg.num_hidden_layers):  # per-layer cache buffers: see the module docstring
             st = layers[i] if layers is not None else jax.tree.map(lambda a: a[i], layer_state)
             layer = nnx.merge(graphdef, st)
+            if kernel_layout != "in_out":
+                set_kernel_layout(layer, kernel_layout)
             x, (k_i, v_i) = layer(x, cos, sin, mask, (cache.k[i], cache.v[i]), write_index,
                                   seg.astype(jnp.int32) if prefill else None)
             ks.append(k_i)

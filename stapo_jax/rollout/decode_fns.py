@@ -25,7 +25,8 @@ compat.install()
 from jetstream.engine import engine_api  # noqa: E402
 
 from models import decode as model_decode  # noqa: E402
-from models.decode import LAYERS_KEY, DecodeParams, split_layers  # noqa: E402
+from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
+from models.linear import KERNEL_LAYOUTS, preferred_kernel_layout  # noqa: E402
 from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
 
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from stapo_jax.rollout.engine import EngineConfig
 
 __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fit_axes", "decode_param_shardings",
-           "decode_state_shardings", "abstract_decode_spec", "prefill_fn", "insert_fn", "init_fn", "step_fn"]
+           "decode_state_shardings", "resolve_kernel_layout", "abstract_decode_spec", "prefill_fn", "insert_fn",
+           "init_fn", "step_fn"]
 
 
 @flax.struct.dataclass
@@ -140,6 +142,8 @@ class DecodeSpec:
       config: the engine's :class:`EngineConfig` (slots, cache length, dtypes, sampling).
       eos_token_ids: tuple of int stop ids.
       state_shardings: a :class:`DecodeState` of ``NamedSharding`` (constraint on every returned state).
+      kernel_layout: the resolved ``EngineConfig.kernel_layout`` (``"in_out"`` / ``"out_in"``) of the
+        parameters the functions receive (:func:`resolve_kernel_layout`).
     Hashed once at construction (jit hashes static args on every call); equal specs share compiled code.
     """
 
@@ -148,9 +152,11 @@ class DecodeSpec:
     config: EngineConfig
     eos_token_ids: tuple
     state_shardings: Any  # DecodeState of NamedSharding
+    kernel_layout: str = "in_out"
 
     def _key(self):
-        return (self.graphdef, self.model_config, self.config, self.eos_token_ids, self.state_shardings)
+        return (self.graphdef, self.model_config, self.config, self.eos_token_ids, self.state_shardings,
+                self.kernel_layout)
 
     def __post_init__(self):  # jit hashes static args on every call: compute the hash once
         object.__setattr__(self, "_hash", hash(self._key()))
@@ -162,9 +168,24 @@ class DecodeSpec:
         return self is other or (isinstance(other, DecodeSpec) and self._hash == other._hash and self._key() == other._key())
 
 
-def decode_param_shardings(stacked, num_layers: int) -> DecodeParams:
+def resolve_kernel_layout(kernel_layout: str, mesh) -> str:
+    """``EngineConfig.kernel_layout`` resolved for ``mesh``: ``"auto"`` becomes
+    :func:`models.linear.preferred_kernel_layout` of the mesh's device platform (``jax.default_backend()`` for
+    a mesh without devices, e.g. ``AbstractMesh``); ``"in_out"`` / ``"out_in"`` are returned as they are.
+    No arrays; raises ValueError for any other value."""
+    if kernel_layout in KERNEL_LAYOUTS:
+        return kernel_layout
+    if kernel_layout != "auto":
+        raise ValueError(f"kernel_layout must be 'auto' or one of {KERNEL_LAYOUTS}, got {kernel_layout!r}")
+    devices = getattr(mesh, "devices", None)
+    platform = devices.flat[0].platform if devices is not None and devices.size else jax.default_backend()
+    return preferred_kernel_layout(platform)
+
+
+def decode_param_shardings(stacked, num_layers: int, kernel_layout: str = "in_out") -> DecodeParams:
     """Shardings of :class:`~models.decode.DecodeParams` from the stacked parameters' ``NamedSharding`` tree
-    (``models.sharding.param_shardings``): each layer leaf keeps its stacked spec without the layer axis.
+    (``models.sharding.param_shardings``): each layer leaf keeps its stacked spec without the layer axis
+    (reversed for a kernel held ``"out_in"``).
 
     No arrays: ``stacked`` a pytree of ``NamedSharding`` (layer leaves spec ``[L, ...]``), ``num_layers`` an int;
     returns a ``DecodeParams`` pytree of ``NamedSharding`` (layer specs ``[...]``). Raises KeyError when
@@ -173,8 +194,14 @@ def decode_param_shardings(stacked, num_layers: int) -> DecodeParams:
     """
     is_ns = lambda x: isinstance(x, NamedSharding)  # noqa: E731
     rest = nnx.State({k: v for k, v in stacked.items() if k != LAYERS_KEY})
-    layer = jax.tree.map(lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:])), stacked[LAYERS_KEY], is_leaf=is_ns)
-    return DecodeParams(rest=rest, layers=(layer,) * num_layers)
+    def per_layer(path, s):
+        spec = tuple(s.spec)[1:]
+        if kernel_layout == "out_in" and is_kernel(path):
+            spec = (spec + (None, None))[:2][::-1]  # a [in, out] kernel's spec, padded to rank 2, reversed
+        return NamedSharding(s.mesh, P(*spec))
+
+    layer = jax.tree_util.tree_map_with_path(per_layer, stacked[LAYERS_KEY], is_leaf=is_ns)
+    return DecodeParams(rest=rest, layers=(layer,) * num_layers, kernel_layout=kernel_layout)
 
 
 class DecodeJit:
@@ -197,19 +224,21 @@ class DecodeJit:
         """``jax.jit(...).lower`` with ``params`` first converted by :func:`as_decode_params` (stacked or
         per-layer, concrete or ``ShapeDtypeStruct``). Returns a ``jax.stages.Lowered``; raises what
         ``split_layers`` raises (KeyError for a non-Qwen3 state) or jit's TypeError on mismatched arguments."""
-        return self.fn.lower(spec, as_decode_params(params), *args)
+        return self.fn.lower(spec, as_decode_params(params, spec.kernel_layout), *args)
 
     def _cache_size(self) -> int:
         return self.fn._cache_size()
 
 
-def as_decode_params(params):
+def as_decode_params(params, kernel_layout: str = "in_out"):
     """``params`` in the engine's :class:`~models.decode.DecodeParams` layout: returned as is if already so;
-    a concrete stacked state is split by :func:`~models.decode.split_layers` (layer weights copied, same dtypes);
+    a concrete stacked state is split by :func:`~models.decode.split_layers` (layer weights copied, same dtypes,
+    kernels in ``kernel_layout``);
     an abstract stacked state (``jax.ShapeDtypeStruct`` leaves with ``NamedSharding``) gives abstract per-layer
     leaves (shape without the leading layer axis) with :func:`decode_param_shardings`.
 
-    Raises: KeyError (from ``split_layers``) when the state has no ``"layers"`` entry.
+    Raises: KeyError (from ``split_layers``) when the state has no ``"layers"`` entry; ValueError for an unknown
+    ``kernel_layout``.
 
     Shapes / dtypes: stacked layer leaves ``[L, ...]`` (any float dtype) become ``L`` leaves ``[...]``. Source:
     the stacked-layer layout of :mod:`models.qwen3` (``nnx.scan``), unstacked for the per-layer KV cache as in
@@ -219,9 +248,9 @@ def as_decode_params(params):
         return params
     leaves = jax.tree.leaves(params)
     if not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        return split_layers(params)
-    shapes = jax.eval_shape(split_layers, params)
-    sh = decode_param_shardings(jax.tree.map(lambda x: x.sharding, params), len(shapes.layers))
+        return split_layers(params, kernel_layout=kernel_layout)
+    shapes = jax.eval_shape(functools.partial(split_layers, kernel_layout=kernel_layout), params)
+    sh = decode_param_shardings(jax.tree.map(lambda x: x.sharding, params), len(shapes.layers), kernel_layout)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
 
 
@@ -350,4 +379,5 @@ def abstract_decode_spec(graphdef, model_config: Qwen3Config, config: EngineConf
     Source: JAX AOT ``jit(...).lower`` on abstract arguments (``jax.ShapeDtypeStruct``).
     """
     return DecodeSpec(graphdef, model_config, config, tuple(eos_token_ids),
-                      decode_state_shardings(mesh, model_config, config))
+                      decode_state_shardings(mesh, model_config, config),
+                      resolve_kernel_layout(config.kernel_layout, mesh))

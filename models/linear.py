@@ -1,0 +1,55 @@
+"""A bias-free linear layer whose kernel can be held transposed for cached decoding (split from ``qwen3.py``).
+
+Flax ``nnx.Linear`` stores ``kernel`` [in, out]; PyTorch ``nn.Linear`` stores ``weight`` [out, in]. For the skinny
+products of a decode step (a few dozen rows against a weight matrix that does not fit in cache) XLA:CPU reads the
+weight about twice as fast when it is [out, in] and contracted on its last axis (bench/bench_rollout.py), so the
+rollout engine's per-layer decode copy may hold the kernels that way while every other user sees [in, out].
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+KERNEL_LAYOUTS = ("in_out", "out_in")
+
+
+class Linear(nnx.Linear):
+    """``nnx.Linear`` (no bias) whose kernel may be held transposed for cached decoding.
+
+    The parameter is always ``kernel`` [in, out] (``kernel_layout = "in_out"``: checkpoints, the trainer, the HF
+    mapping of :mod:`models.hf`). The rollout engine's per-layer decode copy may hold it as [out, in]
+    (``"out_in"``, PyTorch ``nn.Linear``'s layout; :func:`set_kernel_layout` marks the merged modules): on XLA:CPU
+    a [32, 1024] x [1024, 3072] product then reads the weight about 2x faster (bench/bench_rollout.py).
+    ``__call__(x [..., in]) -> [..., out]`` in ``dtype``, as ``nnx.Linear``; never raises for matching shapes.
+    """
+
+    kernel_layout = "in_out"  # class default; an instance attribute only on decode copies
+
+    def __call__(self, x):
+        if self.kernel_layout == "in_out":
+            return super().__call__(x)
+        kernel = self.kernel[...]
+        if self.dtype is not None:
+            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())), precision=self.precision)
+
+
+def set_kernel_layout(module: nnx.Module, layout: str) -> None:
+    """Mark every :class:`Linear` inside ``module`` as holding its kernel in ``layout`` (``KERNEL_LAYOUTS``).
+
+    Mutates the (freshly merged) modules in place; the arrays are not touched, so the caller must hold
+    kernels of that layout. Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` stores
+    ``weight`` [out, in]; Flax ``nnx.Linear`` ``kernel`` [in, out].
+    """
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
+    for _, sub in nnx.iter_modules(module):
+        if isinstance(sub, Linear):
+            sub.kernel_layout = layout
+
+
+def preferred_kernel_layout(platform: str) -> str:
+    """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``):
+    ``"out_in"`` on ``"cpu"`` (measured: bench/bench_rollout.py), ``"in_out"`` elsewhere (GPU/TPU matmuls take
+    either operand order; no transpose at weight sync). No arrays; never raises."""
+    return "out_in" if platform == "cpu" else "in_out"
