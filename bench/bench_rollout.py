@@ -9,7 +9,8 @@ per-token full-vocabulary log-probs and the host loop of continuous batching; HF
 log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
 weights can have near-ties, so it need not be 1.0 on the big model). Ours is timed with the driver's
 ``steps_per_sync`` = 1 (default: host round trip and refill after every step) and, for tiny, 8 (eight
-steps per jitted call).
+steps per jitted call). ``--kernel-layouts in_out,out_in`` times the engine's two decode kernel layouts
+(``EngineConfig.kernel_layout``: [in, out] as the trainer, or [out, in], the CPU default) side by side.
 
 Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
 ``stapo_jax/assets/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
@@ -68,18 +69,20 @@ def model_config(name: str) -> Qwen3Config:
 
 
 def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: int,
-              steps_per_sync: tuple[int, ...], torch_device: str = "cpu") -> dict:
+              steps_per_sync: tuple[int, ...], torch_device: str = "cpu", kernel_layouts: tuple[str, ...] = ("auto",)
+              ) -> dict:
     cfg = model_config(name)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     hf = hf_copy(model, cfg).to(torch_device)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, size=(batch, prompt_len)).astype(np.int32)
 
-    engine = Qwen3Engine(model, EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
-                                             max_decode_length=new_tokens, sampling=SamplingParams(greedy=True),
-                                             eos_token_ids=()))
-    drivers = {k: RolloutDriver(engine, pad_token_id=0, steps_per_sync=k) for k in steps_per_sync}
-    driver = drivers[steps_per_sync[0]]
+    engines = {layout: Qwen3Engine(model, EngineConfig(
+        max_concurrent_decodes=batch, max_prefill_length=prompt_len, max_decode_length=new_tokens,
+        sampling=SamplingParams(greedy=True), eos_token_ids=(), kernel_layout=layout)) for layout in kernel_layouts}
+    drivers = {f"steps_per_sync={k}, kernels {e.kernel_layout}": RolloutDriver(e, pad_token_id=0, steps_per_sync=k)
+               for e in engines.values() for k in steps_per_sync}
+    driver = next(iter(drivers.values()))
     t0 = time.perf_counter()
     for d in drivers.values():  # compiles prefill/insert/step (shapes do not depend on N)
         d.generate(list(prompts), max_new_tokens=2 * d.steps_per_sync)
@@ -103,7 +106,7 @@ def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: 
     with torch.inference_mode():
         torch_threads = pick_torch_threads(
             lambda: hf.generate(ids, max_new_tokens=6, min_new_tokens=6, **kw), repeats=1)
-        sides = {f"ours steps_per_sync={k}": ours_side(k, d) for k, d in drivers.items()}
+        sides = {f"ours {k}": ours_side(k, d) for k, d in drivers.items()}
         sides["HF generate"] = hf_side
         times = interleaved(sides, repeats, warmup=0)  # ours compiled above; HF warmed by the thread probe
     ours, out = last["ours"], last["hf"]
@@ -135,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
+    p.add_argument("--kernel-layouts", default="auto",
+                   help="EngineConfig.kernel_layout values to time side by side, comma-separated (auto, in_out, "
+                        "out_in; auto = out_in on CPU)")
     args = p.parse_args(argv)
     print(machine_line(), flush=True)
     print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
@@ -144,7 +150,8 @@ def main(argv=None) -> int:
         if repeats < 3:
             raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {repeats})")
         k = tuple(int(x) for x in (args.steps_per_sync or ("1,8" if name == "tiny" else "1")).split(","))
-        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device)
+        layouts = tuple(x.strip() for x in args.kernel_layouts.split(","))
+        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device, layouts)
         print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s ({summary(r['hf_times'], 's')}, "
               f"{args.torch_device}, {r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
         for label, ts in r["times"].items():

@@ -8,7 +8,10 @@ Sections (every one interleaved old/new, >= 3 repeats, median [min..max] and the
      the previous ones are still alive, which is what ``set_params`` did before this bench was written
      (``self._params = self.place_params(params)``);
    * new: ``engine.set_params``, the same copy written layer by layer into the engine's previous per-layer
-     buffers (donated).
+     buffers (donated);
+   * new out_in: ``set_params`` of a second engine with ``EngineConfig(kernel_layout="out_in")`` (the CPU
+     default of ``"auto"``), whose copy transposes every linear kernel to [out, in] (faster decode steps,
+     bench/bench_rollout.py); the first two engines use ``"in_out"``.
    The first call of each side after the engine started is printed apart (old: fresh pages to fault in;
    new: compiling its one-layer copy).
    Printed beside them: validation + ``device_put`` alone, and a numpy copy of the same bytes into
@@ -74,10 +77,10 @@ def sort_sample_tokens(logits, keys, params: SamplingParams):
     return tokens, scaled_log_probs(z, tokens, jnp.max(z, axis=-1))
 
 
-def bench_sync(engine: Qwen3Engine, states: list, repeats: int) -> None:
+def bench_sync(engine: Qwen3Engine, transposed: Qwen3Engine, states: list, repeats: int) -> None:
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(states[0][LAYERS_KEY]))
     shardings = param_shardings(states[0], engine.mesh)
-    count = {"old": 0, "new": 0}
+    count = {"old": 0, "new": 0, "out_in": 0}
     held = {"old": engine.place_params(states[1])}
 
     def old():  # fresh buffers; the previous result stays alive until the new one exists (old set_params)
@@ -88,24 +91,30 @@ def bench_sync(engine: Qwen3Engine, states: list, repeats: int) -> None:
         engine.set_params(states[count["new"] % 2])
         count["new"] += 1
 
+    def out_in():
+        transposed.set_params(states[count["out_in"] % 2])
+        count["out_in"] += 1
+
     def put():
         jax.block_until_ready(jax.device_put(states[0], shardings))
 
     src = np.ones(layer_bytes // 4, np.float32)
     dst = np.zeros_like(src)
     first = {}
-    for k, f in (("new", new), ("old", old)):  # the first sync after the engine started (new: + its compile)
+    for k, f in (("new", new), ("old", old), ("out_in", out_in)):  # the first sync after the engine started (new: + its compile)
         t0 = time.perf_counter()
         f()
         first[k] = time.perf_counter() - t0
-    times = interleaved({"old": old, "new": new, "put": put, "memcpy": lambda: np.copyto(dst, src)}, repeats,
+    times = interleaved({"old": old, "new": new, "out_in": out_in, "put": put, "memcpy": lambda: np.copyto(dst, src)}, repeats,
                         warmup=0)
     print(f"[sync] layer weights {layer_bytes / 2**20:.0f} MiB, all parameters "
           f"{sum(x.nbytes for x in jax.tree.leaves(states[0])) / 2**20:.0f} MiB, device-resident", flush=True)
     print(f"[sync] old: place_params into fresh buffers (re-created)  {summary(times['old'], 's')}")
     print(f"[sync] new: set_params into the donated previous buffers   {summary(times['new'], 's')}")
+    print(f"[sync] new out_in: set_params transposing the kernels     {summary(times['out_in'], 's')} "
+          f"(ratio new/new out_in = {ratio(times['new'], times['out_in'])}x)")
     print(f"[sync] first call after the engine started (not in the medians): old {first['old']:.3f} s, "
-          f"new {first['new']:.3f} s (includes compiling the per-layer copy)")
+          f"new {first['new']:.3f} s, new out_in {first['out_in']:.3f} s (includes compiling the per-layer copy)")
     print(f"[sync] ratio old/new = {ratio(times['old'], times['new'])}x (median [per-round min..max])")
     print(f"[sync] of which validation + device_put (no-op placement): {summary(times['put'], 'ms')}; "
           f"numpy copy of the layer bytes into touched memory: {summary(times['memcpy'], 's')}", flush=True)
@@ -190,16 +199,19 @@ def main(argv=None) -> int:
     if sections & {"sync", "decode"}:
         cfg = model_config(args.model)
         model = Qwen3(cfg, rngs=nnx.Rngs(0))
-        engine = Qwen3Engine(model, EngineConfig(
-            max_concurrent_decodes=args.decode_batch, max_prefill_length=16,
-            max_decode_length=max(args.decode_tokens, 1), eos_token_ids=()))
+        engine_config = EngineConfig(max_concurrent_decodes=args.decode_batch, max_prefill_length=16,
+                                     max_decode_length=max(args.decode_tokens, 1), eos_token_ids=(),
+                                     kernel_layout="in_out")
+        engine = Qwen3Engine(model, engine_config)
+        transposed = (Qwen3Engine(model, dataclasses.replace(engine_config, kernel_layout="out_in"))
+                      if "sync" in sections else None)
         shardings = param_shardings(nnx.split(model)[1], engine.mesh)
         states = [jax.block_until_ready(jax.device_put(nnx.split(model)[1], shardings)),
                   jax.block_until_ready(jax.device_put(nnx.split(Qwen3(cfg, rngs=nnx.Rngs(1)))[1], shardings))]
         del model
         print(f"model {args.model}: {dataclasses.asdict(cfg)['num_hidden_layers']} layers, fp32", flush=True)
         if "sync" in sections:
-            bench_sync(engine, states, args.repeats)
+            bench_sync(engine, transposed, states, args.repeats)
         if "decode" in sections and args.decode_tokens > 0:
             bench_decode(engine, args.decode_batch, args.decode_tokens, args.repeats)
     print(load_line("at end"))
