@@ -136,3 +136,15 @@ def test_out_in_shardings_reverse_the_kernel_specs():
     assert layer["input_layernorm"]["weight"].spec == P("fsdp")
     same = decode_param_shardings(stacked, 3, "in_out").layers[0]
     assert same["mlp"]["up_proj"]["kernel"].spec == P("fsdp", "tensor")
+
+
+def test_rollout_kernel_layout_config_key():
+    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.rollout import engine_config
+
+    base = "configs/tiny_cpu.yaml"
+    assert engine_config(load_config(base)).kernel_layout == "auto"
+    assert engine_config(load_config(base, ["rollout.kernel_layout=in_out"])).kernel_layout == "in_out"
+    with pytest.raises(ConfigError, match="rollout.kernel_layout"):
+        load_config(base, ["rollout.kernel_layout=columns"])

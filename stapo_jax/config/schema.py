@@ -161,6 +161,7 @@ class RolloutConfig:
     max_concurrent_decodes: int = 64
     steps_per_sync: int = 8
     mode: Literal["inprocess", "grpc"] = "inprocess"
+    kernel_layout: Literal["auto", "in_out", "out_in"] = "auto"  # EngineConfig.kernel_layout (decode weights)
     server_address: str = "127.0.0.1:9000"
     request_timeout_s: float = 600.0
     max_retries: int = 3

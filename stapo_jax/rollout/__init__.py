@@ -23,7 +23,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
 
     Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens`` unless given
     (eval passes its ``--max-new-tokens``); ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
-    ``rollout.temperature/top_p/top_k`` (top_k null = off); stop ids from the tokenizer
+    ``rollout.temperature/top_p/top_k`` (top_k null = off); ``rollout.kernel_layout``; stop ids from the tokenizer
     (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
     ``trainer.seed`` unless given.
 
@@ -48,6 +48,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
         sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k or 0),
         eos_token_ids=eos,
         seed=cfg.trainer.seed if seed is None else seed,
+        kernel_layout=r.kernel_layout,
     )
 
 
