@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.linear import KERNEL_LAYOUTS, preferred_kernel_layout
+from models.linear import check_kernel_layout, preferred_kernel_layout
 from models.qwen3 import KVCache, Qwen3, init_cache
 from models.sharding import param_path
 
@@ -48,16 +48,11 @@ def is_kernel(path) -> bool:
     return param_path(path).rsplit(".", 1)[-1] == "kernel"
 
 
-def _check_layout(kernel_layout: str) -> None:
-    if kernel_layout not in KERNEL_LAYOUTS:
-        raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {kernel_layout!r}")
-
-
 def to_kernel_layout(path, layer: jax.Array, kernel_layout: str) -> jax.Array:
     """One per-layer leaf (trainer layout) in ``kernel_layout``: a kernel [in, out] becomes [out, in] for
     ``"out_in"``; every other leaf, and everything for ``"in_out"``, is returned as is (jittable).
     Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` ``weight`` [out, in]."""
-    _check_layout(kernel_layout)
+    check_kernel_layout(kernel_layout)
     return layer.T if kernel_layout == "out_in" and is_kernel(path) else layer
 
 
@@ -69,7 +64,7 @@ def unstack_layers(stacked, kernel_layout: str = "in_out") -> tuple:
     for an unknown layout. Source: the ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for
     per-layer KV caches as JetStream / MaxText decode do.
     """
-    _check_layout(kernel_layout)
+    check_kernel_layout(kernel_layout)
     n = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(jax.tree_util.tree_map_with_path(lambda p, a, i=i: to_kernel_layout(p, a[i], kernel_layout),
                                                   stacked) for i in range(n))
@@ -98,7 +93,7 @@ def copy_layer_into(stacked, index: jax.Array, previous, kernel_layout: str = "i
         layer = jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False).astype(old.dtype)
         return jax.lax.dynamic_update_slice(old, to_kernel_layout(path, layer, kernel_layout), (0,) * old.ndim)
 
-    _check_layout(kernel_layout)
+    check_kernel_layout(kernel_layout)
     return jax.tree_util.tree_map_with_path(one, previous, stacked)
 
 
@@ -118,7 +113,7 @@ def split_layers(state, unstack=None, kernel_layout: str = "in_out") -> DecodePa
     Shapes / dtypes: layer leaves [L, ...] become L leaves [...] of the same dtype. Source: the ``nnx.scan``
     stacked-layer layout of :class:`Qwen3` (Flax NNX ``nnx.split``).
     """
-    _check_layout(kernel_layout)
+    check_kernel_layout(kernel_layout)
     if unstack is None:
         unstack = partial(_unstack_jit, kernel_layout=kernel_layout)
     rest = nnx.State({k: v for k, v in state.items() if k != LAYERS_KEY})

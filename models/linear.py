@@ -13,6 +13,12 @@ from flax import nnx
 KERNEL_LAYOUTS = ("in_out", "out_in")
 
 
+def check_kernel_layout(layout: str) -> None:
+    """Raise ValueError (naming ``kernel_layout``) unless ``layout`` is one of ``KERNEL_LAYOUTS``. No arrays."""
+    if layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
+
+
 class Linear(nnx.Linear):
     """``nnx.Linear`` (no bias) whose kernel may be held transposed for cached decoding.
 
@@ -41,8 +47,7 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
     kernels of that layout. Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` stores
     ``weight`` [out, in]; Flax ``nnx.Linear`` ``kernel`` [in, out].
     """
-    if layout not in KERNEL_LAYOUTS:
-        raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
+    check_kernel_layout(layout)
     for _, sub in nnx.iter_modules(module):
         if isinstance(sub, Linear):
             sub.kernel_layout = layout

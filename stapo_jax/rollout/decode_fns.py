@@ -26,7 +26,7 @@ from jetstream.engine import engine_api  # noqa: E402
 
 from models import decode as model_decode  # noqa: E402
 from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
-from models.linear import KERNEL_LAYOUTS, preferred_kernel_layout  # noqa: E402
+from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
 from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
 
@@ -173,10 +173,9 @@ def resolve_kernel_layout(kernel_layout: str, mesh) -> str:
     :func:`models.linear.preferred_kernel_layout` of the mesh's device platform (``jax.default_backend()`` for
     a mesh without devices, e.g. ``AbstractMesh``); ``"in_out"`` / ``"out_in"`` are returned as they are.
     No arrays; raises ValueError for any other value."""
-    if kernel_layout in KERNEL_LAYOUTS:
-        return kernel_layout
     if kernel_layout != "auto":
-        raise ValueError(f"kernel_layout must be 'auto' or one of {KERNEL_LAYOUTS}, got {kernel_layout!r}")
+        check_kernel_layout(kernel_layout)
+        return kernel_layout
     devices = getattr(mesh, "devices", None)
     platform = devices.flat[0].platform if devices is not None and devices.size else jax.default_backend()
     return preferred_kernel_layout(platform)
