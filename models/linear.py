@@ -48,7 +48,7 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
     ``weight`` [out, in]; Flax ``nnx.Linear`` ``kernel`` [in, out].
     """
     check_kernel_layout(layout)
-    for _, sub in nnx.iter_modules(module):
+    for _, sub in nnx.iter_graph(module):
         if isinstance(sub, Linear):
             sub.kernel_layout = layout
 
