@@ -50,7 +50,7 @@ def is_kernel(path) -> bool:
 
 def to_kernel_layout(path, layer: jax.Array, kernel_layout: str) -> jax.Array:
     """One per-layer leaf (trainer layout) in ``kernel_layout``: a kernel [in, out] becomes [out, in] for
-    ``"out_in"``; every other leaf, and everything for ``"in_out"``, is returned as is (jittable).
+    ``"out_in"`` (same dtype); every other leaf, and everything for ``"in_out"``, is returned as is (jittable).
     Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` ``weight`` [out, in]."""
     check_kernel_layout(kernel_layout)
     return layer.T if kernel_layout == "out_in" and is_kernel(path) else layer

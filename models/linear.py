@@ -14,7 +14,8 @@ KERNEL_LAYOUTS = ("in_out", "out_in")
 
 
 def check_kernel_layout(layout: str) -> None:
-    """Raise ValueError (naming ``kernel_layout``) unless ``layout`` is one of ``KERNEL_LAYOUTS``. No arrays."""
+    """Raise ValueError (naming ``kernel_layout``) unless ``layout`` is one of ``KERNEL_LAYOUTS``. No arrays.
+    Source: the layout names of :class:`Linear` (PyTorch ``nn.Linear`` is ``"out_in"``)."""
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
 
@@ -43,8 +44,8 @@ class Linear(nnx.Linear):
 def set_kernel_layout(module: nnx.Module, layout: str) -> None:
     """Mark every :class:`Linear` inside ``module`` as holding its kernel in ``layout`` (``KERNEL_LAYOUTS``).
 
-    Mutates the (freshly merged) modules in place; the arrays are not touched, so the caller must hold
-    kernels of that layout. Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` stores
+    Mutates the (freshly merged) modules in place; no arrays are read or written (any dtype), so the caller must
+    hold kernels of that layout. Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` stores
     ``weight`` [out, in]; Flax ``nnx.Linear`` ``kernel`` [in, out].
     """
     check_kernel_layout(layout)
@@ -56,5 +57,6 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
 def preferred_kernel_layout(platform: str) -> str:
     """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``):
     ``"out_in"`` on ``"cpu"`` (measured: bench/bench_rollout.py), ``"in_out"`` elsewhere (GPU/TPU matmuls take
-    either operand order; no transpose at weight sync). No arrays; never raises."""
+    either operand order; no transpose at weight sync). No arrays; never raises. Source: our measurement, the
+    [out, in] kernel is PyTorch's ``nn.Linear`` convention."""
     return "out_in" if platform == "cpu" else "in_out"

@@ -172,7 +172,8 @@ def resolve_kernel_layout(kernel_layout: str, mesh) -> str:
     """``EngineConfig.kernel_layout`` resolved for ``mesh``: ``"auto"`` becomes
     :func:`models.linear.preferred_kernel_layout` of the mesh's device platform (``jax.default_backend()`` for
     a mesh without devices, e.g. ``AbstractMesh``); ``"in_out"`` / ``"out_in"`` are returned as they are.
-    No arrays; raises ValueError for any other value."""
+    No arrays; raises ValueError for any other value. Source: :func:`models.linear.preferred_kernel_layout`
+    (PyTorch's [out, in] ``nn.Linear`` convention on CPU)."""
     if kernel_layout != "auto":
         check_kernel_layout(kernel_layout)
         return kernel_layout

@@ -257,11 +257,16 @@ def make_train_step(
         grads = jax.tree.map(lambda g: safe_divide(g, den), out.grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, params)
-        keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_state = state.replace(params=jax.tree.map(keep_old, optax.apply_updates(params, updates), params),
-                                  opt_state=jax.tree.map(keep_old, new_opt, state.opt_state),
-                                  step=state.step + finite.astype(jnp.int32))
+        def apply(params_and_opt):
+            updates, new_opt = optimizer.update(grads, params_and_opt[1], params_and_opt[0])
+            return optax.apply_updates(params_and_opt[0], updates), new_opt
+
+        # a non-finite gradient skips the update: parameters and moments stay bitwise as they were. A branch,
+        # not a select of new against old values: with the select XLA:CPU copied every moment buffer (the new
+        # parameters re-derive the moments from the old ones, which the donated update overwrites)
+        new_params, new_opt = jax.lax.cond(finite, apply, lambda params_and_opt: params_and_opt,
+                                           (params, state.opt_state))
+        new_state = state.replace(params=new_params, opt_state=new_opt, step=state.step + finite.astype(jnp.int32))
         metrics = finalize_metrics(m, den)
         metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
         metrics.update(out.metrics)
