@@ -101,12 +101,12 @@ def bench_sync(engine: Qwen3Engine, transposed: Qwen3Engine, states: list, repea
     src = np.ones(layer_bytes // 4, np.float32)
     dst = np.zeros_like(src)
     first = {}
-    for k, f in (("new", new), ("old", old), ("out_in", out_in)):  # the first sync after the engine started (new: + its compile)
+    for k, f in (("new", new), ("old", old), ("out_in", out_in)):  # the first sync after the engine started
         t0 = time.perf_counter()
         f()
         first[k] = time.perf_counter() - t0
-    times = interleaved({"old": old, "new": new, "out_in": out_in, "put": put, "memcpy": lambda: np.copyto(dst, src)}, repeats,
-                        warmup=0)
+    sides = {"old": old, "new": new, "out_in": out_in, "put": put, "memcpy": lambda: np.copyto(dst, src)}
+    times = interleaved(sides, repeats, warmup=0)
     print(f"[sync] layer weights {layer_bytes / 2**20:.0f} MiB, all parameters "
           f"{sum(x.nbytes for x in jax.tree.leaves(states[0])) / 2**20:.0f} MiB, device-resident", flush=True)
     print(f"[sync] old: place_params into fresh buffers (re-created)  {summary(times['old'], 's')}")

@@ -74,7 +74,8 @@ def test_both_layouts_give_the_same_rollouts_and_log_probs(sampling):
     np.testing.assert_array_equal(a.responses, b.responses)
     np.testing.assert_array_equal(a.response_lengths, b.response_lengths)
     np.testing.assert_allclose(a.rollout_log_probs, b.rollout_log_probs, rtol=1e-5, atol=1e-5)
-    assert np.isfinite(a.rollout_log_probs).all() and (a.rollout_log_probs <= 0).all() and a.rollout_log_probs.min() < -0.01
+    lp = a.rollout_log_probs
+    assert np.isfinite(lp).all() and (lp <= 0).all() and lp.min() < -0.01
 
 
 def test_weight_sync_writes_transposed_kernels_in_place():

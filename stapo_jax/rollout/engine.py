@@ -57,10 +57,10 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
     StepOutput,
     decode_param_shardings,
     decode_state_shardings,
-    resolve_kernel_layout,
     init_fn,
     insert_fn,
     prefill_fn,
+    resolve_kernel_layout,
     step_fn,
 )
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402

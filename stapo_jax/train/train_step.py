@@ -257,9 +257,12 @@ def make_train_step(
         grads = jax.tree.map(lambda g: safe_divide(g, den), out.grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
+
         def apply(params_and_opt):
             updates, new_opt = optimizer.update(grads, params_and_opt[1], params_and_opt[0])
             return optax.apply_updates(params_and_opt[0], updates), new_opt
+
+        updated_types = jax.eval_shape(apply, (params, state.opt_state))
 
         def skip(params_and_opt):  # the old values, in the dtypes the update returns (f32 moments of bf16 params)
             return jax.tree.map(lambda old, new: old.astype(new.dtype), params_and_opt, updated_types)
@@ -267,7 +270,6 @@ def make_train_step(
         # a non-finite gradient skips the update: parameters and moments stay as they were (bitwise, up to that
         # dtype). A branch, not a select of new against old values: with the select XLA:CPU copied every moment
         # buffer (the new parameters re-derive the moments from the old ones, which the donated update overwrites)
-        updated_types = jax.eval_shape(apply, (params, state.opt_state))
         new_params, new_opt = jax.lax.cond(finite, apply, skip, (params, state.opt_state))
         new_state = state.replace(params=new_params, opt_state=new_opt, step=state.step + finite.astype(jnp.int32))
         metrics = finalize_metrics(m, den)
