@@ -64,7 +64,6 @@ def unstack_layers(stacked, kernel_layout: str = "in_out") -> tuple:
     for an unknown layout. Source: the ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for
     per-layer KV caches as JetStream / MaxText decode do.
     """
-    check_kernel_layout(kernel_layout)
     n = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(jax.tree_util.tree_map_with_path(lambda p, a, i=i: to_kernel_layout(p, a[i], kernel_layout),
                                                   stacked) for i in range(n))
@@ -93,7 +92,6 @@ def copy_layer_into(stacked, index: jax.Array, previous, kernel_layout: str = "i
         layer = jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False).astype(old.dtype)
         return jax.lax.dynamic_update_slice(old, to_kernel_layout(path, layer, kernel_layout), (0,) * old.ndim)
 
-    check_kernel_layout(kernel_layout)
     return jax.tree_util.tree_map_with_path(one, previous, stacked)
 
 

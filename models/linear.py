@@ -7,7 +7,6 @@ rollout engine's per-layer decode copy may hold the kernels that way while every
 """
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 KERNEL_LAYOUTS = ("in_out", "out_in")
@@ -35,10 +34,10 @@ class Linear(nnx.Linear):
     def __call__(self, x):
         if self.kernel_layout == "in_out":
             return super().__call__(x)
-        kernel = self.kernel[...]
-        if self.dtype is not None:
-            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())), precision=self.precision)
+        # nnx.Linear's own steps (dtype promotion, its dot_general), contracting the kernel's last axis instead
+        x, kernel, _ = self.promote_dtype((x, self.kernel[...], None), dtype=self.dtype)
+        kw = {} if self.preferred_element_type is None else {"preferred_element_type": self.preferred_element_type}
+        return self.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())), precision=self.precision, **kw)
 
 
 def set_kernel_layout(module: nnx.Module, layout: str) -> None:

@@ -99,8 +99,8 @@ def _log_z_and_mean_logit(z: jax.Array):
 
     ``logsumexp`` is computed exactly as ``jax.nn.logsumexp`` does (max, ``log(sum(exp(z - max))) + max``), so
     log-probs round like ``scaled_log_probs``; ``E[z] = sum(exp(z - max) z) / sum(exp(z - max))`` reuses its
-    exponentials and takes the weighted sum as a dot product at full float32 precision: XLA:CPU runs a fused multiply-and-reduce over a 151,936-wide row about 4x slower than the
-    dot (0.33 s vs 1.3 s for the statistics of [511, 151,936] logits on a 2-core Xeon; the end-to-end effect is
+    exponentials and takes the weighted sum as a dot product at full float32 precision: XLA:CPU runs a fused
+    multiply-and-reduce over a 151,936-wide row about 4x slower than the dot (0.33 s vs 1.3 s for the statistics of [511, 151,936] logits on a 2-core Xeon; the end-to-end effect is
     in ``bench/bench_tunix.py``)."""
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -243,8 +243,7 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
     ``logits_to_log_probs_and_entropy`` does (``_log_z_and_mean_logit``: ``jax.nn.logsumexp``'s arithmetic),
     so the trainer's log-probs round like the sampler's. Otherwise a streaming log-sum-exp with vocabulary tiles
-    outermost
-    carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
+    outermost carries per token the running max m, s = sum exp(z - m), t = sum exp(z - m) z, q = sum_{v != y} exp(2 (z - m)) and
     z_y, so the weight is read once and no tile outlives its step. ``w`` is ``[D, V]`` (``layout`` "dv") or
     ``[V, D]`` ("vd"); the layout only chooses the axis of its vocabulary tiles and the einsum.
     """

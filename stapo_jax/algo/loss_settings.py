@@ -83,7 +83,6 @@ class PolicyLossConfig:
         return self.sampler_is_cap if self.sampler_is == "truncate" else None
 
 
-
 def _need(ok: bool, field: str, value, rule: str) -> None:
     if not ok:
         raise ConfigError(f"actor.{field}={value} {rule}")

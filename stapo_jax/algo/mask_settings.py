@@ -86,5 +86,3 @@ class CovConfig:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
-
-
