@@ -3,14 +3,16 @@ CPU, KV cache) on the same weights, in one process; plus the weight-sync time of
 
 Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
 exactly B*128 tokens). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
-tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: the same compiled shapes via a 2-token
-run; HF: 2-token runs). Ours includes prefill,
+tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: one full-length call, which compiles
+every cache length; HF: 6-token runs). Ours includes prefill,
 per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
 log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
 weights can have near-ties, so it need not be 1.0 on the big model). Ours is timed with the driver's
 ``steps_per_sync`` = 1 (default: host round trip and refill after every step) and, for tiny, 8 (eight
 steps per jitted call). ``--kernel-layouts in_out,out_in`` times the engine's two decode kernel layouts
-(``EngineConfig.kernel_layout``: [in, out] as the trainer, or [out, in], the CPU default) side by side.
+(``EngineConfig.kernel_layout``: [in, out] as the trainer, or [out, in], the CPU default) side by side;
+``--kv-cache-buckets on,off`` the KV cache kept at the smallest length that holds the active slots (default) and
+the full-length cache.
 
 Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
 ``stapo_jax/assets/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
@@ -69,23 +71,24 @@ def model_config(name: str) -> Qwen3Config:
 
 
 def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: int,
-              steps_per_sync: tuple[int, ...], torch_device: str = "cpu", kernel_layouts: tuple[str, ...] = ("auto",)
-              ) -> dict:
+              steps_per_sync: tuple[int, ...], torch_device: str = "cpu", kernel_layouts: tuple[str, ...] = ("auto",),
+              kv_cache_buckets: tuple[bool, ...] = (True,)) -> dict:
     cfg = model_config(name)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     hf = hf_copy(model, cfg).to(torch_device)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, size=(batch, prompt_len)).astype(np.int32)
 
-    engines = {layout: Qwen3Engine(model, EngineConfig(
+    engines = [Qwen3Engine(model, EngineConfig(
         max_concurrent_decodes=batch, max_prefill_length=prompt_len, max_decode_length=new_tokens,
-        sampling=SamplingParams(greedy=True), eos_token_ids=(), kernel_layout=layout)) for layout in kernel_layouts}
-    drivers = {f"steps_per_sync={k}, kernels {e.kernel_layout}": RolloutDriver(e, pad_token_id=0, steps_per_sync=k)
-               for e in engines.values() for k in steps_per_sync}
+        sampling=SamplingParams(greedy=True), eos_token_ids=(), kernel_layout=layout, kv_cache_buckets=buckets))
+        for layout in kernel_layouts for buckets in kv_cache_buckets]
+    drivers = {f"steps_per_sync={k}, kernels {e.kernel_layout}, kv_cache_buckets={e.config.kv_cache_buckets}":
+               RolloutDriver(e, pad_token_id=0, steps_per_sync=k) for e in engines for k in steps_per_sync}
     driver = next(iter(drivers.values()))
     t0 = time.perf_counter()
-    for d in drivers.values():  # compiles prefill/insert/step (shapes do not depend on N)
-        d.generate(list(prompts), max_new_tokens=2 * d.steps_per_sync)
+    for d in drivers.values():  # compiles prefill/insert/step (shapes do not depend on N) at every cache length
+        d.generate(list(prompts), max_new_tokens=new_tokens)
     compile_s = time.perf_counter() - t0
 
     ids = torch.from_numpy(prompts.astype(np.int64)).to(torch_device)
@@ -138,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
+    p.add_argument("--kv-cache-buckets", default="on",
+                   help="EngineConfig.kv_cache_buckets values to time side by side: on, off or on,off (on: the KV "
+                        "cache is kept at the smallest bucket holding the active slots)")
     p.add_argument("--kernel-layouts", default="auto",
                    help="EngineConfig.kernel_layout values to time side by side, comma-separated (auto, in_out, "
                         "out_in; auto = out_in on CPU)")
@@ -151,7 +157,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {repeats})")
         k = tuple(int(x) for x in (args.steps_per_sync or ("1,8" if name == "tiny" else "1")).split(","))
         layouts = tuple(x.strip() for x in args.kernel_layouts.split(","))
-        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device, layouts)
+        buckets = tuple({"on": True, "off": False}[x.strip()] for x in args.kv_cache_buckets.split(","))
+        r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device, layouts,
+                      buckets)
         print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s ({summary(r['hf_times'], 's')}, "
               f"{args.torch_device}, {r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
         for label, ts in r["times"].items():

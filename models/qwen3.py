@@ -348,10 +348,11 @@ def write_rows(cache: jax.Array, update: jax.Array, index: jax.Array) -> jax.Arr
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """Grouped-query attention of T queries over a head-major KV cache.
 
-    The same arithmetic as ``jax.nn.dot_product_attention(implementation="xla")`` (logits in float32 scaled
-    after the dot, masked with ``-0.7 * finfo.max``, float32 softmax cast to the value dtype), but with the
-    cache's ``[B, Nkv, S, H]`` layout, whose batch dims (B, Nkv) lead: XLA runs both matmuls on the buffers as
-    they are, without transposing the cache.
+    Logits in float32, scaled after the dot and masked with ``-0.7 * finfo.max`` (as
+    ``jax.nn.dot_product_attention(implementation="xla")``); ``exp(logits - max)`` multiplies the values *before*
+    it is normalised (``out = (p @ v) / sum(p)``, FlashAttention's order: the division runs on the [T, H] output,
+    not on the [S, T] probabilities), over the cache's ``[B, Nkv, S, H]`` layout, whose batch dims (B, Nkv) lead:
+    XLA runs both matmuls on the buffers as they are, without transposing the cache.
 
     Args:
       q: [B, T, N, H] queries (N = Nkv · G).
@@ -362,7 +363,8 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
       [B, T, N, H] in q's dtype (query head n uses KV head ``n // G``, as HF ``repeat_kv``).
 
     Never raises (traced; mismatched shapes fail at trace time). Source: ``jax.nn.dot_product_attention``
-    (XLA implementation) and HF ``repeat_kv`` grouped-query attention.
+    (XLA implementation), HF ``repeat_kv`` grouped-query attention, FlashAttention's (Dao et al. 2022) late
+    normalisation.
     """
     b, t, n, h = q.shape
     nkv, s = k.shape[1], k.shape[2]
@@ -375,8 +377,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     logits = logits * jnp.float32(scale)
     m = jnp.broadcast_to(mask[:, :, :, None, :], (b, 1, t, g, s)).reshape(b, 1, t * g, s)
     logits = jnp.where(jnp.swapaxes(m, -1, -2), logits, jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
-    probs = jax.nn.softmax(logits, axis=-2).astype(q.dtype)
-    out = jnp.einsum("bksq,bksh->bkqh", probs, v.astype(q.dtype))
+    p = jnp.exp(logits - jnp.max(logits, axis=-2, keepdims=True))
+    denom = jnp.sum(p, axis=-2)[..., None]  # [B, Nkv, T*G, 1]
+    acc = jnp.einsum("bksq,bksh->bkqh", p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
+    out = (acc / denom).astype(q.dtype)
     return out.reshape(b, nkv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fit_axes", "decode_param_shardings",
            "decode_state_shardings", "resolve_kernel_layout", "abstract_decode_spec", "prefill_fn", "insert_fn",
-           "init_fn", "step_fn"]
+           "init_fn", "step_fn", "kv_length_buckets"]
 
 
 @flax.struct.dataclass
@@ -56,7 +56,7 @@ class Prefix:
 
 @flax.struct.dataclass
 class DecodeState:
-    """Per-slot decoding state (B = ``max_concurrent_decodes``; S = ``cache_length``).
+    """Per-slot decoding state (B = ``max_concurrent_decodes``; S = one of :func:`kv_length_buckets`).
 
     Fields:
       cache: :class:`KVCache`, L per-layer arrays [B, Nkv, S, H] for keys and for values.
@@ -309,22 +309,55 @@ def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample
     return jax.lax.with_sharding_constraint(state, spec.state_shardings)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def init_fn(spec: DecodeSpec, rng) -> DecodeState:
+def kv_length_buckets(capacity: int, smallest: int = 32) -> tuple[int, ...]:
+    """The KV-cache lengths a decode state takes: ``smallest`` doubling while below ``capacity``, then
+    ``capacity`` itself (e.g. 144 -> (32, 64, 128, 144); 17408 -> (32, 64, ..., 16384, 17408)).
+
+    No arrays: ints in, a strictly increasing tuple of ints out. Raises ValueError for ``capacity`` or
+    ``smallest`` < 1. Source: the power-of-two padding buckets of JetStream's prefill, applied to the decode
+    cache (one compiled decode step per length).
+    """
+    if capacity < 1 or smallest < 1:
+        raise ValueError(f"kv_length_buckets: capacity={capacity} and smallest={smallest} must be >= 1")
+    out, b = [], smallest
+    while b < capacity:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (capacity,)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_fn(spec: DecodeSpec, rng, length: int = 0) -> DecodeState:
     """A fresh :class:`DecodeState` of ``B = max_concurrent_decodes`` free slots: an empty cache
-    ``[B, Nkv, cache_length, H]`` (cache dtype), every slot ``done``, ``limit`` = ``max_decode_length``, int32
-    counters at 0; ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``.
+    ``[B, Nkv, length, H]`` (cache dtype; ``length`` 0 = the engine's ``cache_length``), every slot ``done``, ``limit`` = ``max_decode_length``, int32 counters at 0;
+    ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``.
 
     Never raises. Source: JetStream ``Engine.init_decode_state``.
     """
     b, cfg = spec.config.max_concurrent_decodes, spec.config
+    length = length or cfg.cache_length
     zeros = jnp.zeros((b,), jnp.int32)
     state = DecodeState(
-        cache=init_cache(spec.model_config, b, cfg.cache_length, dtype=cfg.cache_dtype),
+        cache=init_cache(spec.model_config, b, length, dtype=cfg.cache_dtype),
         next_token=zeros, done=jnp.ones((b,), bool), generated=zeros,
         limit=jnp.full((b,), cfg.max_decode_length, jnp.int32), sample_id=zeros,
         next_sample_id=jnp.zeros((), jnp.int32), rng=rng)
     return jax.lax.with_sharding_constraint(state, spec.state_shardings)
+
+
+def resize_along(x: jax.Array, axis: int, length: int) -> jax.Array:
+    """``x`` cut to, or zero-padded (False for bool) at the end to, ``length`` along ``axis``.
+
+    Shapes / dtypes: any array; the result has ``x``'s dtype and ``x.shape[axis]`` replaced by ``length``.
+    Never raises for ``length`` >= 0 (traced). Source: the resize of JetStream-style slot caches between
+    buckets (:meth:`stapo_jax.rollout.engine.Qwen3Engine.resize_decode_state`).
+    """
+    n = x.shape[axis]
+    if length <= n:
+        return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - n)
+    return jnp.pad(x, pad)
 
 
 def step_body(spec: DecodeSpec, params, state: DecodeState, sampling: SamplingParams):

@@ -12,7 +12,10 @@
 
 Results are deterministic for a seed and do not depend on the number of slots or devices: sample
 ``i * G + g`` draws its n-th token with ``fold_in(fold_in(key(seed), row_offset + i * G + g), n)``
-(``row_offset`` = 0 unless a process samples a share of a global batch).
+(``row_offset`` = 0 unless a process samples a share of a global batch). Bitwise so with
+``EngineConfig.kv_cache_buckets=False``; with the default True the KV cache is kept at the smallest length that
+holds the active slots (``kv_length_buckets``, resized between steps), which depends on the other slots, and
+log-probs then agree to float rounding (about 1e-6 relative) across slot counts and process layouts.
 
 Row order of the returned :class:`RolloutBatch` is prompt-major (row ``i * G + g``), as verl repeats prompts
 ``interleave=True`` for GRPO groups.
@@ -262,7 +265,11 @@ class RolloutDriver:
         slot_row = np.full((n_slots,), -1, np.int64)
         free = deque(range(n_slots))
         params = eng.load_params()
-        state = eng.init_decode_state(seed)
+        k = self.steps_per_sync
+        state = eng.init_decode_state(seed, length=eng.kv_length_buckets[0])
+        # KV cache sized to the active slots (EngineConfig.kv_cache_buckets): slot s holds prompt_cached[s] +
+        # (tokens generated) positions; k more steps need that + k positions.
+        prompt_cached = np.zeros((n_slots,), np.int64)
         n_active = 0
         while pending or n_active:
             while free and pending:  # refill every free slot before the next step
@@ -271,12 +278,19 @@ class RolloutDriver:
                 if i not in prefixes:
                     prefixes[i] = eng.prefill_tokens(params, prompts[i])
                 slot = free.popleft()
+                need = max(eng.prefill_bucket(len(prompts[i])), len(prompts[i]) - 1 + k)  # the prefix must fit
+                if need > state.cache.max_length:
+                    state = eng.resize_decode_state(state, eng.kv_bucket(need))
                 state = eng.insert_sample(prefixes[i], state, slot, row_offset + row, max_new_tokens)
                 if g == g_size - 1:
                     del prefixes[i]
                 slot_row[slot] = row
+                prompt_cached[slot] = len(prompts[i]) - 1
                 n_active += 1
-            k = self.steps_per_sync
+            busy = np.nonzero(slot_row >= 0)[0]
+            target = eng.kv_bucket(int((prompt_cached[busy] + lengths[slot_row[busy]]).max()) + k)
+            if target != state.cache.max_length:
+                state = eng.resize_decode_state(state, target)
             if k == 1:
                 state, out = eng.step(params, state, sampling)
             else:

@@ -59,7 +59,9 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
     decode_state_shardings,
     init_fn,
     insert_fn,
+    kv_length_buckets,
     prefill_fn,
+    resize_along,
     resolve_kernel_layout,
     step_fn,
 )
@@ -102,6 +104,13 @@ class EngineConfig:
         trainer), ``"out_in"`` (transposed, PyTorch's layout: about 2x faster skinny matmuls on XLA:CPU, for a
         transpose at each weight sync) or ``"auto"`` (``"out_in"`` on CPU devices, ``"in_out"`` elsewhere;
         :mod:`models.linear`).
+      kv_cache_buckets: True (default): :class:`~stapo_jax.rollout.driver.RolloutDriver` keeps the decode state's
+        KV cache at the smallest of :func:`~stapo_jax.rollout.decode_fns.kv_length_buckets` that holds its
+        active slots (a decode step reads all S cache positions of every slot, filled or not), resizing it
+        between steps; False: always ``cache_length``. The two agree to float rounding (log-probs to about
+        1e-6 relative; a token can differ only where two candidates tie to that precision); False makes the rollout
+        bitwise independent of the slot count and the process layout (XLA:CPU's sums and ``exp`` round
+        differently for different cache lengths).
     """
 
     max_concurrent_decodes: int = 8
@@ -112,6 +121,7 @@ class EngineConfig:
     seed: int = 0
     cache_dtype: Optional[str] = None
     kernel_layout: str = "auto"
+    kv_cache_buckets: bool = True
 
     def __post_init__(self):
         for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
@@ -126,6 +136,8 @@ class EngineConfig:
         if self.kernel_layout not in ("auto",) + KERNEL_LAYOUTS:
             raise EngineConfigError(f"EngineConfig.kernel_layout must be one of {('auto',) + KERNEL_LAYOUTS}, got "
                                     f"{self.kernel_layout!r}")
+        if not isinstance(self.kv_cache_buckets, bool):
+            raise EngineConfigError(f"EngineConfig.kv_cache_buckets must be a bool, got {self.kv_cache_buckets!r}")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
 
@@ -294,6 +306,55 @@ class Qwen3Engine(engine_api.Engine):
         with jax.set_mesh(self._mesh):
             return prefill_fn(self._spec, params, padded, np.int32(len(ids)), np.bool_(True))
 
+    @property
+    def kv_length_buckets(self) -> tuple[int, ...]:
+        """The decode state's possible KV-cache lengths (:func:`~stapo_jax.rollout.decode_fns.kv_length_buckets`
+        of ``config.cache_length``; only the largest when ``config.kv_cache_buckets`` is False), ints ascending."""
+        buckets = kv_length_buckets(self.config.cache_length)
+        return buckets if self.config.kv_cache_buckets else buckets[-1:]
+
+    def kv_bucket(self, n: int) -> int:
+        """The smallest of :attr:`kv_length_buckets` >= ``n`` (int cache positions).
+
+        Raises ValueError when ``n`` exceeds the largest (a bug in the caller: slots never outgrow
+        ``config.cache_length``)."""
+        for b in self.kv_length_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} cache positions exceed the engine's cache ({self.kv_length_buckets[-1]})")
+
+    def resize_decode_state(self, decode_state: DecodeState, length: int) -> DecodeState:
+        """``decode_state`` with every layer's K/V (and the key mask) cut or zero-padded to ``length`` positions.
+
+        Slots whose filled positions all lie below ``length`` decode as before (to float rounding: see
+        ``EngineConfig.kv_cache_buckets``); the caller guarantees that. Layer by layer, each old buffer
+        deleted once copied, so at most one layer is held twice: ``decode_state`` is consumed (as a donated
+        argument). Shapes: ``[B, Nkv, S, H]`` -> ``[B, Nkv, length, H]``, ``key_mask`` ``[B, S]`` ->
+        ``[B, length]``; dtypes and shardings kept. Raises ValueError for a ``length`` not in
+        :attr:`kv_length_buckets`. Source: bucketed decode shapes as JetStream's prefill padding buckets.
+        """
+        if length not in self.kv_length_buckets:
+            raise ValueError(f"length {length} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
+        cache = decode_state.cache
+        if cache.max_length == length:
+            return decode_state
+        sh = self._spec.state_shardings.cache
+
+        def resized(x, sharding, axis):
+            y = self._resize(x, sharding, axis, length)
+            x.delete()
+            return y
+
+        k = tuple(resized(x, s, 2) for x, s in zip(cache.k, sh.k))
+        v = tuple(resized(x, s, 2) for x, s in zip(cache.v, sh.v))
+        mask = resized(cache.key_mask, sh.key_mask, 1)
+        return decode_state.replace(cache=cache.replace(k=k, v=v, key_mask=mask))
+
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def _resize(x, sharding, axis, length):
+        return jax.lax.with_sharding_constraint(resize_along(x, axis, length), sharding)
+
     def insert_sample(self, prefix: Prefix, decode_state: DecodeState, slot: int, sample_id: int,
                       max_new_tokens: int) -> DecodeState:
         """:meth:`insert` with an explicit random-stream id (>= 0) and new-token limit (the driver's insert)."""
@@ -435,11 +496,15 @@ class Qwen3Engine(engine_api.Engine):
         state, out = self.step(params, decode_state)
         return state, out.result
 
-    def init_decode_state(self, seed: Optional[int] = None, *args, **kwargs) -> DecodeState:
-        """All slots free; base key ``jax.random.key(seed)`` (default ``config.seed``)."""
+    def init_decode_state(self, seed: Optional[int] = None, *args, length: Optional[int] = None,
+                          **kwargs) -> DecodeState:
+        """All slots free; base key ``jax.random.key(seed)`` (default ``config.seed``); a KV cache of ``length``
+        positions (one of :attr:`kv_length_buckets`; default the largest). Raises ValueError for another length."""
+        if length is not None and length not in self.kv_length_buckets:
+            raise ValueError(f"length {length} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
         rng = jax.random.key(self.config.seed if seed is None else int(seed))
         with jax.set_mesh(self._mesh):
-            return init_fn(self._spec, rng)
+            return init_fn(self._spec, rng, int(length or self.kv_length_buckets[-1]))
 
     def get_prefix_destination_sharding(self) -> Any:
         """Replicated on the engine mesh (prefixes are batch-1)."""
