@@ -102,6 +102,8 @@ class EngineConfig:
         trainer), ``"out_in"`` (transposed, PyTorch's layout: about 2x faster skinny matmuls on XLA:CPU, for a
         transpose at each weight sync) or ``"auto"`` (``"out_in"`` on CPU devices, ``"in_out"`` elsewhere;
         :mod:`models.linear`).
+      prefill_batch_size: prompts per :meth:`Qwen3Engine.prefill_batch` call (the driver's batched prefill;
+        every call pads to exactly this many rows, so each prefill bucket compiles once); > 0.
     """
 
     max_concurrent_decodes: int = 8
@@ -112,9 +114,10 @@ class EngineConfig:
     seed: int = 0
     cache_dtype: Optional[str] = None
     kernel_layout: str = "auto"
+    prefill_batch_size: int = 8
 
     def __post_init__(self):
-        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length", "prefill_batch_size"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise EngineConfigError(f"EngineConfig.{f} must be a positive int, got {v!r}")
@@ -285,21 +288,52 @@ class Qwen3Engine(engine_api.Engine):
             b *= 2
         return min(b, self.config.max_prefill_length) if n <= self.config.max_prefill_length else n
 
-    def prefill_tokens(self, params, prompt: Sequence[int]) -> Prefix:
-        """Prefill one unpadded prompt (validated by the caller): pads to :meth:`prefill_bucket` and runs
-        the jitted prefill. ``prompt`` is a 1-D int sequence with 1 <= len <= ``max_prefill_length``."""
-        ids = np.asarray(prompt, np.int32)
-        padded = np.zeros((self.prefill_bucket(len(ids)),), np.int32)
-        padded[: len(ids)] = ids
+    def prefill_batch(self, params, prompts: Sequence[Sequence[int]]) -> Prefix:
+        """Prefill 1..``prefill_batch_size`` unpadded prompts (validated by the caller) in one call.
+
+        Args:
+          params: engine parameters.
+          prompts: 1-D int sequences, each 1..``max_prefill_length`` tokens, all with the same
+            :meth:`prefill_bucket`.
+        Returns:
+          :class:`Prefix` of exactly ``prefill_batch_size`` rows (cache [prefill_batch_size, Nkv, bucket, H]);
+          row ``r`` is ``prompts[r]``, the rows after ``len(prompts)`` are dummies (``valid`` False). Every call
+          has the same shape per bucket (one compiled program each), and a prompt's row does not depend on the
+          other rows or on its position (tests/test_batched_prefill.py).
+        Raises:
+          ValueError: no prompts, more than ``prefill_batch_size``, or prompts of different buckets.
+        Source: HF ``generate`` (all prompts prefilled in one forward), with JetStream's fixed padding buckets.
+        """
+        k = self.config.prefill_batch_size
+        lens = [len(p) for p in prompts]
+        if not 1 <= len(lens) <= k:
+            raise ValueError(f"prefill_batch takes 1..{k} prompts (EngineConfig.prefill_batch_size), got {len(lens)}")
+        buckets = {self.prefill_bucket(n) for n in lens}
+        if len(buckets) != 1:
+            raise ValueError(f"prefill_batch prompts must share one prefill bucket, got buckets {sorted(buckets)}")
+        padded = np.zeros((k, buckets.pop()), np.int32)
+        true_length = np.ones((k,), np.int32)  # dummy rows: one token 0, ok False
+        ok = np.zeros((k,), np.bool_)
+        for r, p in enumerate(prompts):
+            padded[r, : lens[r]] = np.asarray(p, np.int32)
+            true_length[r], ok[r] = lens[r], True
         with jax.set_mesh(self._mesh):
-            return prefill_fn(self._spec, params, padded, np.int32(len(ids)), np.bool_(True))
+            return prefill_fn(self._spec, params, padded, true_length, ok)
+
+    def prefill_tokens(self, params, prompt: Sequence[int]) -> Prefix:
+        """Prefill one unpadded prompt (validated by the caller): :meth:`prefill_batch` of ``[prompt]``; its
+        prefix is row 0. ``prompt`` is a 1-D int sequence with 1 <= len <= ``max_prefill_length``. Raises
+        nothing for such a prompt. Source: :meth:`prefill_batch`."""
+        return self.prefill_batch(params, [prompt])
 
     def insert_sample(self, prefix: Prefix, decode_state: DecodeState, slot: int, sample_id: int,
-                      max_new_tokens: int) -> DecodeState:
-        """:meth:`insert` with an explicit random-stream id (>= 0) and new-token limit (the driver's insert)."""
+                      max_new_tokens: int, row: int = 0) -> DecodeState:
+        """:meth:`insert` of row ``row`` of ``prefix`` with an explicit random-stream id (>= 0) and new-token
+        limit (the driver's insert). Ints; ``decode_state`` is donated; raises nothing (``slot`` in [0, B) and
+        ``row`` in [0, k) are the caller's duty). Source: JetStream ``Engine.insert``."""
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(sample_id),
-                                    np.int32(max_new_tokens))
+                             np.int32(max_new_tokens), np.int32(row))
 
     def step(self, params, decode_state: DecodeState,
              sampling: Optional[SamplingParams] = None) -> tuple[DecodeState, StepOutput]:
@@ -405,7 +439,7 @@ class Qwen3Engine(engine_api.Engine):
           padded_tokens: [P] int ids (JetStream-padded; a leading ``NO_BOS_ID`` marker is masked out).
           true_length: number of real entries (marker included), an int.
         Returns:
-          :class:`Prefix`; ``valid`` is False (never an exception, see the module docstring) when the
+          :class:`Prefix` of one row; ``valid`` [1] is False (never an exception, see the module docstring) when the
           prompt was truncated by JetStream (``true_length > P``), is padded beyond ``max_prefill_length``,
           is empty, or holds ids outside the vocabulary.
         Raises:
@@ -421,14 +455,15 @@ class Qwen3Engine(engine_api.Engine):
             log.error("rejecting a request of %d tokens (padded length %d, max_prefill_length %d)",
                       n, tokens.shape[0], self.config.max_prefill_length)
         with jax.set_mesh(self._mesh):
-            return prefill_fn(self._spec, params, tokens, np.int32(min(max(n, 0), tokens.shape[0])), np.bool_(ok))
+            return prefill_fn(self._spec, params, tokens[None], np.full((1,), min(max(n, 0), tokens.shape[0]),
+                                                                        np.int32), np.full((1,), ok))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Put ``prefix`` into ``slot`` (donates ``decode_state``), with limit ``max_decode_length`` and the
-        state's next random-stream id."""
+        """Put ``prefix`` (row 0, the one prompt of :meth:`prefill`) into ``slot`` (donates ``decode_state``),
+        with limit ``max_decode_length`` and the state's next random-stream id."""
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(-1),
-                                    np.int32(self.config.max_decode_length))
+                             np.int32(self.config.max_decode_length), np.int32(0))
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, engine_api.ResultTokens]:
         """One step for every slot (JetStream API); :meth:`step` also returns the log-probs."""
@@ -442,7 +477,7 @@ class Qwen3Engine(engine_api.Engine):
             return init_fn(self._spec, rng)
 
     def get_prefix_destination_sharding(self) -> Any:
-        """Replicated on the engine mesh (prefixes are batch-1)."""
+        """Replicated on the engine mesh (prefixes are small: one to ``prefill_batch_size`` prompts)."""
         return NamedSharding(self._mesh, P())
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
