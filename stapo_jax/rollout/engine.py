@@ -5,10 +5,12 @@ Layout (conventions.md §7). The decode state holds one KV-cache row per *slot* 
 rows, ``samples_per_slot`` = 1). A request's life:
 
 * ``prefill`` runs the prompt **minus its last token** through the model into a batch-1 cache and keeps the
-  last prompt token as the slot's ``next_token``. (JetStream 0.2.2's ``prefill`` returns no token, so the
-  first response token is sampled by the first ``generate`` step, which feeds that last prompt token. Every
-  ``generate`` step therefore returns a freshly sampled token with its log-prob, uniformly for all slots.)
-* ``insert`` copies the prefix into one slot. Group sampling = one ``prefill``, G ``insert`` calls.
+  last prompt token as the slot's ``next_token`` (:meth:`Qwen3Engine.prefill_batch`, the driver's path, does
+  the same for up to ``prefill_batch_size`` prompts of one padding bucket in one call, one cache row each).
+  (JetStream 0.2.2's ``prefill`` returns no token, so the first response token is sampled by the first
+  ``generate`` step, which feeds that last prompt token. Every ``generate`` step therefore returns a freshly
+  sampled token with its log-prob, uniformly for all slots.)
+* ``insert`` copies the prefix (one row of it) into one slot. Group sampling = one prefill, G ``insert`` calls.
 * ``generate`` feeds every slot's ``next_token``, samples the next one with ``sampling.sample_tokens`` and
   returns ``ResultTokens`` (tokens ``(0,1)``, valid ``(1,2)``, length ``(2,3)``, as the mock engine) plus, in
   :meth:`Qwen3Engine.step`, a :class:`StepOutput` pytree carrying the log-probs beside ``ResultTokens``
