@@ -3,8 +3,8 @@ CPU, KV cache) on the same weights, in one process; plus the weight-sync time of
 
 Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
 exactly B*128 tokens). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
-tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: one full-length call, which compiles
-every cache length; HF: 6-token runs). Ours includes prefill,
+tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: one
+full-length call, which compiles every KV-cache length; HF: 6-token runs). Ours includes prefill,
 per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
 log-probs. The greedy tokens of both sides are compared (fraction of identical rows is printed: random
 weights can have near-ties, so it need not be 1.0 on the big model). Ours is timed with the driver's

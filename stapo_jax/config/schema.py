@@ -162,6 +162,7 @@ class RolloutConfig:
     steps_per_sync: int = 8
     mode: Literal["inprocess", "grpc"] = "inprocess"
     kernel_layout: Literal["auto", "in_out", "out_in"] = "auto"  # EngineConfig.kernel_layout (decode weights)
+    prefill_batch_size: int = 8  # EngineConfig.prefill_batch_size (prompts per batched prefill)
     server_address: str = "127.0.0.1:9000"
     request_timeout_s: float = 600.0
     max_retries: int = 3
@@ -520,9 +521,8 @@ def validate(cfg: Config) -> None:
     need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
     need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     need(r.top_k is None or r.top_k >= 1, f"rollout.top_k={r.top_k} must be null (off) or >= 1")
-    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    need(r.max_concurrent_decodes >= 1, f"rollout.max_concurrent_decodes={r.max_concurrent_decodes} must be >= 1")
-    need(r.steps_per_sync >= 1, f"rollout.steps_per_sync={r.steps_per_sync} must be >= 1")
+    for k in ("max_new_tokens", "max_concurrent_decodes", "steps_per_sync", "prefill_batch_size"):
+        need(getattr(r, k) >= 1, f"rollout.{k}={getattr(r, k)} must be >= 1")
     need(r.request_timeout_s > 0, f"rollout.request_timeout_s={r.request_timeout_s} must be > 0")
     need(r.max_retries >= 0, f"rollout.max_retries={r.max_retries} must be >= 0")
     if m.max_position_embeddings is not None:

@@ -23,9 +23,9 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
 
     Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens`` unless given
     (eval passes its ``--max-new-tokens``); ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
-    ``rollout.temperature/top_p/top_k`` (top_k null = off); ``rollout.kernel_layout``; stop ids from the tokenizer
-    (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
-    ``trainer.seed`` unless given.
+    ``rollout.temperature/top_p/top_k`` (top_k null = off); ``rollout.kernel_layout``;
+    ``rollout.prefill_batch_size``; stop ids from the tokenizer (``stapo_jax.data.tokenizer.stop_token_ids``) or,
+    without one, the model config's plus Qwen3's; seed ``trainer.seed`` unless given.
 
     No arrays: reads int / float / bool config fields; returns an ``EngineConfig`` whose ``eos_token_ids`` is a
     tuple of int ids. Raises ``EngineConfigError`` (a ValueError naming the field) for a non-positive slot count
@@ -49,6 +49,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
         eos_token_ids=eos,
         seed=cfg.trainer.seed if seed is None else seed,
         kernel_layout=r.kernel_layout,
+        prefill_batch_size=r.prefill_batch_size,
     )
 
 

@@ -40,13 +40,16 @@ __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fi
 
 @flax.struct.dataclass
 class Prefix:
-    """Result of :meth:`Qwen3Engine.prefill` for one prompt.
+    """Result of a prefill of ``k`` prompts (``k`` = 1 for :meth:`Qwen3Engine.prefill`, ``prefill_batch_size``
+    for :meth:`Qwen3Engine.prefill_batch`); row ``r`` is one prompt, inserted into a slot with ``insert_fn(...,
+    row=r)``.
 
     Fields:
-      cache: batch-1 :class:`KVCache` of length ``P`` (the padded prompt length) holding the prompt's first
-        ``true_length - 1`` tokens (``cache.length`` = that count).
-      next_token: [] int32, the last prompt token (fed by the first generate step).
-      valid: [] bool, False for a rejected request (its slot finishes at once with no tokens).
+      cache: :class:`KVCache` of ``k`` rows and length ``P`` (the padded prompt length), L arrays
+        [k, Nkv, P, H]; row ``r`` holds its prompt's first ``true_length - 1`` tokens (``cache.length`` [k]
+        int32 = that count; ``cache.next_position`` [k] int32, the RoPE position of the next token).
+      next_token: [k] int32, each prompt's last token (fed by the first generate step).
+      valid: [k] bool, False for a rejected request or a dummy row (its slot finishes at once with no tokens).
     """
 
     cache: KVCache
@@ -256,51 +259,59 @@ def as_decode_params(params, kernel_layout: str = "in_out"):
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill_jit(spec: DecodeSpec, params, tokens, true_length, ok) -> Prefix:
-    """tokens [P] int32 (right-padded; negative = marker), true_length [] int32, ok [] bool -> Prefix.
+    """tokens [k, P] int32 (right-padded; negative = marker), true_length [k] int32, ok [k] bool -> a
+    :class:`Prefix` of ``k`` rows (cache [k, Nkv, P, H] in ``spec.config.cache_dtype``; ``length`` /
+    ``next_position`` / ``next_token`` [k] int32, ``valid`` [k] bool).
 
-    Never raises on bad requests (invalid ones give ``valid = False``; a JetStream orchestrator thread must not
-    raise). Cache ``[1, Nkv, P, H]`` in ``spec.config.cache_dtype``. Source: JetStream ``Engine.prefill``
-    (prefix = KV cache + first token).
+    Rows are independent: row ``r`` depends only on row ``r`` of the inputs (and, numerically, on the shape
+    [k, P]: XLA computes every row of a fixed-shape batch alike, whatever its neighbours or position; checked
+    by tests/test_batched_prefill.py). Never raises on bad requests (invalid ones give ``valid = False``; a
+    JetStream orchestrator thread must not raise). Source: JetStream ``Engine.prefill`` (prefix = KV cache +
+    first token), batched as HF ``generate`` prefills all prompts in one forward.
     """
     mc = spec.model_config
-    p = tokens.shape[0]
-    n_cache = jnp.clip(true_length - 1, 0, p)
-    idx = jnp.arange(p)
-    real = (idx < true_length) & (tokens >= 0)
-    mask = real & (idx < n_cache)
+    k, p = tokens.shape
+    n_cache = jnp.clip(true_length - 1, 0, p)  # [k]
+    idx = jnp.arange(p)[None, :]
+    real = (idx < true_length[:, None]) & (tokens >= 0)
+    mask = real & (idx < n_cache[:, None])
     ids = jnp.clip(tokens, 0, mc.vocab_size - 1)
-    cache = init_cache(mc, 1, p, dtype=spec.config.cache_dtype)
-    _, cache = model_decode.prefill(spec.graphdef, params, ids[None], mask[None], cache)
-    cache = cache.replace(length=jnp.reshape(n_cache, (1,)).astype(jnp.int32))
-    last = tokens[jnp.clip(true_length - 1, 0, p - 1)]
-    in_vocab = jnp.all(jnp.where(real, tokens < mc.vocab_size, True))
-    valid = ok & (true_length >= 1) & (true_length <= p) & (last >= 0) & in_vocab & jnp.any(real)
+    cache = init_cache(mc, k, p, dtype=spec.config.cache_dtype)
+    _, cache = model_decode.prefill(spec.graphdef, params, ids, mask, cache)
+    cache = cache.replace(length=n_cache.astype(jnp.int32))
+    last = jnp.take_along_axis(tokens, jnp.clip(true_length - 1, 0, p - 1)[:, None], axis=1)[:, 0]
+    in_vocab = jnp.all(jnp.where(real, tokens < mc.vocab_size, True), axis=1)
+    valid = ok & (true_length >= 1) & (true_length <= p) & (last >= 0) & in_vocab & jnp.any(real, axis=1)
     return Prefix(cache=cache, next_token=last.astype(jnp.int32), valid=valid)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample_id, limit) -> DecodeState:
-    """Copy ``prefix`` into row ``slot``. sample_id < 0: take ``state.next_sample_id`` and advance it.
+def insert_fn(spec: DecodeSpec, prefix: Prefix, state: DecodeState, slot, sample_id, limit, row) -> DecodeState:
+    """Copy row ``row`` of ``prefix`` into slot ``slot``. sample_id < 0: take ``state.next_sample_id`` and
+    advance it.
 
-    Shapes / dtypes: ``slot``, ``sample_id``, ``limit`` int32 scalars; the prefix cache ``[1, Nkv, P, H]`` is
-    written into row ``slot`` of ``[B, Nkv, S, H]`` (cast to the cache dtype). Never raises (traced; ``slot`` is
-    not bounds-checked: the engine passes one in ``[0, B)``). Source: JetStream ``Engine.insert``.
+    Shapes / dtypes: ``slot``, ``sample_id``, ``limit``, ``row`` int32 scalars (traced: one compiled program per
+    prefix shape); row ``row`` of the prefix cache ``[k, Nkv, P, H]`` is written into row ``slot`` of
+    ``[B, Nkv, S, H]`` (cast to the cache dtype). Never raises (traced; ``slot`` and ``row`` are not
+    bounds-checked: the engine passes ones in ``[0, B)`` and ``[0, k)``). Source: JetStream ``Engine.insert``.
     """
     c, pc = state.cache, prefix.cache
     use_counter = sample_id < 0
     sample_id = jnp.where(use_counter, state.next_sample_id, sample_id)
-    row_mask = jnp.zeros((1, c.max_length), bool).at[:, : pc.max_length].set(pc.key_mask)
-    put = lambda dst, src: jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (slot, 0, 0, 0))  # noqa: E731
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0)  # noqa: E731  (row ``row``, kept 1-long)
+    row_mask = jnp.zeros((1, c.max_length), bool).at[:, : pc.max_length].set(take(pc.key_mask))
+    put = lambda dst, src: jax.lax.dynamic_update_slice(  # noqa: E731
+        dst, take(src).astype(dst.dtype), (slot, 0, 0, 0))
     cache = KVCache(
         k=tuple(map(put, c.k, pc.k)), v=tuple(map(put, c.v, pc.v)),
         key_mask=jax.lax.dynamic_update_slice(c.key_mask, row_mask, (slot, 0)),
-        length=c.length.at[slot].set(pc.length[0]),
-        next_position=c.next_position.at[slot].set(pc.next_position[0]),
+        length=c.length.at[slot].set(pc.length[row]),
+        next_position=c.next_position.at[slot].set(pc.next_position[row]),
     )
     state = state.replace(
         cache=cache,
-        next_token=state.next_token.at[slot].set(prefix.next_token),
-        done=state.done.at[slot].set(~prefix.valid),
+        next_token=state.next_token.at[slot].set(prefix.next_token[row]),
+        done=state.done.at[slot].set(~prefix.valid[row]),
         generated=state.generated.at[slot].set(0),
         limit=state.limit.at[slot].set(limit),
         sample_id=state.sample_id.at[slot].set(sample_id),

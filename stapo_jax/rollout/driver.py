@@ -2,7 +2,10 @@
 
 ``RolloutDriver.generate`` samples ``num_samples`` (G, the group size) responses for each prompt:
 
-* each prompt is prefilled once and its prefix inserted into G slots (group sampling);
+* each prompt is prefilled once and its prefix inserted into G slots (group sampling); prompts are prefilled
+  in batches (``EngineConfig.prefill_batch_size``): the prompt a free slot needs next together with the
+  following not-yet-prefilled prompts of its prefill bucket. A prompt's prefix does not depend on its batch
+  neighbours or row (fixed-shape batches; tests/test_batched_prefill.py), so neither do the results;
 * all slots decode together with one jitted step per token; after every step the host reads the step's
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
   refilled with the next pending sample **before the next step** (continuous batching; with
@@ -23,6 +26,7 @@ Row order of the returned :class:`RolloutBatch` is prompt-major (row ``i * G + g
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from typing import Optional, Sequence
@@ -261,7 +265,7 @@ class RolloutDriver:
         lps = np.zeros((n_rows, max_new_tokens), np.float32)
         lengths = np.zeros((n_rows,), np.int64)
         pending = deque(range(n_rows))
-        prefixes: dict[int, object] = {}
+        prefixes: dict[int, tuple] = {}  # prompt -> (batched Prefix, its row), until its G samples are inserted
         slot_row = np.full((n_slots,), -1, np.int64)
         free = deque(range(n_slots))
         params = eng.load_params()
@@ -275,13 +279,19 @@ class RolloutDriver:
             while free and pending:  # refill every free slot before the next step
                 row = pending.popleft()
                 i, g = divmod(row, g_size)
-                if i not in prefixes:
-                    prefixes[i] = eng.prefill_tokens(params, prompts[i])
+                if i not in prefixes:  # prefill i with the next not-yet-prefilled prompts of its bucket
+                    bucket = eng.prefill_bucket(len(prompts[i]))
+                    group = [i, *itertools.islice((j for j in range(i + 1, len(prompts)) if j not in prefixes
+                                                   and eng.prefill_bucket(len(prompts[j])) == bucket),
+                                                  eng.config.prefill_batch_size - 1)]
+                    batch_prefix = eng.prefill_batch(params, [prompts[j] for j in group])
+                    prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
                 slot = free.popleft()
+                prefix, prefix_row = prefixes[i]
                 need = max(eng.prefill_bucket(len(prompts[i])), len(prompts[i]) - 1 + k)  # the prefix must fit
                 if need > state.cache.max_length:
                     state = eng.resize_decode_state(state, eng.kv_bucket(need))
-                state = eng.insert_sample(prefixes[i], state, slot, row_offset + row, max_new_tokens)
+                state = eng.insert_sample(prefix, state, slot, row_offset + row, max_new_tokens, prefix_row)
                 if g == g_size - 1:
                     del prefixes[i]
                 slot_row[slot] = row

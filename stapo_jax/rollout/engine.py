@@ -5,10 +5,12 @@ Layout (conventions.md §7). The decode state holds one KV-cache row per *slot* 
 rows, ``samples_per_slot`` = 1). A request's life:
 
 * ``prefill`` runs the prompt **minus its last token** through the model into a batch-1 cache and keeps the
-  last prompt token as the slot's ``next_token``. (JetStream 0.2.2's ``prefill`` returns no token, so the
-  first response token is sampled by the first ``generate`` step, which feeds that last prompt token. Every
-  ``generate`` step therefore returns a freshly sampled token with its log-prob, uniformly for all slots.)
-* ``insert`` copies the prefix into one slot. Group sampling = one ``prefill``, G ``insert`` calls.
+  last prompt token as the slot's ``next_token`` (:meth:`Qwen3Engine.prefill_batch`, the driver's path, does
+  the same for up to ``prefill_batch_size`` prompts of one padding bucket in one call, one cache row each).
+  (JetStream 0.2.2's ``prefill`` returns no token, so the first response token is sampled by the first
+  ``generate`` step, which feeds that last prompt token. Every ``generate`` step therefore returns a freshly
+  sampled token with its log-prob, uniformly for all slots.)
+* ``insert`` copies the prefix (one row of it) into one slot. Group sampling = one prefill, G ``insert`` calls.
 * ``generate`` feeds every slot's ``next_token``, samples the next one with ``sampling.sample_tokens`` and
   returns ``ResultTokens`` (tokens ``(0,1)``, valid ``(1,2)``, length ``(2,3)``, as the mock engine) plus, in
   :meth:`Qwen3Engine.step`, a :class:`StepOutput` pytree carrying the log-probs beside ``ResultTokens``
@@ -108,9 +110,10 @@ class EngineConfig:
         KV cache at the smallest of :func:`~stapo_jax.rollout.decode_fns.kv_length_buckets` that holds its
         active slots (a decode step reads all S cache positions of every slot, filled or not), resizing it
         between steps; False: always ``cache_length``. The two agree to float rounding (log-probs to about
-        1e-6 relative; a token can differ only where two candidates tie to that precision); False makes the rollout
-        bitwise independent of the slot count and the process layout (XLA:CPU's sums and ``exp`` round
-        differently for different cache lengths).
+        1e-6 relative; a token can differ only where two candidates tie to that precision): XLA:CPU's sums and
+        ``exp`` round differently for different cache lengths, as for different slot counts.
+      prefill_batch_size: prompts per :meth:`Qwen3Engine.prefill_batch` call (the driver's batched prefill;
+        every call pads to exactly this many rows, so each prefill bucket compiles once); > 0.
     """
 
     max_concurrent_decodes: int = 8
@@ -122,9 +125,10 @@ class EngineConfig:
     cache_dtype: Optional[str] = None
     kernel_layout: str = "auto"
     kv_cache_buckets: bool = True
+    prefill_batch_size: int = 8
 
     def __post_init__(self):
-        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length", "prefill_batch_size"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise EngineConfigError(f"EngineConfig.{f} must be a positive int, got {v!r}")
@@ -297,14 +301,43 @@ class Qwen3Engine(engine_api.Engine):
             b *= 2
         return min(b, self.config.max_prefill_length) if n <= self.config.max_prefill_length else n
 
-    def prefill_tokens(self, params, prompt: Sequence[int]) -> Prefix:
-        """Prefill one unpadded prompt (validated by the caller): pads to :meth:`prefill_bucket` and runs
-        the jitted prefill. ``prompt`` is a 1-D int sequence with 1 <= len <= ``max_prefill_length``."""
-        ids = np.asarray(prompt, np.int32)
-        padded = np.zeros((self.prefill_bucket(len(ids)),), np.int32)
-        padded[: len(ids)] = ids
+    def prefill_batch(self, params, prompts: Sequence[Sequence[int]]) -> Prefix:
+        """Prefill 1..``prefill_batch_size`` unpadded prompts (validated by the caller) in one call.
+
+        Args:
+          params: engine parameters.
+          prompts: 1-D int sequences, each 1..``max_prefill_length`` tokens, all with the same
+            :meth:`prefill_bucket`.
+        Returns:
+          :class:`Prefix` of exactly ``prefill_batch_size`` rows (cache [prefill_batch_size, Nkv, bucket, H]);
+          row ``r`` is ``prompts[r]``, the rows after ``len(prompts)`` are dummies (``valid`` False). Every call
+          has the same shape per bucket (one compiled program each), and a prompt's row does not depend on the
+          other rows or on its position (tests/test_batched_prefill.py).
+        Raises:
+          ValueError: no prompts, more than ``prefill_batch_size``, or prompts of different buckets.
+        Source: HF ``generate`` (all prompts prefilled in one forward), with JetStream's fixed padding buckets.
+        """
+        k = self.config.prefill_batch_size
+        lens = [len(p) for p in prompts]
+        if not 1 <= len(lens) <= k:
+            raise ValueError(f"prefill_batch takes 1..{k} prompts (EngineConfig.prefill_batch_size), got {len(lens)}")
+        buckets = {self.prefill_bucket(n) for n in lens}
+        if len(buckets) != 1:
+            raise ValueError(f"prefill_batch prompts must share one prefill bucket, got buckets {sorted(buckets)}")
+        padded = np.zeros((k, buckets.pop()), np.int32)
+        true_length = np.ones((k,), np.int32)  # dummy rows: one token 0, ok False
+        ok = np.zeros((k,), np.bool_)
+        for r, p in enumerate(prompts):
+            padded[r, : lens[r]] = np.asarray(p, np.int32)
+            true_length[r], ok[r] = lens[r], True
         with jax.set_mesh(self._mesh):
-            return prefill_fn(self._spec, params, padded, np.int32(len(ids)), np.bool_(True))
+            return prefill_fn(self._spec, params, padded, true_length, ok)
+
+    def prefill_tokens(self, params, prompt: Sequence[int]) -> Prefix:
+        """Prefill one unpadded prompt (validated by the caller): :meth:`prefill_batch` of ``[prompt]``; its
+        prefix is row 0. ``prompt`` is a 1-D int sequence with 1 <= len <= ``max_prefill_length``. Raises
+        nothing for such a prompt. Source: :meth:`prefill_batch`."""
+        return self.prefill_batch(params, [prompt])
 
     @property
     def kv_length_buckets(self) -> tuple[int, ...]:
@@ -356,11 +389,13 @@ class Qwen3Engine(engine_api.Engine):
         return jax.lax.with_sharding_constraint(resize_along(x, axis, length), sharding)
 
     def insert_sample(self, prefix: Prefix, decode_state: DecodeState, slot: int, sample_id: int,
-                      max_new_tokens: int) -> DecodeState:
-        """:meth:`insert` with an explicit random-stream id (>= 0) and new-token limit (the driver's insert)."""
+                      max_new_tokens: int, row: int = 0) -> DecodeState:
+        """:meth:`insert` of row ``row`` of ``prefix`` with an explicit random-stream id (>= 0) and new-token
+        limit (the driver's insert). Ints; ``decode_state`` is donated; raises nothing (``slot`` in [0, B) and
+        ``row`` in [0, k) are the caller's duty). Source: JetStream ``Engine.insert``."""
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(sample_id),
-                                    np.int32(max_new_tokens))
+                             np.int32(max_new_tokens), np.int32(row))
 
     def step(self, params, decode_state: DecodeState,
              sampling: Optional[SamplingParams] = None) -> tuple[DecodeState, StepOutput]:
@@ -466,7 +501,7 @@ class Qwen3Engine(engine_api.Engine):
           padded_tokens: [P] int ids (JetStream-padded; a leading ``NO_BOS_ID`` marker is masked out).
           true_length: number of real entries (marker included), an int.
         Returns:
-          :class:`Prefix`; ``valid`` is False (never an exception, see the module docstring) when the
+          :class:`Prefix` of one row; ``valid`` [1] is False (never an exception, see the module docstring) when the
           prompt was truncated by JetStream (``true_length > P``), is padded beyond ``max_prefill_length``,
           is empty, or holds ids outside the vocabulary.
         Raises:
@@ -482,14 +517,15 @@ class Qwen3Engine(engine_api.Engine):
             log.error("rejecting a request of %d tokens (padded length %d, max_prefill_length %d)",
                       n, tokens.shape[0], self.config.max_prefill_length)
         with jax.set_mesh(self._mesh):
-            return prefill_fn(self._spec, params, tokens, np.int32(min(max(n, 0), tokens.shape[0])), np.bool_(ok))
+            return prefill_fn(self._spec, params, tokens[None], np.full((1,), min(max(n, 0), tokens.shape[0]),
+                                                                        np.int32), np.full((1,), ok))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Put ``prefix`` into ``slot`` (donates ``decode_state``), with limit ``max_decode_length`` and the
-        state's next random-stream id."""
+        """Put ``prefix`` (row 0, the one prompt of :meth:`prefill`) into ``slot`` (donates ``decode_state``),
+        with limit ``max_decode_length`` and the state's next random-stream id."""
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(-1),
-                                    np.int32(self.config.max_decode_length))
+                             np.int32(self.config.max_decode_length), np.int32(0))
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, engine_api.ResultTokens]:
         """One step for every slot (JetStream API); :meth:`step` also returns the log-probs."""
@@ -507,7 +543,7 @@ class Qwen3Engine(engine_api.Engine):
             return init_fn(self._spec, rng, int(length or self.kv_length_buckets[-1]))
 
     def get_prefix_destination_sharding(self) -> Any:
-        """Replicated on the engine mesh (prefixes are batch-1)."""
+        """Replicated on the engine mesh (prefixes are small: one to ``prefill_batch_size`` prompts)."""
         return NamedSharding(self._mesh, P())
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
