@@ -28,9 +28,9 @@ LENGTHS = [3, 20, 5, 17, 9, 30, 1, 12, 25, 7, 32, 16]
 PROMPTS = [[(11 * i + 5 * j + 1) % 128 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-def engine(slots=4, k=K, sampling=SAMPLING, eos=EOS, model=MODEL):
+def engine(slots=4, k=K, sampling=SAMPLING, eos=EOS, model=MODEL, kv_cache_buckets=True):
     eng = make_engine(model, slots=slots, sampling=sampling, eos_token_ids=eos)
-    return Qwen3Engine(model, dataclasses.replace(eng.config, prefill_batch_size=k))
+    return Qwen3Engine(model, dataclasses.replace(eng.config, prefill_batch_size=k, kv_cache_buckets=kv_cache_buckets))
 
 
 def row(prefix, r):
@@ -139,15 +139,25 @@ def test_driver_results_do_not_depend_on_grouping_split_or_slots():
     assert any(rows_of(whole, 2 * i) != rows_of(whole, 2 * i + 1) for i in range(len(PROMPTS)))
     assert len(set(whole.response_lengths.tolist())) > 1
     # Two process shares (row_offset, as multihost: same engine config per process) -> other prefill groups
-    # ([0, 2, 4], [1, 3] in the first share), the same bits.
+    # ([0, 2, 4], [1, 3] in the first share), the same bits with a full-length KV cache
+    # (kv_cache_buckets=False); with the default buckets the cache length follows the share's own slots, so
+    # the log-probs agree to float rounding (tests/test_kv_buckets.py).
     cut = 5
-    first = RolloutDriver(engine(slots=4)).generate(PROMPTS[:cut], num_samples=G, max_new_tokens=10, seed=7)
-    second = RolloutDriver(engine(slots=4)).generate(PROMPTS[cut:], num_samples=G, max_new_tokens=10, seed=7,
-                                                      row_offset=cut * G)
-    for part, rows in ((first, slice(0, cut * G)), (second, slice(cut * G, None))):
-        np.testing.assert_array_equal(part.responses, whole.responses[rows])
-        np.testing.assert_array_equal(part.response_lengths, whole.response_lengths[rows])
-        np.testing.assert_array_equal(part.rollout_log_probs, whole.rollout_log_probs[rows])  # bitwise
+    for buckets in (False, True):
+        ref = whole if buckets else RolloutDriver(engine(slots=4, kv_cache_buckets=False)).generate(
+            PROMPTS, num_samples=G, max_new_tokens=10, seed=7)
+        np.testing.assert_array_equal(ref.responses, whole.responses)
+        first = RolloutDriver(engine(slots=4, kv_cache_buckets=buckets)).generate(
+            PROMPTS[:cut], num_samples=G, max_new_tokens=10, seed=7)
+        second = RolloutDriver(engine(slots=4, kv_cache_buckets=buckets)).generate(
+            PROMPTS[cut:], num_samples=G, max_new_tokens=10, seed=7, row_offset=cut * G)
+        for part, rows in ((first, slice(0, cut * G)), (second, slice(cut * G, None))):
+            np.testing.assert_array_equal(part.responses, ref.responses[rows])
+            np.testing.assert_array_equal(part.response_lengths, ref.response_lengths[rows])
+            if buckets:
+                np.testing.assert_allclose(part.rollout_log_probs, ref.rollout_log_probs[rows], rtol=0, atol=1e-5)
+            else:
+                np.testing.assert_array_equal(part.rollout_log_probs, ref.rollout_log_probs[rows])  # bitwise
     # Other slot counts: the same tokens; the log-probs only to float32 rounding, since the decode step's
     # [B, ...] shape changes (as before batched prefill: tests/test_driver.py compares them to 1e-5 too).
     for slots in (1, 7):
@@ -184,3 +194,22 @@ def test_rollout_prefill_batch_size_config_key():
     assert engine_config(load_config(base, ["rollout.prefill_batch_size=3"])).prefill_batch_size == 3
     with pytest.raises(ConfigError, match="rollout.prefill_batch_size"):
         load_config(base, ["rollout.prefill_batch_size=0"])
+
+
+def test_prefill_rows_shrink_for_long_prompts():
+    """``prefill_batch_tokens`` bounds a call's rows by its bucket: 16-token prompts 2 per call, 32-token ones 1."""
+    eng = Qwen3Engine(MODEL, dataclasses.replace(engine(k=3).config, prefill_batch_tokens=40))
+    assert [eng.prefill_rows(b) for b in (16, 32, 64)] == [2, 1, 1]
+    params = eng.load_params()
+    pre = eng.prefill_batch(params, [PROMPTS[0], PROMPTS[2]])
+    assert pre.cache.k[0].shape[0] == 2 and np.asarray(pre.valid).tolist() == [True, True]
+    assert eng.prefill_batch(params, [PROMPTS[1]]).cache.k[0].shape[:3:2] == (1, 32)
+    with pytest.raises(ValueError, match="1..1 prompts of bucket 32"):
+        eng.prefill_batch(params, [PROMPTS[1], PROMPTS[3]])
+    with pytest.raises(EngineConfigError, match="prefill_batch_tokens"):
+        EngineConfig(prefill_batch_tokens=0)
+    # the driver forms groups of at most prefill_rows(bucket) prompts, with the same results as K=3 groups
+    got = RolloutDriver(eng).generate(PROMPTS, num_samples=G, max_new_tokens=6, seed=7)
+    ref = RolloutDriver(engine(k=1)).generate(PROMPTS, num_samples=G, max_new_tokens=6, seed=7)
+    np.testing.assert_array_equal(got.responses, ref.responses)
+    np.testing.assert_allclose(got.rollout_log_probs, ref.rollout_log_probs, rtol=0, atol=1e-5)

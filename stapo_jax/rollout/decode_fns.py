@@ -40,7 +40,7 @@ __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fi
 
 @flax.struct.dataclass
 class Prefix:
-    """Result of a prefill of ``k`` prompts (``k`` = 1 for :meth:`Qwen3Engine.prefill`, ``prefill_batch_size``
+    """Result of a prefill of ``k`` prompts (``k`` = 1 for :meth:`Qwen3Engine.prefill`, ``prefill_rows(P)``
     for :meth:`Qwen3Engine.prefill_batch`); row ``r`` is one prompt, inserted into a slot with ``insert_fn(...,
     row=r)``.
 
@@ -340,7 +340,8 @@ def kv_length_buckets(capacity: int, smallest: int = 32) -> tuple[int, ...]:
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def init_fn(spec: DecodeSpec, rng, length: int = 0) -> DecodeState:
     """A fresh :class:`DecodeState` of ``B = max_concurrent_decodes`` free slots: an empty cache
-    ``[B, Nkv, length, H]`` (cache dtype; ``length`` 0 = the engine's ``cache_length``), every slot ``done``, ``limit`` = ``max_decode_length``, int32 counters at 0;
+    ``[B, Nkv, length, H]`` (cache dtype; ``length`` 0 = the engine's ``cache_length``), every slot ``done``,
+    ``limit`` = ``max_decode_length``, int32 counters at 0;
     ``rng`` is the sampling key (a ``jax.random`` key array). Sharded as ``spec.state_shardings``.
 
     Never raises. Source: JetStream ``Engine.init_decode_state``.

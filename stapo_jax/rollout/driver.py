@@ -3,8 +3,8 @@
 ``RolloutDriver.generate`` samples ``num_samples`` (G, the group size) responses for each prompt:
 
 * each prompt is prefilled once and its prefix inserted into G slots (group sampling); prompts are prefilled
-  in batches (``EngineConfig.prefill_batch_size``): the prompt a free slot needs next together with the
-  following not-yet-prefilled prompts of its prefill bucket. A prompt's prefix does not depend on its batch
+  in batches (``Qwen3Engine.prefill_rows``: ``EngineConfig.prefill_batch_size``, fewer for long prompts): the
+  prompt a free slot needs next together with the following not-yet-prefilled prompts of its prefill bucket. A prompt's prefix does not depend on its batch
   neighbours or row (fixed-shape batches; tests/test_batched_prefill.py), so neither do the results;
 * all slots decode together with one jitted step per token; after every step the host reads the step's
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
@@ -283,7 +283,7 @@ class RolloutDriver:
                     bucket = eng.prefill_bucket(len(prompts[i]))
                     group = [i, *itertools.islice((j for j in range(i + 1, len(prompts)) if j not in prefixes
                                                    and eng.prefill_bucket(len(prompts[j])) == bucket),
-                                                  eng.config.prefill_batch_size - 1)]
+                                                  eng.prefill_rows(bucket) - 1)]
                     batch_prefix = eng.prefill_batch(params, [prompts[j] for j in group])
                     prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
                 slot = free.popleft()

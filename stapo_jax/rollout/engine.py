@@ -113,7 +113,9 @@ class EngineConfig:
         1e-6 relative; a token can differ only where two candidates tie to that precision): XLA:CPU's sums and
         ``exp`` round differently for different cache lengths, as for different slot counts.
       prefill_batch_size: prompts per :meth:`Qwen3Engine.prefill_batch` call (the driver's batched prefill;
-        every call pads to exactly this many rows, so each prefill bucket compiles once); > 0.
+        every call of a prefill bucket pads to the same number of rows, so each bucket compiles once); > 0.
+      prefill_batch_tokens: fewer rows for long prompts: at most ``max(1, prefill_batch_tokens // bucket)``
+        (:meth:`Qwen3Engine.prefill_rows`), which bounds a prefill call's memory; > 0.
     """
 
     max_concurrent_decodes: int = 8
@@ -126,9 +128,11 @@ class EngineConfig:
     kernel_layout: str = "auto"
     kv_cache_buckets: bool = True
     prefill_batch_size: int = 8
+    prefill_batch_tokens: int = 4096
 
     def __post_init__(self):
-        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length", "prefill_batch_size"):
+        for f in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length", "prefill_batch_size",
+                  "prefill_batch_tokens"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise EngineConfigError(f"EngineConfig.{f} must be a positive int, got {v!r}")
@@ -301,30 +305,40 @@ class Qwen3Engine(engine_api.Engine):
             b *= 2
         return min(b, self.config.max_prefill_length) if n <= self.config.max_prefill_length else n
 
+    def prefill_rows(self, bucket: int) -> int:
+        """Rows of a :meth:`prefill_batch` call for prompts of prefill bucket ``bucket`` (int tokens):
+        ``prefill_batch_size``, fewer where ``rows * bucket`` would pass ``prefill_batch_tokens`` (at least 1), so
+        the batch's activations and prefix caches stay those of about ``prefill_batch_tokens`` prompt tokens.
+        A function of the bucket alone, so a prompt's row never depends on its neighbours. Never raises."""
+        return max(1, min(self.config.prefill_batch_size, self.config.prefill_batch_tokens // bucket))
+
     def prefill_batch(self, params, prompts: Sequence[Sequence[int]]) -> Prefix:
-        """Prefill 1..``prefill_batch_size`` unpadded prompts (validated by the caller) in one call.
+        """Prefill 1..``prefill_rows(bucket)`` unpadded prompts of one prefill bucket (validated by the caller)
+        in one call.
 
         Args:
           params: engine parameters.
           prompts: 1-D int sequences, each 1..``max_prefill_length`` tokens, all with the same
             :meth:`prefill_bucket`.
         Returns:
-          :class:`Prefix` of exactly ``prefill_batch_size`` rows (cache [prefill_batch_size, Nkv, bucket, H]);
-          row ``r`` is ``prompts[r]``, the rows after ``len(prompts)`` are dummies (``valid`` False). Every call
-          has the same shape per bucket (one compiled program each), and a prompt's row does not depend on the
-          other rows or on its position (tests/test_batched_prefill.py).
+          :class:`Prefix` of exactly ``k = prefill_rows(bucket)`` rows (cache [k, Nkv, bucket, H]); row ``r`` is
+          ``prompts[r]``, the rows after ``len(prompts)`` are dummies (``valid`` False). Every call has the same
+          shape per bucket (one compiled program each), and a prompt's row does not depend on the other rows or
+          on its position (tests/test_batched_prefill.py).
         Raises:
-          ValueError: no prompts, more than ``prefill_batch_size``, or prompts of different buckets.
+          ValueError: no prompts, more than ``prefill_rows(bucket)``, or prompts of different buckets.
         Source: HF ``generate`` (all prompts prefilled in one forward), with JetStream's fixed padding buckets.
         """
-        k = self.config.prefill_batch_size
         lens = [len(p) for p in prompts]
-        if not 1 <= len(lens) <= k:
-            raise ValueError(f"prefill_batch takes 1..{k} prompts (EngineConfig.prefill_batch_size), got {len(lens)}")
         buckets = {self.prefill_bucket(n) for n in lens}
-        if len(buckets) != 1:
+        if len(buckets) > 1:
             raise ValueError(f"prefill_batch prompts must share one prefill bucket, got buckets {sorted(buckets)}")
-        padded = np.zeros((k, buckets.pop()), np.int32)
+        bucket = buckets.pop() if buckets else 16
+        k = self.prefill_rows(bucket)
+        if not 1 <= len(lens) <= k:
+            raise ValueError(f"prefill_batch takes 1..{k} prompts of bucket {bucket} (EngineConfig."
+                             f"prefill_batch_size, prefill_batch_tokens), got {len(lens)}")
+        padded = np.zeros((k, bucket), np.int32)
         true_length = np.ones((k,), np.int32)  # dummy rows: one token 0, ok False
         ok = np.zeros((k,), np.bool_)
         for r, p in enumerate(prompts):
