@@ -116,3 +116,18 @@ def test_resize_keeps_filled_positions_and_rejects_other_lengths():
 def test_engine_config_rejects_a_non_bool_kv_cache_buckets():
     with pytest.raises(EngineConfigError, match="kv_cache_buckets"):
         EngineConfig(kv_cache_buckets="yes")
+
+
+def test_rows_that_fill_the_whole_cache_with_several_steps_per_sync():
+    """A longest prompt plus ``max_decode_length`` new tokens fills the cache exactly; ``steps_per_sync`` = 8 asks
+    for up to 7 positions beyond a row's last token, which the bucket choice must not request (regression: the
+    eval command raised "27 cache positions exceed the engine's cache (26)")."""
+    sampling = SamplingParams(greedy=True)
+    prompts = [list(range(1, 33)), [5, 9], list(range(40, 60))]
+    runs = {}
+    for buckets in (True, False):
+        eng = _engine(buckets, sampling, slots=2, max_prefill_length=32, max_decode_length=21)
+        assert eng.kv_length_buckets[-1] == 53
+        runs[buckets] = RolloutDriver(eng, steps_per_sync=8).generate(prompts, max_new_tokens=21)
+    np.testing.assert_array_equal(runs[True].responses, runs[False].responses)
+    assert runs[True].response_lengths.tolist() == [21, 21, 21]

@@ -272,7 +272,8 @@ class RolloutDriver:
         k = self.steps_per_sync
         state = eng.init_decode_state(seed, length=eng.kv_length_buckets[0])
         # KV cache sized to the active slots (EngineConfig.kv_cache_buckets): slot s holds prompt_cached[s] +
-        # (tokens generated) positions; k more steps need that + k positions.
+        # (tokens generated) positions; k more steps need that + k, at most prompt_cached[s] + max_new_tokens
+        # (the prefix itself must fit at insert).
         prompt_cached = np.zeros((n_slots,), np.int64)
         n_active = 0
         while pending or n_active:
@@ -288,7 +289,7 @@ class RolloutDriver:
                     prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
                 slot = free.popleft()
                 prefix, prefix_row = prefixes[i]
-                need = max(eng.prefill_bucket(len(prompts[i])), len(prompts[i]) - 1 + k)  # the prefix must fit
+                need = max(eng.prefill_bucket(len(prompts[i])), len(prompts[i]) - 1 + min(k, max_new_tokens))
                 if need > state.cache.max_length:
                     state = eng.resize_decode_state(state, eng.kv_bucket(need))
                 state = eng.insert_sample(prefix, state, slot, row_offset + row, max_new_tokens, prefix_row)
@@ -298,7 +299,8 @@ class RolloutDriver:
                 prompt_cached[slot] = len(prompts[i]) - 1
                 n_active += 1
             busy = np.nonzero(slot_row >= 0)[0]
-            target = eng.kv_bucket(int((prompt_cached[busy] + lengths[slot_row[busy]]).max()) + k)
+            target = eng.kv_bucket(int((prompt_cached[busy] + np.minimum(lengths[slot_row[busy]] + k,
+                                                                         max_new_tokens)).max()))
             if target != state.cache.max_length:
                 state = eng.resize_decode_state(state, target)
             if k == 1:
