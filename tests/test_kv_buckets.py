@@ -131,3 +131,16 @@ def test_rows_that_fill_the_whole_cache_with_several_steps_per_sync():
         runs[buckets] = RolloutDriver(eng, steps_per_sync=8).generate(prompts, max_new_tokens=21)
     np.testing.assert_array_equal(runs[True].responses, runs[False].responses)
     assert runs[True].response_lengths.tolist() == [21, 21, 21]
+
+
+def test_rollout_kv_cache_buckets_config_key():
+    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.rollout import engine_config
+
+    base = "configs/tiny_cpu.yaml"
+    assert load_config(base).rollout.kv_cache_buckets is True
+    assert engine_config(load_config(base)).kv_cache_buckets is True
+    assert engine_config(load_config(base, ["rollout.kv_cache_buckets=false"])).kv_cache_buckets is False
+    with pytest.raises(ConfigError, match="rollout.kv_cache_buckets"):
+        load_config(base, ["rollout.kv_cache_buckets=sometimes"])

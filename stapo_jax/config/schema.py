@@ -27,11 +27,8 @@ import yaml
 
 from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of the actor section (frozen)
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
-from stapo_jax.algo.recipe_settings import (  # the sampling section and the bases of algorithm / reward (frozen)
-    AdvantageConfig,
-    OverlongConfig,
-    SamplingConfig,
-)
+# the sampling section and the bases of algorithm / reward (frozen)
+from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -163,6 +160,7 @@ class RolloutConfig:
     mode: Literal["inprocess", "grpc"] = "inprocess"
     kernel_layout: Literal["auto", "in_out", "out_in"] = "auto"  # EngineConfig.kernel_layout (decode weights)
     prefill_batch_size: int = 8  # EngineConfig.prefill_batch_size (prompts per batched prefill)
+    kv_cache_buckets: bool = True  # EngineConfig.kv_cache_buckets (KV cache sized to the active slots)
     server_address: str = "127.0.0.1:9000"
     request_timeout_s: float = 600.0
     max_retries: int = 3

@@ -22,10 +22,11 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     """``EngineConfig`` from a run config (:class:`stapo_jax.config.schema.Config`).
 
     Slots ``rollout.max_concurrent_decodes``; ``max_decode_length`` = ``rollout.max_new_tokens`` unless given
-    (eval passes its ``--max-new-tokens``); ``max_prefill_length`` = ``data.max_prompt_length`` unless given; sampling from
-    ``rollout.temperature/top_p/top_k`` (top_k null = off); ``rollout.kernel_layout``;
-    ``rollout.prefill_batch_size``; stop ids from the tokenizer (``stapo_jax.data.tokenizer.stop_token_ids``) or,
-    without one, the model config's plus Qwen3's; seed ``trainer.seed`` unless given.
+    (eval passes its ``--max-new-tokens``); ``max_prefill_length`` = ``data.max_prompt_length`` unless given;
+    sampling from ``rollout.temperature/top_p/top_k`` (top_k null = off); ``rollout.kernel_layout``,
+    ``rollout.prefill_batch_size``, ``rollout.kv_cache_buckets``; stop ids from the tokenizer
+    (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
+    ``trainer.seed`` unless given.
 
     No arrays: reads int / float / bool config fields; returns an ``EngineConfig`` whose ``eos_token_ids`` is a
     tuple of int ids. Raises ``EngineConfigError`` (a ValueError naming the field) for a non-positive slot count
@@ -50,6 +51,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
         seed=cfg.trainer.seed if seed is None else seed,
         kernel_layout=r.kernel_layout,
         prefill_batch_size=r.prefill_batch_size,
+        kv_cache_buckets=r.kv_cache_buckets,
     )
 
 
