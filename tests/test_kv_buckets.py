@@ -144,3 +144,38 @@ def test_rollout_kv_cache_buckets_config_key():
     assert engine_config(load_config(base, ["rollout.kv_cache_buckets=false"])).kv_cache_buckets is False
     with pytest.raises(ConfigError, match="rollout.kv_cache_buckets"):
         load_config(base, ["rollout.kv_cache_buckets=sometimes"])
+
+
+def test_engine_api_rejects_unfit_states_with_clear_errors():
+    """The JetStream insert needs a full-length state (a row could outgrow a shorter one and overwrite its last
+    key silently); a prefix longer than the state, a float or bool length and a consumed state are named."""
+    eng = _engine(True, SamplingParams(greedy=True), slots=2, max_prefill_length=64, max_decode_length=8)
+    assert eng.kv_length_buckets == (32, 64, 72)
+    params = eng.load_params()
+    short = eng.init_decode_state(0, length=32)
+    one = eng.prefill(params=params, padded_tokens=np.arange(1, 17, dtype=np.int32), true_length=16)
+    with pytest.raises(ValueError, match="holds 32 positions, the insert needs 72"):
+        eng.insert(one, short, 0)
+    long_prefix = eng.prefill_tokens(params, list(range(1, 40)))  # prefill bucket 64
+    with pytest.raises(ValueError, match=r"holds 32 positions, the insert needs 64 .*resize_decode_state\(state, 64\)"):
+        eng.insert_sample(long_prefix, short, 0, 0, 8)
+    for bad in (64.0, True):
+        with pytest.raises(ValueError, match="KV-cache lengths"):
+            eng.resize_decode_state(short, bad)
+        with pytest.raises(ValueError, match="KV-cache lengths"):
+            eng.init_decode_state(0, length=bad)
+    grown = eng.resize_decode_state(short, 64)
+    for length in (32, 64):
+        with pytest.raises(ValueError, match="consumed"):
+            eng.resize_decode_state(short, length)
+    state = eng.insert_sample(long_prefix, grown, 1, 0, 8)  # fits now
+    full = eng.insert(one, eng.init_decode_state(0), 0)
+    assert full.cache.max_length == 72 and state.cache.max_length == 64
+
+
+def test_row_offset_beyond_int32_sample_ids_is_rejected():
+    from stapo_jax.rollout.driver import RolloutInputError
+
+    driver = RolloutDriver(_engine(True, SamplingParams(greedy=True)))
+    with pytest.raises(RolloutInputError, match="row_offset=2147483647"):
+        driver.generate([[1, 2]], num_samples=2, max_new_tokens=2, row_offset=2**31 - 1)

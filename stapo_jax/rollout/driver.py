@@ -257,6 +257,9 @@ class RolloutDriver:
         check_generation_args(num_samples, max_new_tokens, limit)
         if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
             raise RolloutInputError(f"row_offset must be an int >= 0, got {row_offset!r}")
+        if row_offset + len(prompts) * num_samples > np.iinfo(np.int32).max:
+            raise RolloutInputError(f"row_offset={row_offset} + {len(prompts)} prompts x num_samples={num_samples} "
+                                    f"exceeds the int32 sample ids ({np.iinfo(np.int32).max})")
         prompts = validate_prompts(prompts, eng.max_prefill_length, eng.model_config.vocab_size,
                                    self.prompt_truncation)
         g_size, n_slots = int(num_samples), eng.max_concurrent_decodes

@@ -46,7 +46,7 @@ from stapo_jax.rollout import compat
 
 compat.install()
 
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2  # noqa: E402
+from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
 
 from models.decode import LAYERS_KEY, DecodeParams, copy_layer_into, split_layers, unstack_layers  # noqa: E402
 from models.linear import KERNEL_LAYOUTS  # noqa: E402
@@ -67,12 +67,12 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
     resolve_kernel_layout,
     step_fn,
 )
+from stapo_jax.rollout.jetstream_tokenizer import NO_BOS_ID, HFTokenizer, load_tokenizer  # noqa: E402,F401
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
 from stapo_jax.data.tokenizer import QWEN3_STOP_IDS  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-NO_BOS_ID = -1  # Qwen3 has no BOS; JetStream prepends bos_id to token requests, prefill masks it out.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # JetStream pad_tokens
 
 
@@ -113,7 +113,8 @@ class EngineConfig:
         1e-6 relative; a token can differ only where two candidates tie to that precision): XLA:CPU's sums and
         ``exp`` round differently for different cache lengths, as for different slot counts.
       prefill_batch_size: prompts per :meth:`Qwen3Engine.prefill_batch` call (the driver's batched prefill;
-        every call of a prefill bucket pads to the same number of rows, so each bucket compiles once); > 0.
+        every call of a prefill bucket pads to the same number of rows, so each bucket compiles once, and a
+        call with fewer prompts still computes every row: set 1 where calls carry one prompt); > 0.
       prefill_batch_tokens: fewer rows for long prompts: at most ``max(1, prefill_batch_tokens // bucket)``
         (:meth:`Qwen3Engine.prefill_rows`), which bounds a prefill call's memory; > 0.
     """
@@ -166,78 +167,6 @@ def engine_stop_ids(model_config: Qwen3Config, config: EngineConfig) -> tuple[in
         return tuple(config.eos_token_ids)
     vocab = model_config.vocab_size
     return tuple(sorted({*model_config.eos_token_ids, *(i for i in QWEN3_STOP_IDS if i < vocab)}))
-
-
-class HFTokenizer(tokenizer_api.Tokenizer):
-    """JetStream ``Tokenizer`` over a transformers tokenizer (or token ids only, when none is given).
-
-    ``encode`` returns JetStream-padded ids (``token_utils.pad_tokens``: right padding to a bucket,
-    ``jax_padding``) without a BOS (Qwen3 has none); ``bos_id`` is ``NO_BOS_ID`` (-1), which the engine
-    masks out when JetStream prepends it to token requests. ``stop_tokens`` is empty: the engine itself
-    marks the step after an EOS invalid, so the EOS token reaches the client.
-    Without a tokenizer, ``encode`` returns a rejected (all-marker) request and ``decode`` returns "".
-    """
-
-    def __init__(self, tokenizer: Any = None, eos_token_ids: Sequence[int] = QWEN3_STOP_IDS):
-        self.tokenizer = tokenizer
-        self._eos = tuple(int(i) for i in eos_token_ids)
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self._pad = int(pad) if pad is not None else (self._eos[0] if self._eos else 0)
-
-    def encode(self, s: str, **kwargs):
-        """Text -> (padded ids, true_length); see the class docstring. Never raises on text input."""
-        max_len = kwargs.get("max_prefill_length")
-        jax_padding = kwargs.get("jax_padding", True)
-        if self.tokenizer is None:
-            log.error("text request received but the server has no tokenizer; rejecting it")
-            ids = np.array([NO_BOS_ID], np.int32)
-        else:
-            ids = np.asarray(self.tokenizer.encode(s, add_special_tokens=False), np.int32)
-        if ids.size == 0:
-            ids = np.array([NO_BOS_ID], np.int32)
-        return token_utils.pad_tokens(ids, NO_BOS_ID, self._pad, is_bos=False, max_prefill_length=max_len,
-                                      jax_padding=jax_padding)
-
-    def decode(self, token_ids: list[int], **kwargs) -> str:
-        """Ids -> text (special tokens kept); "" without a tokenizer."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
-
-    @property
-    def pad_id(self) -> int:
-        """The padding id (int) ``encode`` right-pads with (JetStream ``Tokenizer.pad_id``)."""
-        return self._pad
-
-    @property
-    def eos_id(self) -> int:
-        """The first EOS id (int), or ``pad_id`` when there is none (JetStream ``Tokenizer.eos_id``)."""
-        return self._eos[0] if self._eos else self._pad
-
-    @property
-    def bos_id(self) -> int:
-        """``NO_BOS_ID`` (-1): Qwen3 has no BOS; prefill masks out the -1 JetStream prepends."""
-        return NO_BOS_ID
-
-    @property
-    def stop_tokens(self) -> set[int]:
-        """Empty: the engine marks the step after an EOS invalid itself, so the EOS token reaches the client."""
-        return set()
-
-
-def load_tokenizer(path: Optional[str]):
-    """A transformers tokenizer from a local directory (``AutoTokenizer``), or None for ``path`` None/"".
-
-    No arrays: ``path`` a str or None. Raises OSError (from transformers) when ``path`` holds no tokenizer files.
-    Source: HF transformers ``AutoTokenizer.from_pretrained``.
-    """
-    if not path:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 
 
 class Qwen3Engine(engine_api.Engine):
@@ -370,6 +299,13 @@ class Qwen3Engine(engine_api.Engine):
                 return b
         raise ValueError(f"{n} cache positions exceed the engine's cache ({self.kv_length_buckets[-1]})")
 
+    def check_kv_length(self, length) -> int:
+        """``length`` as an int if it is one of :attr:`kv_length_buckets`; ValueError naming the allowed lengths
+        otherwise (floats and bools included). No arrays. Source: this engine's bucket rule."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length not in self.kv_length_buckets:
+            raise ValueError(f"length {length!r} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
+        return int(length)
+
     def resize_decode_state(self, decode_state: DecodeState, length: int) -> DecodeState:
         """``decode_state`` with every layer's K/V (and the key mask) cut or zero-padded to ``length`` positions.
 
@@ -378,11 +314,14 @@ class Qwen3Engine(engine_api.Engine):
         deleted once copied, so at most one layer is held twice: ``decode_state`` is consumed (as a donated
         argument). Shapes: ``[B, Nkv, S, H]`` -> ``[B, Nkv, length, H]``, ``key_mask`` ``[B, S]`` ->
         ``[B, length]``; dtypes and shardings kept. Raises ValueError for a ``length`` not in
-        :attr:`kv_length_buckets`. Source: bucketed decode shapes as JetStream's prefill padding buckets.
+        :attr:`kv_length_buckets` or a ``decode_state`` already consumed. Source: bucketed decode shapes as
+        JetStream's prefill padding buckets.
         """
-        if length not in self.kv_length_buckets:
-            raise ValueError(f"length {length} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
+        length = self.check_kv_length(length)
         cache = decode_state.cache
+        if cache.k[0].is_deleted():
+            raise ValueError("decode_state was consumed (donated to a step/insert or resized); pass the state that "
+                             "call returned")
         if cache.max_length == length:
             return decode_state
         sh = self._spec.state_shardings.cache
@@ -405,11 +344,22 @@ class Qwen3Engine(engine_api.Engine):
     def insert_sample(self, prefix: Prefix, decode_state: DecodeState, slot: int, sample_id: int,
                       max_new_tokens: int, row: int = 0) -> DecodeState:
         """:meth:`insert` of row ``row`` of ``prefix`` with an explicit random-stream id (>= 0) and new-token
-        limit (the driver's insert). Ints; ``decode_state`` is donated; raises nothing (``slot`` in [0, B) and
-        ``row`` in [0, k) are the caller's duty). Source: JetStream ``Engine.insert``."""
+        limit (the driver's insert). Ints; ``decode_state`` is donated. The state must hold the prefix's padded
+        length (ValueError otherwise) and, before each later step, every position the slot writes (the caller
+        grows it with :meth:`resize_decode_state`, as the driver does; a full-length state always does);
+        ``slot`` in [0, B) and ``row`` in [0, k) are the caller's duty. Source: JetStream ``Engine.insert``."""
+        self._check_fits(prefix, decode_state)
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(sample_id),
                              np.int32(max_new_tokens), np.int32(row))
+
+    def _check_fits(self, prefix: Prefix, decode_state: DecodeState, positions: int = 0) -> None:
+        """ValueError unless the state's cache holds the prefix's padded length and ``positions``."""
+        need, have = max(prefix.cache.max_length, positions), decode_state.cache.max_length
+        if need > have:
+            raise ValueError(f"decode_state's KV cache holds {have} positions, the insert needs {need} (prefix of "
+                             f"{prefix.cache.max_length}); grow it with resize_decode_state(state, "
+                             f"{self.kv_bucket(need)})")
 
     def step(self, params, decode_state: DecodeState,
              sampling: Optional[SamplingParams] = None) -> tuple[DecodeState, StepOutput]:
@@ -536,7 +486,9 @@ class Qwen3Engine(engine_api.Engine):
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Put ``prefix`` (row 0, the one prompt of :meth:`prefill`) into ``slot`` (donates ``decode_state``),
-        with limit ``max_decode_length`` and the state's next random-stream id."""
+        with limit ``max_decode_length`` and the state's next random-stream id. Raises ValueError for a state
+        shorter than ``cache_length`` (the row could outgrow it: make it with ``init_decode_state()``)."""
+        self._check_fits(prefix, decode_state, self.config.cache_length)
         with jax.set_mesh(self._mesh):
             return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(-1),
                              np.int32(self.config.max_decode_length), np.int32(0))
@@ -549,12 +501,13 @@ class Qwen3Engine(engine_api.Engine):
     def init_decode_state(self, seed: Optional[int] = None, *args, length: Optional[int] = None,
                           **kwargs) -> DecodeState:
         """All slots free; base key ``jax.random.key(seed)`` (default ``config.seed``); a KV cache of ``length``
-        positions (one of :attr:`kv_length_buckets`; default the largest). Raises ValueError for another length."""
-        if length is not None and length not in self.kv_length_buckets:
-            raise ValueError(f"length {length} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
+        positions (one of :attr:`kv_length_buckets`; default the largest, which the JetStream API path needs: a
+        shorter state is for :class:`~stapo_jax.rollout.driver.RolloutDriver`, which grows it with
+        :meth:`resize_decode_state` before any slot outgrows it). Raises ValueError for another length."""
+        length = self.kv_length_buckets[-1] if length is None else self.check_kv_length(length)
         rng = jax.random.key(self.config.seed if seed is None else int(seed))
         with jax.set_mesh(self._mesh):
-            return init_fn(self._spec, rng, int(length or self.kv_length_buckets[-1]))
+            return init_fn(self._spec, rng, length)
 
     def get_prefix_destination_sharding(self) -> Any:
         """Replicated on the engine mesh (prefixes are small: one to ``prefill_batch_size`` prompts)."""
