@@ -157,7 +157,8 @@ def test_engine_api_rejects_unfit_states_with_clear_errors():
     with pytest.raises(ValueError, match="holds 32 positions, the insert needs 72"):
         eng.insert(one, short, 0)
     long_prefix = eng.prefill_tokens(params, list(range(1, 40)))  # prefill bucket 64
-    with pytest.raises(ValueError, match=r"holds 32 positions, the insert needs 64 .*resize_decode_state\(state, 64\)"):
+    msg = r"holds 32 positions, the insert needs 64 .*resize_decode_state\(state, 64\)"
+    with pytest.raises(ValueError, match=msg):
         eng.insert_sample(long_prefix, short, 0, 0, 8)
     for bad in (64.0, True):
         with pytest.raises(ValueError, match="KV-cache lengths"):

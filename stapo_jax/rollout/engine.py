@@ -302,7 +302,8 @@ class Qwen3Engine(engine_api.Engine):
     def check_kv_length(self, length) -> int:
         """``length`` as an int if it is one of :attr:`kv_length_buckets`; ValueError naming the allowed lengths
         otherwise (floats and bools included). No arrays. Source: this engine's bucket rule."""
-        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length not in self.kv_length_buckets:
+        is_int = isinstance(length, (int, np.integer)) and not isinstance(length, bool)
+        if not is_int or length not in self.kv_length_buckets:
             raise ValueError(f"length {length!r} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")
         return int(length)
 
