@@ -284,8 +284,8 @@ class RolloutDriver:
             while free and pending:  # refill every free slot before the next step
                 row = pending.popleft()
                 i, g = divmod(row, g_size)
+                bucket = eng.prefill_bucket(len(prompts[i]))
                 if i not in prefixes:  # prefill i with the next not-yet-prefilled prompts of its bucket
-                    bucket = eng.prefill_bucket(len(prompts[i]))
                     group = [i, *itertools.islice((j for j in range(i + 1, len(prompts)) if j not in prefixes
                                                    and eng.prefill_bucket(len(prompts[j])) == bucket),
                                                   eng.prefill_rows(bucket) - 1)]
@@ -293,7 +293,7 @@ class RolloutDriver:
                     prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
                 slot = free.popleft()
                 prefix, prefix_row = prefixes[i]
-                need = max(eng.prefill_bucket(len(prompts[i])), len(prompts[i]) - 1 + min(k, max_new_tokens))
+                need = max(bucket, len(prompts[i]) - 1 + min(k, max_new_tokens))  # the prefix must fit
                 if need > state.cache.max_length:
                     state = eng.resize_decode_state(state, eng.kv_bucket(need))
                 state = eng.insert_sample(prefix, state, slot, row_offset + row, max_new_tokens, prefix_row)

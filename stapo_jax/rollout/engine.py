@@ -201,6 +201,8 @@ class Qwen3Engine(engine_api.Engine):
         self._param_shardings = param_shardings(state, self._mesh)
         self._param_ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         self.kernel_layout: str = resolve_kernel_layout(config.kernel_layout, self._mesh)
+        buckets = kv_length_buckets(config.cache_length)
+        self._kv_lengths = buckets if config.kv_cache_buckets else buckets[-1:]
         layer_shardings = decode_param_shardings(self._param_shardings, self.model_config.num_hidden_layers,
                                                  self.kernel_layout).layers
         self._unstack = jax.jit(functools.partial(unstack_layers, kernel_layout=self.kernel_layout),
@@ -262,7 +264,7 @@ class Qwen3Engine(engine_api.Engine):
         buckets = {self.prefill_bucket(n) for n in lens}
         if len(buckets) > 1:
             raise ValueError(f"prefill_batch prompts must share one prefill bucket, got buckets {sorted(buckets)}")
-        bucket = buckets.pop() if buckets else 16
+        bucket = buckets.pop() if buckets else 16  # no prompts: reported below against the smallest bucket
         k = self.prefill_rows(bucket)
         if not 1 <= len(lens) <= k:
             raise ValueError(f"prefill_batch takes 1..{k} prompts of bucket {bucket} (EngineConfig."
@@ -286,8 +288,7 @@ class Qwen3Engine(engine_api.Engine):
     def kv_length_buckets(self) -> tuple[int, ...]:
         """The decode state's possible KV-cache lengths (:func:`~stapo_jax.rollout.decode_fns.kv_length_buckets`
         of ``config.cache_length``; only the largest when ``config.kv_cache_buckets`` is False), ints ascending."""
-        buckets = kv_length_buckets(self.config.cache_length)
-        return buckets if self.config.kv_cache_buckets else buckets[-1:]
+        return self._kv_lengths
 
     def kv_bucket(self, n: int) -> int:
         """The smallest of :attr:`kv_length_buckets` >= ``n`` (int cache positions).
