@@ -12,11 +12,14 @@ their dependencies (metrax, ...), so only the two modules used here are loaded (
 
 Sides (each call: forward + backward of the loss w.r.t. every parameter of the same mini-batch; no optimizer):
 
-* ``ours``: ``stapo_jax.train.policy.response_log_probs_and_entropy`` (model hidden states -> the response
-  positions -> ``chunked_log_probs_and_entropy``, ``seq_chunk=512``, ``vocab_chunk=None``; log-probs and
-  entropy), remat ``--remat`` (default ``dots_no_batch``, the ``model.remat`` default). The head keeps its
-  logits for the backward when they fit ``SAVED_LOGITS_BYTES`` (the default, as the trainer runs).
-* ``ours, head recompute``: the same with ``SAVED_LOGITS_BYTES = 0`` while it is traced, i.e. the head's
+* ``ours``: ``stapo_jax.train.policy.response_log_probs_and_entropy(..., calculate_entropy=False)`` (model
+  hidden states -> the response positions -> ``chunked_log_probs_and_entropy``, ``seq_chunk=512``,
+  ``vocab_chunk=None``; log-probs only, as the loss needs and as Tunix computes), remat ``--remat`` (default
+  ``dots_no_batch``, the ``model.remat`` default). The head keeps its logits for the backward when they fit
+  ``SAVED_LOGITS_BYTES`` (the default, as the trainer runs).
+* ``ours + entropy``: the same computing the entropy too (``calculate_entropy=True``, what the STAPO trainer
+  needs for its S2T mask; the loss ignores it, so this side measures the entropy's cost).
+* ``ours, head recompute``: ``ours`` with ``SAVED_LOGITS_BYTES = 0`` while it is traced, i.e. the head's
   backward recomputes every logits tile (the path before the logits were kept; ``--no-recompute-side`` drops it).
 * ``tunix``: ``tunix.rl.common.compute_per_token_logps(graphdef, state, prompt, completion, pad_id, eos_id,
   stop_gradient=False)`` as its GRPO learner computes the policy's per-token log-probs: the model's
@@ -214,15 +217,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"logits differ beyond fp32 tolerance: max |diff| {diff:.3e}")
     del lo, lt
 
-    def ours_lp(prm):
+    def ours_lp(prm, calculate_entropy=False):
         lp, _ = response_log_probs_and_entropy(nnx.merge(graphdef, prm), ids, att, r, seq_chunk=512,
-                                               vocab_chunk=None)
+                                               vocab_chunk=None, calculate_entropy=calculate_entropy)
         return lp
 
     old = jnp.asarray(np.asarray(jax.jit(ours_lp)(params)) + 0.05 * rng.standard_normal((b, r)), jnp.float32)
 
-    def ours_loss(prm):
-        return pg_loss(ours_lp(prm), old, adv, mask)
+    def ours_loss(prm, calculate_entropy=False):
+        return pg_loss(ours_lp(prm, calculate_entropy), old, adv, mask)
 
     def tunix_loss(prm):
         lp = tcommon.compute_per_token_logps(tgraphdef, prm, prompt, completion, pad_id, eos_id,
@@ -236,8 +239,10 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     c_tunix = vg_tunix.lower(tparams).compile()
     t2 = time.perf_counter()
-    sides = {"ours": lambda: jax.block_until_ready(c_ours(params))}
-    compile_s = {"ours": t1 - t0, "tunix": t2 - t1}
+    c_ent = jax.jit(jax.value_and_grad(lambda prm: ours_loss(prm, True))).lower(params).compile()
+    sides = {"ours": lambda: jax.block_until_ready(c_ours(params)),
+             "ours + entropy": lambda: jax.block_until_ready(c_ent(params))}
+    compile_s = {"ours": t1 - t0, "tunix": t2 - t1, "ours + entropy": time.perf_counter() - t2}
     if not a.no_recompute_side:
         saved = logprobs.SAVED_LOGITS_BYTES
         logprobs.SAVED_LOGITS_BYTES = 0  # read when traced: this compiled side recomputes the head's logits
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
     ge_o = np.asarray(g_o["embed_tokens"]["embedding"][...])
     ge_t = np.asarray(g_t["embedder"]["input_embedding"][...])
     gdiff, gscale = float(np.abs(ge_o - ge_t).max()), float(np.abs(ge_t).max())
-    temps = {"ours": c_ours, "tunix": c_tunix} | ({"ours, head recompute": c_rec} if not a.no_recompute_side else {})
+    temps = {"ours": c_ours, "ours + entropy": c_ent, "tunix": c_tunix} | ({"ours, head recompute": c_rec} if not a.no_recompute_side else {})
     print(f"loss ours {float(l_o):.7f} vs Tunix {float(l_t):.7f} (|diff| {abs(float(l_o) - float(l_t)):.1e}); "
           f"d loss / d embedding: max |diff| {gdiff:.2e} (max |grad| {gscale:.2e}); compile "
           + ", ".join(f"{k} {s:.1f}s" for k, s in compile_s.items()) + "; XLA temporaries "

@@ -1,9 +1,10 @@
 """A bias-free linear layer whose kernel can be held transposed for cached decoding (split from ``qwen3.py``).
 
 Flax ``nnx.Linear`` stores ``kernel`` [in, out]; PyTorch ``nn.Linear`` stores ``weight`` [out, in]. For the skinny
-products of a decode step (a few dozen rows against a weight matrix that does not fit in cache) XLA:CPU reads the
-weight about twice as fast when it is [out, in] and contracted on its last axis (bench/bench_rollout.py), so the
-rollout engine's per-layer decode copy may hold the kernels that way while every other user sees [in, out].
+products of a decode step (a few dozen rows against a weight matrix that does not fit in cache) XLA:CPU on an
+Intel Xeon reads the weight about twice as fast when it is [out, in] and contracted on its last axis (on an AMD
+EPYC the [in, out] form is faster; bench/bench_rollout.py), so the rollout engine's per-layer decode copy may
+hold the kernels that way while every other user sees [in, out].
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class Linear(nnx.Linear):
     The parameter is always ``kernel`` [in, out] (``kernel_layout = "in_out"``: checkpoints, the trainer, the HF
     mapping of :mod:`models.hf`). The rollout engine's per-layer decode copy may hold it as [out, in]
     (``"out_in"``, PyTorch ``nn.Linear``'s layout; :func:`set_kernel_layout` marks the merged modules): on XLA:CPU
-    a [32, 1024] x [1024, 3072] product then reads the weight about 2x faster (bench/bench_rollout.py).
+    a [32, 1024] x [1024, 3072] product then reads the weight about 2x faster on an Intel Xeon
+    (bench/bench_rollout.py; :func:`preferred_kernel_layout`).
     ``__call__(x [..., in]) -> [..., out]`` in ``dtype``, as ``nnx.Linear``; never raises for matching shapes.
     """
 
@@ -53,9 +55,28 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
             sub.kernel_layout = layout
 
 
-def preferred_kernel_layout(platform: str) -> str:
-    """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``):
-    ``"out_in"`` on ``"cpu"`` (measured: bench/bench_rollout.py), ``"in_out"`` elsewhere (GPU/TPU matmuls take
-    either operand order; no transpose at weight sync). No arrays; never raises. Source: our measurement, the
-    [out, in] kernel is PyTorch's ``nn.Linear`` convention."""
-    return "out_in" if platform == "cpu" else "in_out"
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host CPU's vendor id from ``cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``, ...), or ``""``
+    where it cannot be read (not Linux, no ``vendor_id`` line). No arrays; never raises. Source: the Linux
+    ``/proc/cpuinfo`` format (x86 ``CPUID`` vendor string)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def preferred_kernel_layout(platform: str, vendor: str | None = None) -> str:
+    """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``) and
+    CPU vendor (default :func:`cpu_vendor`): ``"out_in"`` on ``"cpu"`` with an Intel CPU, ``"in_out"`` everywhere
+    else. Measured with ``bench/bench_rollout.py --kernel-layouts in_out,out_in`` at Qwen3-0.6B, 32 slots: on a
+    2-core Intel Xeon (AVX-512) out_in made the layers' decode matmuls about 2x faster (400 -> 190 ms per step);
+    on a 2-core AMD EPYC (Zen 4) in_out made the whole step faster (524 vs 665 ms). GPU/TPU matmuls take either
+    operand order, and in_out needs no transpose at weight sync. No arrays; never raises. Source: our
+    measurements; [out, in] is PyTorch's ``nn.Linear`` convention."""
+    if platform != "cpu":
+        return "in_out"
+    return "out_in" if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else "in_out"

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from fixtures_rollout import RAGGED_PROMPTS, make_engine, tiny_model
 from models.decode import copy_layer_into, greedy_generate, split_layers
-from models.linear import Linear, preferred_kernel_layout, set_kernel_layout
+from models.linear import Linear, cpu_vendor, preferred_kernel_layout, set_kernel_layout
 from models.sharding import make_mesh, param_path
 from stapo_jax.rollout.decode_fns import decode_param_shardings, resolve_kernel_layout
 from stapo_jax.rollout.driver import RolloutDriver
@@ -112,17 +112,29 @@ def test_greedy_generate_layouts_agree():
     assert lengths.tolist() == [6, 6]
 
 
+def test_cpu_vendor_reads_the_vendor_id_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\nmodel name\t: some ARM core\n")
+    assert cpu_vendor(str(info)) == ""
+    assert cpu_vendor(str(tmp_path / "missing")) == ""
+
+
 def test_auto_layout_and_config_errors():
-    assert preferred_kernel_layout("cpu") == "out_in"
+    assert preferred_kernel_layout("cpu", "GenuineIntel") == "out_in"
+    assert preferred_kernel_layout("cpu", "AuthenticAMD") == preferred_kernel_layout("cpu", "") == "in_out"
     assert preferred_kernel_layout("gpu") == preferred_kernel_layout("tpu") == "in_out"
+    here = "out_in" if cpu_vendor() == "GenuineIntel" else "in_out"
+    assert preferred_kernel_layout("cpu") == here
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    assert resolve_kernel_layout("auto", mesh) == "out_in"  # the tests run on CPU devices
+    assert resolve_kernel_layout("auto", mesh) == here  # the tests run on CPU devices
     assert resolve_kernel_layout("in_out", mesh) == "in_out"
     with pytest.raises(ValueError, match="kernel_layout"):
         resolve_kernel_layout("columns", mesh)
     with pytest.raises(EngineConfigError, match="kernel_layout"):
         EngineConfig(kernel_layout="columns")
-    assert make_engine(tiny_model(0)).kernel_layout == "out_in"  # default "auto" on CPU
+    assert make_engine(tiny_model(0)).kernel_layout == here  # default "auto" on CPU
 
 
 def test_out_in_shardings_reverse_the_kernel_specs():

@@ -1,5 +1,6 @@
 """Log-prob / entropy definitions vs PyTorch (verl), and the chunked path vs the naive one (values, gradients)."""
 
+import functools
 import os
 import re
 import sys
@@ -392,3 +393,48 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_saved_logits_bytes"):
         chunked_log_probs_and_entropy(jnp.zeros((1, 2, 3)), jnp.zeros((3, 5)), jnp.zeros((1, 2), jnp.int32),
                                       max_saved_logits_bytes=-1)
+
+
+@pytest.mark.parametrize("budget", [0, None])
+@pytest.mark.parametrize("seq_chunk,vocab_chunk,with_collision", [(4, None, False), (13, 7, True), (5, None, True),
+                                                                  (16, 10, False)])
+def test_without_entropy_values_and_gradients_match_torch_float64(seq_chunk, vocab_chunk, with_collision, budget):
+    """``calculate_entropy=False`` (verl's flag): entropy None, log-probs (and C') and every gradient equal the
+    PyTorch autograd reference of a loss without an entropy term; the forward has no E_p[z] pass."""
+    rng = np.random.default_rng(7)
+    b, t, d, v, temp = 2, 13, 8, 41, 0.9
+    h, w = rng.normal(size=(b, t, d)), rng.normal(size=(d, v)) * 0.8
+    ids = rng.integers(0, v, size=(b, t))
+    cts = [rng.normal(size=(b, t)), np.zeros((b, t)), rng.normal(size=(b, t)) * with_collision]
+    (r_lp, _, r_col), (r_gh, r_gw, r_gt) = _torch_reference_with_grads(h, w, ids, temp, cts)
+    with jax.enable_x64(True):
+        def head(h, w, temperature, calculate_entropy=False):
+            return chunked_log_probs_and_entropy(h, w, jnp.asarray(ids), temperature=temperature,
+                                                 seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
+                                                 with_collision=with_collision, max_saved_logits_bytes=budget,
+                                                 calculate_entropy=calculate_entropy)
+
+        def loss(h, w, temperature):
+            outs = head(h, w, temperature)
+            assert outs[1] is None and len(outs) == 2 + with_collision
+            total = jnp.sum(outs[0] * cts[0]) + (jnp.sum(outs[2] * cts[2]) if with_collision else 0.0)
+            return total, outs
+
+        args = (jnp.asarray(h), jnp.asarray(w), jnp.asarray(temp))
+        (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+        with_ent, without = (str(jax.make_jaxpr(functools.partial(head, calculate_entropy=c))(*args))
+                             for c in (True, False))
+    np.testing.assert_allclose(np.asarray(outs[0]), r_lp, atol=1e-11)
+    if with_collision:
+        np.testing.assert_allclose(np.asarray(outs[2]), r_col, atol=1e-11)
+    for got, want in zip(grads, (r_gh, r_gw, r_gt)):
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-10, rtol=1e-10)
+    # the entropy's E_p[z] pass: a full-precision dot (whole-vocabulary tiles) or a running sum (streaming)
+    assert without.count("dot_general") < with_ent.count("dot_general") or \
+        without.count("reduce_sum") < with_ent.count("reduce_sum")
+
+
+def test_without_entropy_empty_sequence():
+    h, w = jnp.zeros((2, 0, 4)), jnp.zeros((4, 6))
+    lp, ent = chunked_log_probs_and_entropy(h, w, jnp.zeros((2, 0), jnp.int32), calculate_entropy=False)
+    assert lp.shape == (2, 0) and ent is None

@@ -102,6 +102,19 @@ def assert_packed_equals_padded(graphdef, params, p, lay, weight_seed):
         np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
+
+    def lp_only(params, packing):  # calculate_entropy=False: same log-probs and log-prob gradient, no entropy
+        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, params), ids, att, R, packing=packing,
+                                                 packing_shards=2, seq_chunk=4, calculate_entropy=False)
+        assert ent is None
+        return jnp.sum(lp * w), lp
+
+    with_ent = jax.jit(jax.grad(lambda prm, lay: jnp.sum(f(prm, lay)[1][0] * w)))
+    for packing in (None, lay):
+        (_, lp), g = jax.jit(jax.value_and_grad(lp_only, has_aux=True))(params, packing)
+        np.testing.assert_allclose(np.asarray(lp)[real], np.asarray(out0[0])[real], rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(with_ent(params, packing))):
+            assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(b))))
     return out1, out0
 
 

@@ -10,15 +10,10 @@ which is the trainer definition of conventions.md §5 (verl ``logprobs_from_logi
 ``entropy_from_logits``; Tunix vanilla sampler). The rollout engine imports ``logits_to_log_probs`` so the
 sampler and the trainer share it, which makes the first ratio of an on-policy update exactly 1.
 
-``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head without
-a ``[B, T, V]`` logits temporary: a streaming log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the
-logits (EasyDeL ``_logprob_utils.py``; Tunix ``compute_chunked_logps`` chunks the sequence the same way) with
-entropy = logZ - E_p[z], and a hand-written backward (``jax.custom_vjp``) that keeps only a ``vocab_chunk``-wide
-float32 head-gradient accumulator. The backward needs each logits tile again: when the float32 logits of the
-call fit ``max_saved_logits_bytes`` (default ``SAVED_LOGITS_BYTES``, 512 MiB: 883 tokens at Qwen3's
-V = 151,936) the forward keeps them (as PyTorch autograd and Tunix do) and the backward reads them; otherwise it
-recomputes each tile once (one more ``h @ w`` matmul per tile, 4/3 of the head's FLOPs), so long sequences
-never hold ``[B, T, V]``.
+``chunked_log_probs_and_entropy`` computes the same quantities from hidden states and the LM head: a streaming
+log-sum-exp over ``[seq_chunk, vocab_chunk]`` tiles of the logits (EasyDeL ``_logprob_utils.py``; Tunix
+``compute_chunked_logps``) and a hand-written backward (``jax.custom_vjp``) that reads the kept logits where they
+fit ``max_saved_logits_bytes`` and otherwise recomputes each tile, so long sequences never hold ``[B, T, V]``.
 """
 
 from __future__ import annotations
@@ -93,21 +88,23 @@ def logits_to_log_probs_and_entropy(
     return z_y - log_z, log_z - e_z
 
 
-def _log_z_and_mean_logit(z: jax.Array):
-    """``(logsumexp(z), E_softmax(z)[z], softmax(z))`` over the last axis of ``z`` ``[..., V]``; the softmax is
-    a lazy ``exp(z - max) / sum`` that XLA only materialises for a caller that uses it.
+def _log_z_and_mean_logit(z: jax.Array, with_mean: bool = True):
+    """``(logsumexp(z), E_softmax(z)[z], softmax(z))`` over the last axis of ``z`` ``[..., V]`` (the softmax a
+    lazy ``exp(z - max) / sum``); ``with_mean=False``: ``E_softmax(z)[z]`` is None and its pass is skipped.
 
-    ``logsumexp`` is computed exactly as ``jax.nn.logsumexp`` does (max, ``log(sum(exp(z - max))) + max``), so
-    log-probs round like ``scaled_log_probs``; ``E[z] = sum(exp(z - max) z) / sum(exp(z - max))`` reuses its
-    exponentials and takes the weighted sum as a dot product at full float32 precision: XLA:CPU runs a fused
-    multiply-and-reduce over a 151,936-wide row about 4x slower than the dot (0.33 s vs 1.3 s for the statistics of [511, 151,936] logits on a 2-core Xeon; the end-to-end effect is
-    in ``bench/bench_tunix.py``)."""
+    ``logsumexp`` is computed as ``jax.nn.logsumexp`` does (max, ``log(sum(exp(z - max))) + max``), so log-probs
+    round like ``scaled_log_probs``; ``E[z]`` reuses its exponentials and takes the weighted sum as a dot product
+    at full float32 precision: XLA:CPU ran a fused multiply-and-reduce over a 151,936-wide row about 4x slower
+    (1.3 s vs 0.33 s for [511, 151,936] logits on a 2-core Xeon)."""
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(z - m)
     s = jnp.sum(e, axis=-1)
+    log_z = jnp.log(s) + m[..., 0]
+    if not with_mean:
+        return log_z, None, e / s[..., None]
     weighted = jnp.einsum("...v,...v->...", e, z, precision=jax.lax.Precision.HIGHEST)
-    return jnp.log(s) + m[..., 0], weighted / s, e / s[..., None]
+    return log_z, weighted / s, e / s[..., None]
 
 
 def logits_to_log_probs(logits: jax.Array, token_ids: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -211,6 +208,14 @@ def _tile_logits(h_c, w_c, temperature, acc, layout: str):
     return jnp.einsum(f"bcd,{layout}->bcv", h_c, w_c, preferred_element_type=acc).astype(acc) / temperature
 
 
+def _weight_grad(h, dlogits, layout: str, acc):
+    """``sum_{b,t} h[b, t] x dlogits[b, t]`` as ``[D, V]`` / ``[V, D]`` (``layout``), ``[B, T]`` merged first:
+    XLA:CPU ran the two-axis contraction 1.3x slower (1.28 vs 0.99 s at T=511, V=151,936, D=1,024)."""
+    n = h.shape[0] * h.shape[1]
+    return jnp.einsum(f"nd,nv->{layout}", h.reshape(n, h.shape[-1]), dlogits.reshape(n, dlogits.shape[-1]),
+                      preferred_element_type=acc)
+
+
 def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None):
     """``fori_loop`` over sequence tiles updating per-token ``[B, T]`` arrays ``init`` (named ``names``):
     ``step(k, start, old)`` gets tile k's slice of each array and returns its new values; rows of a shifted
@@ -219,6 +224,12 @@ def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None
     start)`` stores them (all rows: a re-visited row gets its own logits again). Returns the arrays by name
     (and ``"logits"``: the filled buffer)."""
     ragged = t % c != 0
+    if c == t:  # one tile, no loop; a whole-vocabulary tile is the kept logits (no zero-filled buffer to fill)
+        new = step(0, 0, dict(zip(names, init)))
+        if kept is not None:
+            z = new.pop("logits")
+            new["logits"] = z if z.shape == kept.shape else write(kept, z, 0)
+        return new
 
     def body(k, carry):
         arrays, buf = carry
@@ -236,9 +247,9 @@ def _per_token_seq_loop(t: int, c: int, names, init, step, kept=None, write=None
 
 
 def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, with_collision: bool,
-                     layout: str, keep: bool = False):
-    """Per-token logZ, E_p[z], sum_{v != y} p_v^2 (or None) and z[target], each ``[B, T]``, tile by tile, and
-    (``keep``) the ``[B, T, V]`` logits z in the accumulation dtype, else None.
+                     layout: str, keep: bool = False, with_entropy: bool = True):
+    """Per-token logZ, E_p[z] (None without ``with_entropy``), sum_{v != y} p_v^2 (or None) and z[target], each
+    ``[B, T]``, tile by tile, and (``keep``) the ``[B, T, V]`` logits z in the accumulation dtype, else None.
 
     With one vocabulary tile (``vocab_chunk == V``) each sequence tile is reduced exactly as
     ``logits_to_log_probs_and_entropy`` does (``_log_z_and_mean_logit``: ``jax.nn.logsumexp``'s arithmetic),
@@ -260,11 +271,11 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
         return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc, layout)
 
     if vc == v:
-        names = ("log_z", "e_z", "q", "z_y") if with_collision else ("log_z", "e_z", "z_y")
+        names = ("log_z",) + ("e_z",) * with_entropy + ("q",) * with_collision + ("z_y",)
 
         def whole_vocab(k, start, old):
             z = logits(start, w)
-            log_z, e_z, probs = _log_z_and_mean_logit(z)
+            log_z, e_z, probs = _log_z_and_mean_logit(z, with_entropy)
             new = {"log_z": log_z, "e_z": e_z,
                    "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
             if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
@@ -276,10 +287,10 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
 
         out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab, kept,
                                   lambda buf, z, start: _put(buf, z, start, 1))
-        return out["log_z"], out["e_z"], out.get("q"), out["z_y"], out.get("logits")
+        return out["log_z"], out.get("e_z"), out.get("q"), out["z_y"], out.get("logits")
 
     ragged_v = v % vc != 0
-    names = ("m", "s", "t", "q", "z_y") if with_collision else ("m", "s", "t", "z_y")
+    names = ("m", "s") + ("t",) * with_entropy + ("q",) * with_collision + ("z_y",)
 
     def vocab_step(j, carry):
         carry, buf = carry
@@ -294,8 +305,9 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             m = jnp.maximum(old["m"], jnp.max(z, axis=-1))
             scale = jnp.exp(old["m"] - m)
             e = jnp.exp(z - m[..., None])
-            new = {"m": m, "s": old["s"] * scale + jnp.sum(e, axis=-1),
-                   "t": old["t"] * scale + jnp.sum(e * z, axis=-1)}
+            new = {"m": m, "s": old["s"] * scale + jnp.sum(e, axis=-1)}
+            if with_entropy:
+                new["t"] = old["t"] * scale + jnp.sum(e * z, axis=-1)
             i_c = _slice(ids, start, c, 1)
             if with_collision:
                 label = i_c[..., None] == vs + jnp.arange(vc)
@@ -316,32 +328,40 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     out = dict(zip(names, arrays))
     log_z = out["m"] + jnp.log(out["s"])
     collision = out["q"] / (out["s"] * out["s"]) if with_collision else None
-    return log_z, out["t"] / out["s"], collision, out["z_y"], kept
+    e_z = out["t"] / out["s"] if with_entropy else None
+    return log_z, e_z, collision, out["z_y"], kept
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep, layout):
-    """``(log_probs, entropy[, collision_others])`` ``[B, T]``; see ``chunked_log_probs_and_entropy``. Called
-    without differentiation (old log-probs, the sampler) it keeps no logits whatever ``keep`` says."""
+def _stats_outputs(log_z, e_z, collision, z_y) -> tuple:
+    """``(log_probs[, entropy][, collision_others])``: entropy when ``e_z`` was computed, C' when requested."""
+    return (z_y - log_z,) + (() if e_z is None else (log_z - e_z,)) + (() if collision is None else (collision,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _lm_head_stats(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep, layout,
+                   with_entropy):
+    """``(log_probs[, entropy][, C'])`` ``[B, T]`` (``chunked_log_probs_and_entropy``); keeps no logits."""
     log_z, e_z, collision, z_y, _ = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk, with_collision,
-                                                     layout)
-    return (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
+                                                     layout, False, with_entropy)
+    return _stats_outputs(log_z, e_z, collision, z_y)
 
 
 def _lm_head_stats_fwd(h, w, ids, temperature, seq_chunk, vocab_chunk, bwd_vocab_chunk, with_collision, keep,
-                       layout):
+                       layout, with_entropy):
     log_z, e_z, collision, z_y, kept = _lm_head_forward(h, w, ids, temperature, seq_chunk, vocab_chunk,
-                                                        with_collision, layout, keep)
-    outs = (z_y - log_z, log_z - e_z) + ((collision,) if with_collision else ())
-    # residuals: the inputs, three [B, T] statistics and (keep) the [B, T, V] logits
-    return outs, (h, w, ids, temperature, log_z, e_z, collision, kept)
+                                                        with_collision, layout, keep, with_entropy)
+    outs = _stats_outputs(log_z, e_z, collision, z_y)
+    return outs, (h, w, ids, temperature, log_z, e_z, collision, kept)  # (keep) the [B, T, V] logits
 
 
 def _logits_cotangent(z, onehot, lz, ez, glp, gh, cc=None, gc=None):
     """d loss / d z for logits ``z`` (any shape ``[..., V]``; the per-token arguments broadcast against it):
-    ``glp (1[v = y] - p) - gh p (z - E) (+ 2 gc p (p 1[v != y] - C'))`` with ``p = exp(z - lz)``."""
+    ``glp (1[v = y] - p) - gh p (z - E) (+ 2 gc p (p 1[v != y] - C'))`` with ``p = exp(z - lz)`` (no entropy
+    term when ``gh`` is None)."""
     p = jnp.exp(z - lz)
-    dz = glp * (onehot - p) - gh * p * (z - ez)
+    dz = glp * (onehot - p)
+    if gh is not None:
+        dz = dz - gh * p * (z - ez)
     if gc is not None:
         dz = dz + 2.0 * gc * p * (jnp.where(onehot, 0.0, p) - cc)
     return dz
@@ -354,8 +374,7 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
     then added at the ``B * T`` label positions (a scatter-add: no ``[B, T, V]`` one-hot); one ``[B, T, V] x W``
     matmul gives dh and one gives dw, written straight into a result of the weight's layout. bf16 operands take
     the tiled backward instead (on CPU a whole-vocabulary matmul against them would upcast the whole weight).
-    Measured on a 2-core CPU at T=511, V=151,936, D=1,024 (``bench/bench_tunix.py``): about 1.8x faster than
-    the vocabulary-tiled loop, whose many small tiles neither parallelise nor reuse buffers as well.
+    At T=511, V=151,936, D=1,024 on 2 CPU cores about 1.8x faster than the vocabulary-tiled loop.
 
     With ``p = exp(z - lz)`` the cotangent of ``_logits_cotangent`` splits into
     ``-p (glp + gh (z - E)) (+ 2 gc p (p 1[v != y] - C'))`` on every entry and ``glp`` at the label. The collision
@@ -371,15 +390,18 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
     b, t, v = kept.shape
     c = min(seq_chunk, t)
     ragged = t % c != 0
-    g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
-    per_token = (log_z, e_z, g_lp, g_h) + (() if g_c is None else (ids, collision, g_c.astype(acc)))
+    g_lp = g_lp.astype(acc)
+    entropy_terms = () if g_h is None else (e_z, g_h.astype(acc))
+    per_token = (log_z, g_lp) + entropy_terms + (() if g_c is None else (ids, collision, g_c.astype(acc)))
+    n_ent = len(entropy_terms)
 
     def body(k, buf):
         start, row_fresh = _tile(k, c, t, ragged)
         z = _slice(buf, start, c, 1)
-        lz, ez, glp, gh, *coll = (_slice(a, start, c, 1)[..., None] for a in per_token)
+        lz, glp, *rest = (_slice(a, start, c, 1)[..., None] for a in per_token)
+        ent, coll = rest[:n_ent], rest[n_ent:]
         p = jnp.exp(z - lz)
-        dz = -p * (glp + gh * (z - ez))
+        dz = -p * (glp + ent[1] * (z - ent[0])) if ent else -p * glp
         if coll:
             i_c, cc, gc = coll
             dz = dz + 2.0 * gc * p * (jnp.where(i_c == jnp.arange(v), 0.0, p) - cc)
@@ -388,16 +410,16 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
             dlogits = jnp.where(row_fresh[:, None], dlogits, z)
         return _put(buf, dlogits, start, 1)
 
-    dlogits = jax.lax.fori_loop(0, -(-t // c), body, kept)
+    dlogits = body(0, kept) if c == t else jax.lax.fori_loop(0, -(-t // c), body, kept)
     rows = jnp.arange(b)[:, None]
     dlogits = dlogits.at[rows, jnp.arange(t)[None, :], ids].add(g_lp / temperature, unique_indices=True)
     dh = jnp.einsum(f"btv,{layout}->btd", dlogits, w, preferred_element_type=acc)
-    dw = jnp.einsum(f"btd,btv->{layout}", h, dlogits, preferred_element_type=acc)
+    dw = _weight_grad(h, dlogits, layout, acc)
     dtemp = -jnp.sum(h * dh) / temperature
     return dh.astype(h.dtype), dw.astype(w.dtype), None, dtemp.astype(temperature.dtype)
 
 
-def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, res, cts):
+def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, with_entropy, res, cts):
     """Hand-written backward over the same tiles, reading each logits tile from the kept logits (``keep``) or
     recomputing it once.
 
@@ -409,8 +431,9 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, 
     ``[B, T, D]`` (small) accumulates.
     """
     h, w, ids, temperature, log_z, e_z, collision, kept = res
-    g_lp, g_h = cts[0], cts[1]
-    g_c = cts[2] if with_collision else None
+    g_lp = cts[0]
+    g_h = cts[1] if with_entropy else None
+    g_c = cts[-1] if with_collision else None
     acc = _acc_of(h, w)
     if keep and h.dtype == acc and w.dtype == acc:
         return _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g_lp, g_h, g_c, layout,
@@ -420,9 +443,8 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, 
     v = w.shape[v_axis]
     c, vc = seq_chunk, vocab_chunk
     ragged_t, ragged_v = t % c != 0, v % vc != 0
-    g_lp, g_h = g_lp.astype(acc), g_h.astype(acc)
-    per_token = (ids, log_z, e_z, g_lp, g_h) + ((collision, g_c.astype(acc)) if with_collision else ())
-
+    ent = (e_z, g_h.astype(acc)) if with_entropy else ()
+    per_token = (ids, log_z, g_lp.astype(acc)) + ent + ((collision, g_c.astype(acc)) if with_collision else ())
     n_v = -(-v // vc)
 
     def vocab_step(i, carry):
@@ -437,7 +459,8 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, 
             dh, dw_c, dtemp = carry
             ss, row_fresh = _tile(k, c, t, ragged_t)
             h_c = _fenced_slice(h, ss, c, 1)
-            i_c, lz, ez, glp, gh, *coll = (_slice(a, ss, c, 1)[..., None] for a in per_token)
+            i_c, lz, glp, *rest = (_slice(a, ss, c, 1)[..., None] for a in per_token)
+            (ez, gh), coll = (rest[:2], rest[2:]) if with_entropy else ((None, None), rest)
             if keep:
                 z = jax.lax.dynamic_slice(kept, (0, ss, vs), (kept.shape[0], c, vc))
             else:
@@ -452,7 +475,7 @@ def _lm_head_stats_bwd(seq_chunk, _, vocab_chunk, with_collision, keep, layout, 
             dlogits = dz / temperature
             dh_c = jnp.einsum(f"bcv,{layout}->bcd", dlogits, w_c, preferred_element_type=acc)
             dh = _put(dh, _slice(dh, ss, c, 1) + dh_c, ss, 1)
-            dw_c = dw_c + jnp.einsum(f"bcd,bcv->{layout}", h_c, dlogits, preferred_element_type=acc)
+            dw_c = dw_c + _weight_grad(h_c, dlogits, layout, acc)
             return dh, dw_c, dtemp
 
         dw_c = jnp.zeros((vc, d) if layout == "vd" else (d, vc), acc)
@@ -478,6 +501,7 @@ def chunked_log_probs_and_entropy(
     with_collision: bool = False,
     max_saved_logits_bytes: int | None = None,
     weight_layout: str = "dv",
+    calculate_entropy: bool = True,
 ) -> tuple[jax.Array, ...]:
     """Per-token log-probability and entropy from hidden states; ``[B, T, V]`` logits exist only within a budget.
 
@@ -490,20 +514,18 @@ def chunked_log_probs_and_entropy(
     The logits are visited in tiles of ``seq_chunk`` positions x ``vocab_chunk`` vocabulary entries (vocabulary
     tiles outermost, sequence tiles inside, ``lax.fori_loop``), keeping per token a running max, sum of
     exponentials, their z-weighted sum (and sum of squares of the other tokens' probabilities), so the largest
-    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile (and the logits when they are kept, below). The backward is hand-written (``jax.custom_vjp``): it
-    saves the inputs and logZ, E_p[z] (and C') per token, and the float32 logits only when they fit
-    ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once, accumulates the hidden-state
-    gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32 vocabulary tile at a time,
-    written into a result of the weight's own shape, layout and dtype. (Kept logits with float32/float64
-    ``hidden`` and weight: the d logits overwrite the kept logits in place and two whole matmuls give dh and
-    dw; the weight's gradient is then one float32 array in the weight's layout.) A tied head passes the
-    embedding as stored (``[V, D]``, ``weight_layout="vd"``): its tiles are row slices and its gradient is
-    ``[V, D]``, so no transposed copy of the weight or of its gradient exists (Tunix computes
-    ``x @ embedding.T`` the same way). Gradients
-    w.r.t. ``hidden``, ``lm_head_weight`` and ``temperature`` are exact (to float rounding); forward-mode
-    differentiation (``jax.jvp``) is not supported. Neither ``seq_chunk`` nor ``vocab_chunk`` needs to divide
-    its axis: the last tile is shifted back to end at the axis end and its already-visited part is ignored, so
-    no operand is padded or copied.
+    buffer is one ``[B, seq_chunk, vocab_chunk]`` tile (and the logits when they are kept, below). The backward
+    is hand-written (``jax.custom_vjp``): it saves the inputs and logZ, E_p[z] (and C') per token, and the
+    float32 logits only when they fit ``max_saved_logits_bytes``; it reads (or else recomputes) each tile once,
+    accumulates the hidden-state gradient in float32 ``[B, T, D]`` and the head-weight gradient one float32
+    vocabulary tile at a time, written into a result of the weight's own shape, layout and dtype. (Kept logits
+    with float32/float64 ``hidden`` and weight: the d logits overwrite the kept logits in place and two whole
+    matmuls give dh and dw.) A tied head passes the embedding as stored (``[V, D]``, ``weight_layout="vd"``):
+    its tiles are row slices and its gradient is ``[V, D]``, so no transposed copy of the weight or of its
+    gradient exists (as Tunix's ``x @ embedding.T``). Gradients w.r.t. ``hidden``, ``lm_head_weight`` and
+    ``temperature`` are exact (to float rounding); forward-mode differentiation is not supported. Neither chunk
+    needs to divide its axis: the last tile is shifted back to end at the axis end and its already-visited part
+    is ignored, so no operand is padded or copied.
 
     Args:
       hidden: ``[B, T, D]`` float (bf16/f32/f64), the model's final-norm hidden states at the positions that
@@ -521,17 +543,16 @@ def chunked_log_probs_and_entropy(
         relative precision as ``p_y -> 1`` (the collision probability is ``C = C' + exp(2 log_probs)``; the Lemma
         A.1 gradient norm is ``(1 - p)^2 + C'``, ``stapo_jax.algo.diagnostics.gradient_norm_sq``).
       max_saved_logits_bytes: int >= 0 or None (``SAVED_LOGITS_BYTES``, 512 MiB). When differentiated and the
-        logits take ``B * T * V * 4`` bytes (8 for float64) or fewer, the forward keeps them for the backward,
-        which then does no recomputation (2 head matmuls per tile instead of 3, measured by
-        ``bench/profile_update.py``); above it (long sequences) the backward recomputes each tile and no
-        ``[B, T, V]`` buffer exists. 0: always recompute. Values and gradients are the same either way (to float
-        rounding). Without differentiation nothing is kept.
-      weight_layout: "dv" or "vd", the layout of ``lm_head_weight`` (above). Values and gradients are the same
-        either way (to float rounding); the gradient has the weight's layout.
+        logits take ``B * T * V * 4`` bytes (8 for float64) or fewer, the forward keeps them and the backward
+        does no recomputation (2 head matmuls per tile instead of 3); above it the backward recomputes each tile.
+        0: always recompute. Same values and gradients either way (to float rounding).
+      weight_layout: "dv" or "vd", the layout of ``lm_head_weight`` (above; the gradient has it too).
+      calculate_entropy: False skips the entropy (verl ``calculate_entropy``: no ``E_p[z]`` pass, no entropy
+        term in the backward); the entropy slot of the result is then None. Same log-probs and gradients.
 
     Returns:
       ``(log_probs, entropy)`` (or ``(log_probs, entropy, collision_others)``), each ``[B, T]`` float32
-      (float64 for float64 inputs); log-probs and entropy in nats.
+      (float64 for float64 inputs); log-probs and entropy in nats; entropy None without ``calculate_entropy``.
 
     Raises:
       ValueError: on rank/shape mismatches (naming the argument), an unknown ``weight_layout``, non-integer
@@ -568,11 +589,12 @@ def chunked_log_probs_and_entropy(
     b, t, v = hidden.shape[0], hidden.shape[1], lm_head_weight.shape[1 - d_axis]
     if t == 0:
         empty = jnp.zeros((b, 0), acc)
-        return (empty,) * (3 if with_collision else 2)
+        return (empty, empty if calculate_entropy else None) + ((empty,) if with_collision else ())
     c = min(int(seq_chunk), t)
     vc = v if vocab_chunk is None else min(int(vocab_chunk), v)
     vc_bwd = min(BACKWARD_VOCAB_CHUNK if vocab_chunk is None else int(vocab_chunk), v)
     keep = b * t * v * jnp.dtype(acc).itemsize <= budget
     temp = jnp.asarray(temperature, acc)
-    return _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
-                          bool(with_collision), bool(keep), weight_layout)
+    outs = _lm_head_stats(hidden, lm_head_weight, token_ids.astype(jnp.int32), temp, c, vc, vc_bwd,
+                          bool(with_collision), bool(keep), weight_layout, bool(calculate_entropy))
+    return outs if calculate_entropy else (outs[0], None) + outs[1:]

@@ -26,7 +26,8 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
                                    *, temperature: float = 1.0, seq_chunk: int = 512,
                                    vocab_chunk: Optional[int] = None, packing: Optional[PackedLayout] = None,
                                    packing_shards: Optional[int] = None,
-                                   lm_head_positions: str = "auto") -> tuple[jax.Array, jax.Array]:
+                                   lm_head_positions: str = "auto",
+                                   calculate_entropy: bool = True) -> tuple[jax.Array, Optional[jax.Array]]:
     """Log-prob and entropy of each response token under ``model`` (see ``stapo_jax.train.batching`` for the layout).
 
     Args:
@@ -46,8 +47,11 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
         only give the shapes.
       lm_head_positions: where a packed batch runs the LM head: "packed" (every packed position), "response"
         (the [B, R] response positions) or "auto" (the fewer of the two; same values either way).
+      calculate_entropy: False skips the entropy pass (verl ``calculate_entropy``; SFT and losses without an
+        entropy term); entropy is then None.
     Returns:
-      (log_probs, entropy): [B, R] float32 each, in nats; padding columns hold finite values that callers mask.
+      (log_probs, entropy): [B, R] float32 each, in nats (entropy None without ``calculate_entropy``); padding
+      columns hold finite values that callers mask.
     Raises:
       ValueError: ``response_length`` not in [1, T-1]; ConfigError (a ValueError): ``lm_head_positions`` not
         one of the three.
@@ -58,11 +62,11 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
         raise ValueError(f"response_length={response_length} must be in [1, {t - 1}] for sequences of {t} tokens")
     p = t - response_length
     w, layout = model.lm_head_weight_and_layout()
+    head = functools.partial(chunked_log_probs_and_entropy, temperature=temperature, seq_chunk=seq_chunk,
+                             vocab_chunk=vocab_chunk, weight_layout=layout, calculate_entropy=calculate_entropy)
     if packing is None:
         hidden, _ = model(input_ids, attention_mask)
-        return chunked_log_probs_and_entropy(hidden[:, p - 1:t - 1], w, input_ids[:, p:], temperature=temperature,
-                                             seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
-                                             weight_layout=layout)
+        return head(hidden[:, p - 1:t - 1], w, input_ids[:, p:])
     hidden, _ = model(packing.input_ids, packing.attention_mask, positions=packing.positions,
                       segment_ids=packing.segment_ids)
     shards = packing.num_shards if packing_shards is None else packing_shards
@@ -73,13 +77,9 @@ def response_log_probs_and_entropy(model, input_ids: jax.Array, attention_mask: 
         # the [B, R] positions that predict response tokens only (as HF's ``logits_to_keep``); padding columns
         # read position 0 of their block and get a zero cotangent from the masked loss
         pick = functools.partial(gather_response_values, response_index=packing.response_index, num_shards=shards)
-        return chunked_log_probs_and_entropy(pick(hidden), w, pick(packing.next_token_ids),
-                                             temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
-                                             weight_layout=layout)
+        return head(pick(hidden), w, pick(packing.next_token_ids))
     # [M, L] per packed position; positions no response column reads (prompt, padding) hold finite values
     # (attention outputs at padding are finite) and get a zero cotangent from the gather
-    lp, ent = chunked_log_probs_and_entropy(hidden, w, packing.next_token_ids, temperature=temperature,
-                                            seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
-                                            weight_layout=layout)
+    lp, ent = head(hidden, w, packing.next_token_ids)
     return (gather_response_values(lp, packing.response_index, shards),
-            gather_response_values(ent, packing.response_index, shards))
+            None if ent is None else gather_response_values(ent, packing.response_index, shards))

@@ -49,7 +49,7 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
     def loss_fn(p):
         model = nnx.merge(graphdef, p)
         lp, _ = response_log_probs_and_entropy(model, input_ids, attention_mask, response_length,
-                                               seq_chunk=seq_chunk)
+                                               seq_chunk=seq_chunk, calculate_entropy=False)
         m = response_mask.astype(jnp.float32)
         n = m.sum()
         return -(lp * m).sum() / jnp.maximum(n, 1.0), n
