@@ -1,11 +1,14 @@
-# Two entry points, both safe on a fresh machine: they create .venv and install everything first.
-#   make run   - the main job (configs/tiny_cpu.yaml)
-#   make test  - the whole test suite
+# Entry points, all safe on a fresh machine: they create .venv and install what they need first.
+#   make run        - the main job (configs/tiny_cpu.yaml); installs the runtime packages only
+#   make test       - the whole test suite (what CI runs); adds the test extras and torch
+#   make test-quick - a small, fast subset of the tests (losses, masks, config, model), verbose; not what CI runs
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+QUICK_TESTS := tests/test_advantages.py tests/test_masks.py tests/test_objectives.py tests/test_logprobs.py \
+	tests/test_diagnostics.py tests/test_passk.py tests/test_config.py tests/test_qwen3.py
 
-.PHONY: run test setup setup-test
+.PHONY: run test test-quick setup setup-test
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
@@ -27,3 +30,6 @@ run: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q tests
+
+test-quick: setup-test
+	$(BIN)/python -m pytest -v $(QUICK_TESTS)
