@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     ge_o = np.asarray(g_o["embed_tokens"]["embedding"][...])
     ge_t = np.asarray(g_t["embedder"]["input_embedding"][...])
     gdiff, gscale = float(np.abs(ge_o - ge_t).max()), float(np.abs(ge_t).max())
-    temps = {"ours": c_ours, "ours + entropy": c_ent, "tunix": c_tunix} | ({"ours, head recompute": c_rec} if not a.no_recompute_side else {})
+    temps = {"ours": c_ours, "ours + entropy": c_ent, "tunix": c_tunix}
+    temps |= {} if a.no_recompute_side else {"ours, head recompute": c_rec}
     print(f"loss ours {float(l_o):.7f} vs Tunix {float(l_t):.7f} (|diff| {abs(float(l_o) - float(l_t)):.1e}); "
           f"d loss / d embedding: max |diff| {gdiff:.2e} (max |grad| {gscale:.2e}); compile "
           + ", ".join(f"{k} {s:.1f}s" for k, s in compile_s.items()) + "; XLA temporaries "
