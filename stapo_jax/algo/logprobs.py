@@ -391,17 +391,16 @@ def _kept_logits_backward(h, w, ids, temperature, log_z, e_z, collision, kept, g
     c = min(seq_chunk, t)
     ragged = t % c != 0
     g_lp = g_lp.astype(acc)
-    entropy_terms = () if g_h is None else (e_z, g_h.astype(acc))
-    per_token = (log_z, g_lp) + entropy_terms + (() if g_c is None else (ids, collision, g_c.astype(acc)))
-    n_ent = len(entropy_terms)
+    ent = () if g_h is None else (e_z, g_h.astype(acc))
+    per_token = (log_z, g_lp) + ent + (() if g_c is None else (ids, collision, g_c.astype(acc)))
 
     def body(k, buf):
         start, row_fresh = _tile(k, c, t, ragged)
         z = _slice(buf, start, c, 1)
         lz, glp, *rest = (_slice(a, start, c, 1)[..., None] for a in per_token)
-        ent, coll = rest[:n_ent], rest[n_ent:]
+        (ez, gh), coll = (rest[:2], rest[2:]) if ent else ((None, None), rest)
         p = jnp.exp(z - lz)
-        dz = -p * (glp + ent[1] * (z - ent[0])) if ent else -p * glp
+        dz = -p * (glp if gh is None else glp + gh * (z - ez))
         if coll:
             i_c, cc, gc = coll
             dz = dz + 2.0 * gc * p * (jnp.where(i_c == jnp.arange(v), 0.0, p) - cc)
