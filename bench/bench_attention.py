@@ -1,5 +1,7 @@
-"""Attention forward + backward: blockwise (flash-style, models.attention) vs XLA (materialised [N, T, T]
-scores), both sides in one run.
+"""Attention forward + backward: blockwise (flash-style, models.attention) vs our xla implementation (materialised
+scores in causal query blocks, ``models.attention.xla_attention``) vs ``jax.nn.dot_product_attention(implementation=
+"xla")`` with the same boolean segment mask (materialised [N, T, T] scores; the ``xla`` path before the query
+blocks), all sides in one run.
 
 Memory: for each T the jitted ``value_and_grad`` of ``sum(attention(q, k, v) * w)`` over q, k, v is compiled
 (``jax.jit(...).lower(...).compile()``) and ``compiled.memory_analysis().temp_size_in_bytes`` (XLA's buffer
@@ -7,8 +9,9 @@ assignment: every temporary, arguments and outputs excluded) is printed for both
 ratios: blockwise T / blockwise 2K (linear growth would be T / 2K) and blockwise / xla at each T. Nothing is
 run for the memory rows, so T = 16K compiles on any machine.
 
-Time: at ``--time-t`` (default 2048) both functions run interleaved (a, b, a, b, ...) ``--repeats`` times after
-one warm-up call each; median and min..max seconds and the ratio blockwise / xla of medians. The machine
+Time: at each ``--time-t`` (default 2048) the three functions run interleaved (a, b, c, a, ...) ``--repeats``
+times after one warm-up call each; median and min..max milliseconds, the ratios blockwise / xla and jax.nn /
+xla of medians (> 1: xla faster), and the largest relative gradient difference to jax.nn. The machine
 (backend, device, CPU count) and the 1-minute load average before and after are printed.
 
 Shapes: batch 1, causal, one packed row of 2 sequences plus left padding (segment ids), GQA with few heads so
@@ -16,6 +19,8 @@ compile stays fast. fp32 by default.
 
     .venv/bin/python bench/bench_attention.py                       # T = 2K, 4K, 8K, 16K; time at 2K
     .venv/bin/python bench/bench_attention.py --lengths 2048 --repeats 3   # quick
+    .venv/bin/python bench/bench_attention.py --heads 16 --kv-heads 8 --head-dim 128 --lengths 512 \
+        --time-t 256 512 1024                                       # Qwen3-0.6B heads at training lengths
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from benchutil import interleaved, load_line, machine_line, median  # noqa: E402
 
-from models.attention import dot_product_attention  # noqa: E402
+from models.attention import dot_product_attention, segment_mask  # noqa: E402
 
 
 def make_inputs(t: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: int = 0):
@@ -51,9 +56,14 @@ def make_inputs(t: int, heads: int, kv_heads: int, head_dim: int, dtype, seed: i
 
 
 def fwd_bwd(impl: str, block: int):
-    """jit of (q, k, v, w, seg) -> (loss, (dq, dk, dv)) for one implementation."""
+    """jit of (q, k, v, w, seg) -> (loss, (dq, dk, dv)) for one implementation (``"jax.nn"``: JAX's own xla
+    attention with :func:`models.attention.segment_mask`)."""
     def loss(q, k, v, w, seg):
-        return jnp.sum(dot_product_attention(q, k, v, seg, implementation=impl, block_size=block) * w)
+        if impl == "jax.nn":
+            out = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg), implementation="xla")
+        else:
+            out = dot_product_attention(q, k, v, seg, implementation=impl, block_size=block)
+        return jnp.sum(out * w)
 
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
@@ -71,7 +81,7 @@ def main(argv=None) -> dict:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block", type=int, default=512)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--time-t", type=int, default=2048, help="T of the timing run; 0 = no timing")
+    p.add_argument("--time-t", type=int, nargs="+", default=[2048], help="T of the timing runs; 0 = no timing")
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -88,20 +98,22 @@ def main(argv=None) -> dict:
         first = rows[a.lengths[0]][1]
         print(f"{t:>6} {x / 2**20:>12.1f} {b / 2**20:>13.2f} {b / x:>8.4f} {b / first:>14.2f}")
     out = {"temp_bytes": rows}
-    if a.time_t:
-        args = make_inputs(a.time_t, a.heads, a.kv_heads, a.head_dim, dtype)
-        fx, fb = fwd_bwd("xla", a.block), fwd_bwd("blockwise", a.block)
-        ref, got = fx(*args), fb(*args)
-        err = max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(got[1], ref[1]))
-        times = interleaved({"blockwise": lambda: jax.block_until_ready(fb(*args)),
-                             "xla": lambda: jax.block_until_ready(fx(*args))}, a.repeats)
-        tb, tx = times["blockwise"], times["xla"]
-        mb, mx = median(tb), median(tx)
-        print(f"time fwd+bwd at T={a.time_t} ({a.repeats} interleaved repeats): blockwise median {mb * 1e3:.1f} ms "
-              f"[{min(tb) * 1e3:.1f}..{max(tb) * 1e3:.1f}], xla median {mx * 1e3:.1f} ms "
-              f"[{min(tx) * 1e3:.1f}..{max(tx) * 1e3:.1f}]; blockwise/xla = {mb / mx:.2f}; "
-              f"max rel grad diff {err:.1e}")
-        out["time"] = (mb, mx)
+    out["time"] = {}
+    for t in [t for t in a.time_t if t]:
+        args = make_inputs(t, a.heads, a.kv_heads, a.head_dim, dtype)
+        fns = {name: fwd_bwd(name, a.block) for name in ("blockwise", "xla", "jax.nn")}
+        ref = fns["jax.nn"](*args)
+        err = {name: max(float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) for g, r in zip(f(*args)[1], ref[1]))
+               for name, f in fns.items() if name != "jax.nn"}
+        times = interleaved({name: (lambda f=f: jax.block_until_ready(f(*args))) for name, f in fns.items()},
+                            a.repeats)
+        med = {name: median(ts) for name, ts in times.items()}
+        spread = ", ".join(f"{name} {med[name] * 1e3:.1f} ms [{min(ts) * 1e3:.1f}..{max(ts) * 1e3:.1f}]"
+                           for name, ts in times.items())
+        print(f"time fwd+bwd at T={t} ({a.repeats} interleaved repeats, median [min..max]): {spread}; "
+              f"blockwise/xla = {med['blockwise'] / med['xla']:.2f}, jax.nn/xla = {med['jax.nn'] / med['xla']:.2f}; "
+              f"max rel grad diff to jax.nn: xla {err['xla']:.1e}, blockwise {err['blockwise']:.1e}")
+        out["time"][t] = med
     print(load_line("at end"))
     return out
 

@@ -15,8 +15,9 @@ unspecified; callers mask them out.
 
 Implementations (``IMPLEMENTATIONS``):
 
-* ``xla``: ``jax.nn.dot_product_attention(implementation="xla")`` with a ``[B, 1, T, T]`` boolean mask;
-  materialises ``[B, N, T, T]`` float32 logits. The reference.
+* ``xla``: materialised float32 logits and a plain softmax, as ``jax.nn.dot_product_attention(implementation=
+  "xla")`` with a ``[B, 1, T, T]`` boolean mask, in static query blocks that skip the keys after them
+  (:func:`xla_attention`; about half the ``T²`` logits when causal). The reference.
 * ``blockwise``: flash-style attention in pure JAX (Dao et al. 2022, FlashAttention, Alg. 1/2): an outer
   loop over query blocks, an online softmax over key blocks up to the diagonal, and a ``jax.custom_vjp``
   whose backward recomputes each block's probabilities from the saved log-sum-exp, so forward + backward
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "splash", "auto")
 DEFAULT_BLOCK = 512  # query/key block of the blockwise kernel (tokens)
 _NEG = -1e30  # masked logit for the blockwise kernel (finite: no inf - inf)
+XLA_QUERY_BLOCK = 128  # query block of the xla implementation (tokens; fastest at T=512..1024 on CPU)
+XLA_MAX_QUERY_BLOCKS = 16  # the xla implementation unrolls at most this many query blocks
 _LOGGED: set = set()
 
 
@@ -152,8 +155,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     segment_ids = segment_ids.astype(jnp.int32)
     if impl == "xla":
-        return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids, causal), scale=scale,
-                                            implementation="xla")
+        return xla_attention(q, k, v, segment_ids, scale=scale, causal=causal)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segment_ids, False), scale=scale,
                                             is_causal=causal, implementation="cudnn")
@@ -163,6 +165,52 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids:
         return splash_attention(q, k, v, segment_ids, scale=scale, causal=causal, block_size=block_size,
                                 interpret=interpret)
     return blockwise_attention(q, k, v, segment_ids, scale=scale, causal=causal, block_size=block_size)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float,
+                  causal: bool = True, query_block: int = XLA_QUERY_BLOCK) -> jax.Array:
+    """Masked attention with materialised logits, split into static query blocks that skip the keys after them.
+
+    Query block ``[i0, i1)`` scores only keys ``[0, i1)`` when ``causal`` (the later keys are masked for every
+    one of its queries), so the causal logits cost about half of ``T²``; one block of all T when not causal or
+    T <= ``query_block``. The block is ``max(query_block, ceil(T / XLA_MAX_QUERY_BLOCKS))`` tokens (at most 16
+    unrolled blocks, so compile time stays bounded). Each block is a plain softmax over its visible keys in
+    float32 with the GQA query heads of a KV head stacked into one ``[G·block, H] x [H, keys]`` product per
+    KV head (no repeated K/V). Values equal ``jax.nn.dot_product_attention(implementation="xla")`` with
+    :func:`segment_mask` (the same terms summed; masked keys add exactly 0); autodiff gives the backward.
+    Measured (``bench/bench_attention.py``, fp32, 16 query / 8 KV heads of 128, one 2-core CPU): forward +
+    backward at T=512 about 1.7x faster than ``jax.nn``'s, and at T=1024 1.9x.
+
+    Args: q [B, T, N, H]; k, v [B, T, Nkv, H] in q's dtype; segment_ids [B, T] int32 (0 = padding); scale
+    (float); causal; query_block (tokens, > 0).
+    Returns [B, T, N, H] in q's dtype; queries with no visible key (padding) get finite, unspecified values.
+    Memory: the saved probabilities are float32 ``[B, N, block, keys]`` per block, about ``B·N·T²/2`` in all
+    when causal. Raises: AttentionError: ``query_block`` <= 0. Source: ``jax.nn.dot_product_attention``'s
+    xla path; the causal block skipping of FlashAttention (Dao et al., 2022) without its online softmax.
+    """
+    if query_block <= 0:
+        raise AttentionError(f"attention query_block={query_block} must be positive")
+    b, t, n, h = q.shape
+    nkv = k.shape[2]
+    g = n // nkv
+    block = max(int(query_block), -(-t // XLA_MAX_QUERY_BLOCKS)) if causal else t
+    mask = segment_mask(segment_ids, causal)[:, 0]                    # [B, T, T]
+    kh = jnp.swapaxes(k, 1, 2)                                        # [B, Nkv, T, H]
+    vh = jnp.swapaxes(v, 1, 2)
+    outs = []
+    for i0 in range(0, t, block):
+        i1 = min(t, i0 + block)
+        keys = i1 if causal else t
+        bq = i1 - i0
+        # [B, bq, Nkv, G, H] -> [B, Nkv, G·bq, H]: query head n = (kv head n // G, member n % G)
+        qi = q[:, i0:i1].reshape(b, bq, nkv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * bq, h)
+        s = jnp.einsum("bkqh,bksh->bkqs", qi, kh[:, :, :keys], preferred_element_type=jnp.float32) * scale
+        s = s.reshape(b, nkv, g, bq, keys)
+        s = jnp.where(mask[:, None, None, i0:i1, :keys], s, _NEG)
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype).reshape(b, nkv, g * bq, keys)
+        o = jnp.einsum("bkqs,bksh->bkqh", p, vh[:, :, :keys], preferred_element_type=jnp.float32)
+        outs.append(o.astype(q.dtype).reshape(b, nkv, g, bq, h).transpose(0, 3, 1, 2, 4).reshape(b, bq, n, h))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def pad_to_block(t: int, block_size: int) -> tuple[int, int]:

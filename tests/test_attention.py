@@ -10,7 +10,8 @@ import torch
 from flax import nnx
 
 from fixtures_hf import hf_logits, hf_tied, padded_batch  # noqa: F401 (fixtures)
-from models.attention import AttentionError, block_ranges, dot_product_attention, resolve_implementation
+from models.attention import (AttentionError, block_ranges, dot_product_attention, resolve_implementation,
+                              segment_mask, xla_attention)
 from models.decode import greedy_generate
 from models.hf import load_hf_checkpoint
 from models.qwen3 import ConfigError, Qwen3, Qwen3Config
@@ -75,6 +76,52 @@ def test_attention_matches_xla_reference_values_and_gradients(impl, kw, heads):
     alone = dot_product_attention(q[3:4, 11:20], k[3:4, 11:20], v[3:4, 11:20], jnp.ones((1, 9), jnp.int32),
                                   implementation="xla")
     assert _rel(out[3, 11:20], alone[0]) <= REL
+
+
+@pytest.mark.parametrize("query_block,causal,heads", [
+    (8, True, (4, 2)),      # 5 query blocks, the last one ragged (37 = 4 x 8 + 5); GQA
+    (5, True, (4, 1)),      # 8 blocks of 5 (the last of 2); MQA
+    (37, True, (2, 2)),     # one block of all T
+    (8, False, (4, 2)),     # not causal: one block over every key
+])
+def test_xla_query_blocks_equal_jax_nn_attention_in_values_and_gradients(query_block, causal, heads):
+    """xla_attention's causal query blocks (each scoring only the keys up to its end) = jax.nn's xla attention
+    with the full [B, 1, T, T] segment mask, on padded and packed rows, values and gradients."""
+    seg = _segments()
+    q, k, v, w = _inputs(*heads, seed=5)
+    real = (seg > 0)[:, :, None, None]
+
+    def ours(q, k, v):
+        out = xla_attention(q, k, v, seg, scale=0.3, causal=causal, query_block=query_block)
+        return jnp.sum(out * w * real), out
+
+    def ref(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg, causal), scale=0.3, implementation="xla")
+        return jnp.sum(out * w * real), out
+
+    (val, out), grads = jax.value_and_grad(ours, (0, 1, 2), has_aux=True)(q, k, v)
+    (ref_val, ref_out), ref_grads = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(q, k, v)
+    mask = np.asarray(seg) > 0
+    assert abs(float(val - ref_val)) <= REL * float(jnp.sum(jnp.abs(ref_out * w)[mask]))
+    assert _rel(out[mask], ref_out[mask]) <= REL
+    for g, r in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(r))) > 0.1
+        assert _rel(g, r) <= REL
+    assert bool(jnp.all(jnp.isfinite(out)))                        # padding queries: finite
+    with pytest.raises(AttentionError, match="query_block=0"):
+        xla_attention(q, k, v, seg, scale=0.3, query_block=0)
+
+
+def test_xla_attention_unrolls_at_most_the_maximum_number_of_query_blocks():
+    """T = 64 with query_block 1 would be 64 blocks; the block grows to ceil(T / 16) = 4 tokens instead, so the
+    traced program holds 16 blocks (two dots each), and the result still equals the one-block run."""
+    seg = jnp.ones((1, 64), jnp.int32)
+    q, k, v, _ = _inputs(2, 1, t=64)
+    q, k, v = q[:1], k[:1], v[:1]
+    jaxpr = jax.make_jaxpr(lambda q, k, v: xla_attention(q, k, v, seg, scale=0.5, query_block=1))(q, k, v)
+    assert sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) == 2 * 16
+    one = xla_attention(q, k, v, seg, scale=0.5, query_block=64)
+    assert _rel(xla_attention(q, k, v, seg, scale=0.5, query_block=1), one) <= REL
 
 
 def test_blockwise_skips_key_blocks_outside_the_segments_and_stays_exact():
