@@ -257,13 +257,22 @@ def _block_mask(seg_q, seg_k, q0, k0, causal):
     return m[:, None, None]
 
 
-def _slice(x, i, block):
-    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
+def _slice(x, i, block, axis=1):
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
 
 
 def _scores(qi, kj, scale):
-    """qi [B, bq, K, G, H], kj [B, bk, K, H] -> float32 [B, K, G, bq, bk]."""
-    return jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    """qi [B, K, G, bq, H], kj [B, K, bk, H] -> float32 [B, K, G, bq, bk]."""
+    return jnp.einsum("bkgqh,bksh->bkgqs", qi, kj, preferred_element_type=jnp.float32) * jnp.float32(scale)
+
+
+def _heads_major(q, k, v):
+    """q [B, T, N, H] -> [B, K, G, T, H]; k, v [B, T, K, H] -> [B, K, T, H]: each block's products then read
+    contiguous rows (one transpose per call instead of one per block pair)."""
+    b, t, n, h = q.shape
+    nkv = k.shape[2]
+    qh = q.reshape(b, t, nkv, n // nkv, h).transpose(0, 2, 3, 1, 4)
+    return qh, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
 
 def block_ranges(seg: jax.Array, block: int, causal: bool) -> tuple[jax.Array, ...]:
@@ -305,26 +314,27 @@ def block_ranges(seg: jax.Array, block: int, causal: bool) -> tuple[jax.Array, .
 
 
 def _forward(q, k, v, seg, scale, block, causal):
+    """Output [B, T, N, H] and the float32 log-sum-exp [B, K, G, T] of every query."""
     b, t, n, h = q.shape
     nkv = k.shape[2]
     g = n // nkv
     nb = t // block
-    qg = q.reshape(b, t, nkv, g, h)
+    qh, kh, vh = _heads_major(q, k, v)
     kv_lo, kv_hi, _, _ = block_ranges(seg, block, causal)
 
     def q_block(i):
-        qi, sq = _slice(qg, i, block), _slice(seg, i, block)
+        qi, sq = _slice(qh, i, block, 3), _slice(seg, i, block)
 
         def kv_step(j, carry):
             m, l, acc = carry
-            kj, vj, sk = _slice(k, j, block), _slice(v, j, block), _slice(seg, j, block)
+            kj, vj, sk = _slice(kh, j, block, 2), _slice(vh, j, block, 2), _slice(seg, j, block)
             mask = _block_mask(sq, sk, i * block, j * block, causal)
             s = jnp.where(mask, _scores(qi, kj, scale), _NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
             l = l * corr + p.sum(-1)
-            pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
             return m_new, l, acc * corr[..., None] + pv
 
         init = (jnp.full((b, nkv, g, block), _NEG, jnp.float32), jnp.zeros((b, nkv, g, block), jnp.float32),
@@ -332,11 +342,11 @@ def _forward(q, k, v, seg, scale, block, causal):
         m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i] + 1, kv_step, init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), 0.0)
-        return o.astype(q.dtype).transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)  # [B,bq,K,G,H], [B,bq,K,G]
+        return o.astype(q.dtype), lse                                  # [B,K,G,bq,H], [B,K,G,bq]
 
-    o, lse = jax.lax.map(q_block, jnp.arange(nb))  # [nb, B, bq, ...]
-    o = jnp.moveaxis(o, 0, 1).reshape(b, t, n, h)
-    lse = jnp.moveaxis(lse, 0, 1).reshape(b, t, nkv, g)
+    o, lse = jax.lax.map(q_block, jnp.arange(nb))                      # [nb, B, K, G, bq, ...]
+    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, n, h)
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, nkv, g, t)
     return o, lse
 
 
@@ -356,40 +366,41 @@ def _flash_bwd(scale, block, causal, res, do):
     nkv = k.shape[2]
     g = n // nkv
     nb = t // block
-    qg = q.reshape(b, t, nkv, g, h)
-    dog = do.reshape(b, t, nkv, g, h)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, nkv, g)
+    qh, kh, vh = _heads_major(q, k, v)
+    doh = _heads_major(do, k, v)[0]
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1).reshape(b, t, nkv, g).transpose(0, 2, 3, 1)
     _, _, q_lo, q_hi = block_ranges(seg, block, causal)
 
     def kv_block(j, carry):
         dq, dk, dv = carry
-        kj, vj, sk = _slice(k, j, block), _slice(v, j, block), _slice(seg, j, block)
+        kj, vj, sk = _slice(kh, j, block, 2), _slice(vh, j, block, 2), _slice(seg, j, block)
 
         def q_step(i, c):
             dq, dkj, dvj = c
-            qi, doi, sq = _slice(qg, i, block), _slice(dog, i, block), _slice(seg, i, block)
-            lse_i = _slice(lse, i, block).transpose(0, 2, 3, 1)[..., None]  # [B,K,G,bq,1]
-            delta_i = _slice(delta, i, block).transpose(0, 2, 3, 1)[..., None]
+            qi, doi, sq = _slice(qh, i, block, 3), _slice(doh, i, block, 3), _slice(seg, i, block)
+            lse_i = _slice(lse, i, block, 3)[..., None]                # [B,K,G,bq,1]
+            delta_i = _slice(delta, i, block, 3)[..., None]
             mask = _block_mask(sq, sk, i * block, j * block, causal)
             p = jnp.where(mask, jnp.exp(_scores(qi, kj, scale) - lse_i), 0.0)
-            dvj = dvj + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), doi, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bqkgh,bskh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+            dvj = dvj + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), doi, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgqh,bksh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_i) * jnp.float32(scale)
-            dqi = jnp.einsum("bkgqs,bskh->bqkgh", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32)
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block) + dqi, i * block, axis=1)
-            dkj = dkj + jnp.einsum("bkgqs,bqkgh->bskh", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32)
+            dqi = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32)
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i, block, 3) + dqi, i * block, axis=3)
+            dkj = dkj + jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32)
             return dq, dkj, dvj
 
-        zero = jnp.zeros((b, block, nkv, h), jnp.float32)
+        zero = jnp.zeros((b, nkv, block, h), jnp.float32)
         dq, dkj, dvj = jax.lax.fori_loop(q_lo[j], q_hi[j] + 1, q_step, (dq, zero, zero))
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * block, axis=1)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * block, axis=1)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * block, axis=2)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * block, axis=2)
         return dq, dk, dv
 
-    init = (jnp.zeros((b, t, nkv, g, h), jnp.float32), jnp.zeros((b, t, nkv, h), jnp.float32),
-            jnp.zeros((b, t, nkv, h), jnp.float32))
+    init = (jnp.zeros((b, nkv, g, t, h), jnp.float32), jnp.zeros((b, nkv, t, h), jnp.float32),
+            jnp.zeros((b, nkv, t, h), jnp.float32))
     dq, dk, dv = jax.lax.fori_loop(0, nb, kv_block, init)
-    return dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return dq.astype(q.dtype), jnp.swapaxes(dk, 1, 2).astype(k.dtype), jnp.swapaxes(dv, 1, 2).astype(v.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
