@@ -1,4 +1,5 @@
 """Packing (verl layout), the policy's response log-probs, and the optimizer schedule."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -8,7 +9,7 @@ from flax import nnx
 from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
-from stapo_jax.train.optim import make_optimizer
+from stapo_jax.train.optim import clip_by_global_norm, make_optimizer
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
 
@@ -62,3 +63,35 @@ def test_optimizer_warmup_schedule_and_clipping():
         make_optimizer(0.0)
     with pytest.raises(ValueError, match="clip_grad"):
         make_optimizer(1e-3, clip_grad=0.0)
+
+
+
+def test_clip_by_global_norm_multiplies_by_one_factor_like_optax_and_keeps_its_state():
+    """Our clip (a scalar factor, fused into the Adam moments by XLA) = optax's clip_by_global_norm: bitwise below
+    the threshold, within one rounding above it; the same EmptyState, so AdamW's opt_state tree is unchanged;
+    and a few AdamW steps of make_optimizer follow optax's own chain."""
+    g = np.random.default_rng(0)
+    tree = {"a": jnp.asarray(g.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(g.normal(size=7), jnp.float32)}
+    norm = float(optax.tree.norm(tree))
+    for max_norm in (norm * 2, norm / 3):
+        ours = clip_by_global_norm(max_norm).update(tree, optax.EmptyState())[0]
+        ref = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())[0]
+        for k in tree:
+            if max_norm > norm:
+                np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(tree[k]))
+            np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(ref[k]), rtol=1e-6)
+    assert float(optax.tree.norm(ours)) == pytest.approx(norm / 3, rel=1e-6)
+    opt = make_optimizer(1e-2, warmup_steps=2, weight_decay=0.1, clip_grad=0.5)
+    ref_opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(optax.linear_schedule(0.0, 1e-2, 2),
+                                                                        weight_decay=0.1))
+    p, rp = tree, tree
+    s, rs = opt.init(p), ref_opt.init(rp)
+    assert jax.tree.structure(s) == jax.tree.structure(rs)
+    for step in range(4):
+        grads = jax.tree.map(lambda x: x * (step + 1.0) + 0.5, p)
+        u, s = opt.update(grads, s, p)
+        ru, rs = ref_opt.update(jax.tree.map(lambda x: x * (step + 1.0) + 0.5, rp), rs, rp)
+        p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
+    for k in tree:
+        assert float(jnp.max(jnp.abs(p[k] - tree[k]))) > 1e-3              # it moved
+        np.testing.assert_allclose(np.asarray(p[k]), np.asarray(rp[k]), rtol=1e-5, atol=1e-7)
