@@ -55,6 +55,18 @@ def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+def _assert_close_to_reference(got, ref, seg, w):
+    """(value, output, grads) of an implementation vs the reference's: the value within REL of the weighted output's
+    magnitude, the outputs at real queries and every gradient within REL (and the gradients far from zero)."""
+    (val, out, grads), (ref_val, ref_out, ref_grads) = got, ref
+    real = np.asarray(seg) > 0
+    assert abs(float(val - ref_val)) <= REL * float(jnp.sum(jnp.abs(ref_out * w)[real]))
+    assert _rel(out[real], ref_out[real]) <= REL
+    for g, r in zip(grads, ref_grads):
+        assert float(jnp.max(jnp.abs(r))) > 0.1
+        assert _rel(g, r) <= REL
+
+
 @pytest.mark.parametrize("impl,kw,heads", [
     ("blockwise", dict(block_size=8), (4, 2)),      # GQA, 5 blocks with a padded tail block
     ("blockwise", dict(block_size=16), (4, 1)),     # MQA
@@ -64,14 +76,9 @@ def _rel(a, b):
 def test_attention_matches_xla_reference_values_and_gradients(impl, kw, heads):
     seg = _segments()
     q, k, v, w = _inputs(*heads)
-    ref_val, ref_out, ref_grads = _value_and_grads("xla", q, k, v, w, seg)
+    ref = _value_and_grads("xla", q, k, v, w, seg)
     val, out, grads = _value_and_grads(impl, q, k, v, w, seg, **kw)
-    real = np.asarray(seg) > 0
-    assert abs(float(val - ref_val)) <= REL * float(jnp.sum(jnp.abs(ref_out * w)[real]))
-    assert _rel(out[real], ref_out[real]) <= REL
-    for g, r in zip(grads, ref_grads):
-        assert float(jnp.max(jnp.abs(r))) > 0.1
-        assert _rel(g, r) <= REL
+    _assert_close_to_reference((val, out, grads), ref, seg, w)
     # packing = running each sequence alone: row 3's second sequence attends to nothing outside itself
     alone = dot_product_attention(q[3:4, 11:20], k[3:4, 11:20], v[3:4, 11:20], jnp.ones((1, 9), jnp.int32),
                                   implementation="xla")
@@ -101,12 +108,7 @@ def test_xla_query_blocks_equal_jax_nn_attention_in_values_and_gradients(query_b
 
     (val, out), grads = jax.value_and_grad(ours, (0, 1, 2), has_aux=True)(q, k, v)
     (ref_val, ref_out), ref_grads = jax.value_and_grad(ref, (0, 1, 2), has_aux=True)(q, k, v)
-    mask = np.asarray(seg) > 0
-    assert abs(float(val - ref_val)) <= REL * float(jnp.sum(jnp.abs(ref_out * w)[mask]))
-    assert _rel(out[mask], ref_out[mask]) <= REL
-    for g, r in zip(grads, ref_grads):
-        assert float(jnp.max(jnp.abs(r))) > 0.1
-        assert _rel(g, r) <= REL
+    _assert_close_to_reference((val, out, grads), (ref_val, ref_out, ref_grads), seg, w)
     assert bool(jnp.all(jnp.isfinite(out)))                        # padding queries: finite
     with pytest.raises(AttentionError, match="query_block=0"):
         xla_attention(q, k, v, seg, scale=0.3, query_block=0)
