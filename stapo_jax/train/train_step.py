@@ -259,7 +259,7 @@ def make_train_step(
         # product stays materialised: it is an operand of the branch; computing it inside the branch made XLA copy
         # the branch's operands, 8.6 -> 11.9 s per Qwen3-0.6B update, bench/bench_update.py --preset qwen3-0.6b.)
         inv_den = safe_divide(jnp.ones((), jnp.float32), den)
-        grads = jax.tree.map(lambda g: g * inv_den.astype(g.dtype), out.grad_sum)
+        grads = jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # float32, as g / den was for bf16 gradients
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
 
