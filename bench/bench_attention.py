@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchutil import interleaved, load_line, machine_line, median  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, use_cli_allocator  # noqa: E402
 
 from models.attention import dot_product_attention, segment_mask  # noqa: E402
 
@@ -85,6 +85,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
+    use_cli_allocator()
     print(machine_line())
     print(f"shapes: B=1 N={a.heads} Nkv={a.kv_heads} H={a.head_dim} {dtype.name}, block {a.block}, causal, "
           f"64 left-padding tokens + 2 packed sequences")

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchutil import interleaved, load_line, machine_line, median, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, summary, use_cli_allocator  # noqa: E402
 
 from models.hf import iter_hf_tensors  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
+    use_cli_allocator()
     print(machine_line())
     print(f"transformers {transformers.__version__}")
     cfg = from_hf_config(args.config, dtype=args.dtype, param_dtype=args.dtype)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, ratio, summary, use_cli_allocator  # noqa: E402
 
 from stapo_jax.algo.logprobs import (  # noqa: E402
     SAVED_LOGITS_BYTES,
@@ -73,6 +73,7 @@ def main():
     a = ap.parse_args()
     if a.reps < 3:
         raise SystemExit(f"--reps must be >= 3 for a median with spread (got {a.reps})")
+    use_cli_allocator()
     print(machine_line(), flush=True)
     a.vocab_chunk = a.vocab_chunk or None
     chunked = make(a.seq_chunk, a.vocab_chunk)

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import torch_reference as ref  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, pick_torch_threads, ratio, summary  # noqa: E402
+from benchutil import (interleaved, load_line, machine_line, pick_torch_threads, ratio, summary,  # noqa: E402
+                       use_cli_allocator)
 
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
 from stapo_jax.algo.objectives import compute_policy_loss, safe_divide  # noqa: E402
@@ -64,6 +65,7 @@ def main():
     a = ap.parse_args()
     if a.reps < 3:
         raise SystemExit(f"--reps must be >= 3 for a median with spread (got {a.reps})")
+    use_cli_allocator()
     print(machine_line(), flush=True)
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(a.B, a.T, a.V)).astype(np.float32) * 3

@@ -229,6 +229,7 @@ def main(argv=None) -> dict:
     p.add_argument("--hidden-size", type=int, default=2048, help="D of the --head section (Qwen3-1.7B)")
     p.add_argument("--vocab-size", type=int, default=151936, help="V of the --head section (Qwen3)")
     a = p.parse_args(argv)
+    benchutil.use_cli_allocator()
     print(benchutil.machine_line())
     if a.head:
         return {"head": head_cost(a.mini_batch, a.seed, a.hidden_size, a.vocab_size)}

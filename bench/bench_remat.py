@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, ratio, summary, use_cli_allocator  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.presets import from_hf_config  # noqa: E402
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=1024, help="embedding rows (the head is not in this bench)")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    use_cli_allocator()
     print(machine_line(), flush=True)
     base = from_hf_config(str(qwen3_config_dir() / "Qwen3-0.6B.json"), dtype="float32", param_dtype="float32")
     rng = np.random.RandomState(0)

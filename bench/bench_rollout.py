@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_forward import hf_copy  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, median, pick_torch_threads, ratio, summary  # noqa: E402
+from benchutil import (interleaved, load_line, machine_line, median, pick_torch_threads, ratio,  # noqa: E402
+                       summary, use_cli_allocator)
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
                    help="EngineConfig.kernel_layout values to time side by side, comma-separated (auto, in_out, "
                         "out_in; auto = out_in on CPU)")
     args = p.parse_args(argv)
+    use_cli_allocator()
     print(machine_line(), flush=True)
     print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
     for name in args.models.split(","):

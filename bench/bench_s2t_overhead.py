@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, load_line, machine_line, median, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, ratio, summary, use_cli_allocator  # noqa: E402
 
 from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.algo.recipes import get_recipe
@@ -83,6 +83,7 @@ def main():
     a = ap.parse_args()
     if a.reps < 3:
         raise SystemExit(f"--reps must be >= 3 for a median with spread (got {a.reps})")
+    use_cli_allocator()
     print(machine_line(), flush=True)
     cfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                       num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,

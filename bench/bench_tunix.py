@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchutil import interleaved, load_line, machine_line, median, report_throughput  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, median, report_throughput, use_cli_allocator  # noqa: E402
 
 import stapo_jax.algo.logprobs as logprobs  # noqa: E402
 from models.hf import iter_hf_tensors  # noqa: E402
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     if a.P < 1 or a.R < 1:
         raise SystemExit(f"--P and --R must be >= 1 (got {a.P}, {a.R})")
     tmodel, tcommon, tunix_version = import_tunix()
+    use_cli_allocator()
     print(machine_line(), flush=True)
     print(f"google-tunix {tunix_version}")
 

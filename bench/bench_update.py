@@ -51,7 +51,8 @@ from flax import nnx  # noqa: E402
 
 from bench_forward import hf_copy  # noqa: E402
 from bench_loss import torch_pg_loss  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, median, pick_torch_threads, report_throughput  # noqa: E402
+from benchutil import (interleaved, load_line, machine_line, median, pick_torch_threads,  # noqa: E402
+                       report_throughput, use_cli_allocator)
 
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {a.repeats})")
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
+    use_cli_allocator()
     print(machine_line(), flush=True)
     print(f"transformers {transformers.__version__}")
 

@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from benchutil import load_line, machine_line, median, ratio
+from benchutil import load_line, machine_line, median, ratio, use_cli_allocator
 from stapo_jax.rewards import RewardScorer
 from stapo_jax.rewards.corpus import verdict_rates
 
@@ -76,6 +76,7 @@ def main():
     ap.add_argument("--forms", choices=("mixed", "integer"), default="mixed", help="answer forms (see ordinary)")
     ap.add_argument("--corpus", action="store_true", help="also print the corpus table of both kinds")
     a = ap.parse_args()
+    use_cli_allocator()
     print(machine_line())
     kinds = ("math_verify_01", "math_verify_strict")
     scorers = {k: RewardScorer(k, timeout_s=a.timeout, num_workers=a.workers) for k in kinds}

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_rollout import model_config  # noqa: E402
-from benchutil import interleaved, load_line, machine_line, ratio, summary  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, ratio, summary, use_cli_allocator  # noqa: E402
 from models.decode import LAYERS_KEY  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from models.sharding import param_shardings  # noqa: E402
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
     if args.repeats < 3:
         raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {args.repeats})")
     sections = set(args.sections.split(","))
+    use_cli_allocator()
     print(machine_line(), flush=True)
     if "sampler" in sections:
         bench_sampler(args.sampler_batch, args.sampler_vocab, args.repeats)

@@ -33,12 +33,24 @@ def load_line(when: str = "now") -> str:
     return f"load average (1/5/15 min) {when}: {one:.2f} / {five:.2f} / {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
+def use_cli_allocator() -> str:
+    """Re-execute the bench under the host allocator the ``stapo-jax`` command uses (TCMalloc where it is
+    installed, ``STAPO_JAX_ALLOCATOR``: ``stapo_jax.runtime.allocator.use_tcmalloc``), so that every side of a
+    bench (torch's too: it is the same process) runs on the allocator a user's run has. Call it first in
+    ``main``; returns the allocator name."""
+    from stapo_jax.runtime.allocator import use_tcmalloc
+
+    return use_tcmalloc()
+
+
 def machine_line() -> str:
-    """The machine (CPU model, core count, JAX backend and first device, torch threads when torch is
-    imported) and the load at start, one line."""
+    """The machine (CPU model, core count, host allocator, JAX backend and first device, torch threads when
+    torch is imported) and the load at start, one line."""
     import sys
 
-    parts = [f"CPU {cpu_model()} x {os.cpu_count()} cores"]
+    from stapo_jax.runtime.allocator import loaded_allocator
+
+    parts = [f"CPU {cpu_model()} x {os.cpu_count()} cores", f"allocator {loaded_allocator()}"]
     if "jax" in sys.modules:
         jax = sys.modules["jax"]
         parts.append(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}, "

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from benchutil import load_line, machine_line  # noqa: E402
+from benchutil import load_line, machine_line, use_cli_allocator  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models.presets import from_hf_config  # noqa: E402
@@ -99,6 +99,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.saved_logits_mib is not None:
         logprobs.SAVED_LOGITS_BYTES = int(a.saved_logits_mib * 2**20)
+    use_cli_allocator()
     print(machine_line(), flush=True)
     base = from_hf_config(str(qwen3_config_dir() / "Qwen3-0.6B.json"), dtype="float32", param_dtype="float32")
     cfg = dataclasses.replace(base, num_hidden_layers=a.layers, vocab_size=a.vocab or base.vocab_size,

@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
     No arrays: ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
     / FileNotFoundError / NotADirectoryError / IsADirectoryError of a subcommand are printed as one line (exit 2),
-    not raised; other errors propagate. Source: the git-style ``COMMAND [ARGS...]`` CLI convention.
+    not raised; other errors propagate. Called as the process entry point (``argv`` None), it first re-executes
+    the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
+    bad value of that variable is one line, exit 2. Source: the git-style ``COMMAND [ARGS...]`` CLI convention.
     """
+    entry_point = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -61,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"stapo-jax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if entry_point:
+        from stapo_jax.runtime.allocator import AllocatorError, use_tcmalloc
+
+        try:
+            use_tcmalloc()
+        except AllocatorError as e:
+            print(f"stapo-jax {name}: error: {e}", file=sys.stderr)
+            return 2
     quiet_third_party_startup()
     module = importlib.import_module(COMMANDS[name][0])
     try:
