@@ -14,7 +14,8 @@ from transformers.generation.logits_process import (
 
 from sampling_reference import sort_truncate_logits
 from stapo_jax.algo.logprobs import logits_to_log_probs
-from stapo_jax.rollout.sampling import SamplingParams, SamplingParamsError, sample_tokens, truncate_logits
+from stapo_jax.rollout.sampling import (SamplingParams, SamplingParamsError, first_argmax, sample_tokens,
+                                       truncate_logits)
 
 V = 8
 LOGITS = np.array([2.0, 1.5, 1.2, 0.3, 0.0, -0.4, -1.0, -2.5], np.float32)
@@ -292,3 +293,18 @@ def test_truncation_edge_cases_top_k_over_vocab_top_p_one_tiny_top_p_and_neg_inf
     z = np.array([[0.0, -0.0, -1.0, -2.0]], np.float32)
     np.testing.assert_array_equal(new_keep(z, 1, 1.0), [[True, True, False, False]])
     np.testing.assert_array_equal(new_keep(z, 0, 0.5), [[True, True, False, False]])
+
+
+def test_first_argmax_equals_jnp_argmax_on_ties_nan_and_infinite_rows():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)  # many tied maxima per row
+    x[1] = -np.inf                                              # all -inf: index 0
+    x[2, [5, 9]] = np.nan                                       # a NaN wins, the first one
+    x[3, 7] = np.inf
+    x[4, [0, 256]] = 10.0                                       # tie at both ends
+    x[5] = np.nan
+    for rows in (x, x[:, :1], rng.standard_normal((3, 4, 1031)).astype(np.float32)):
+        got = np.asarray(jax.jit(first_argmax)(jnp.asarray(rows)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))
+    assert int(first_argmax(jnp.asarray(x))[4]) == 0 and int(first_argmax(jnp.asarray(x))[2]) == 5

@@ -50,7 +50,8 @@ def find_tcmalloc(dirs: Sequence[str] = LIBRARY_DIRS) -> Optional[str]:
 
 def loaded_allocator(maps_path: str = "/proc/self/maps") -> str:
     """``"tcmalloc"``, ``"jemalloc"`` or ``"system"``: which allocator library is mapped into the process
-    (read from ``maps_path``; ``"system"`` where it cannot be read, e.g. off Linux). Never raises."""
+    (read from ``maps_path``; ``"system"`` where it cannot be read, e.g. off Linux). No arrays: a str path in,
+    a str out. Never raises. Source: Linux ``/proc/<pid>/maps`` (the shared objects mapped into a process)."""
     try:
         maps = Path(maps_path).read_text()
     except OSError:
@@ -63,6 +64,7 @@ def loaded_allocator(maps_path: str = "/proc/self/maps") -> str:
 
 def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> Optional[dict]:
     """The environment to re-execute the process with so that it runs under TCMalloc, or None to keep it.
+    No arrays: str mappings and paths in, a dict of str (or None) out.
 
     Args:
       env: the current environment (``os.environ``); reads ``STAPO_JAX_ALLOCATOR``, ``STAPO_JAX_ALLOCATOR_REEXEC``
@@ -102,7 +104,7 @@ def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> 
 def use_tcmalloc() -> str:
     """Re-execute this process under TCMalloc when :func:`preload_env` says so (``os.execve`` of
     ``sys.executable`` with ``sys.orig_argv``: the program starts again from the top with the same arguments);
-    otherwise return the allocator it runs under (``"tcmalloc" | "jemalloc" | "system"``).
+    otherwise return the allocator it runs under (``"tcmalloc" | "jemalloc" | "system"``, a str; no arrays).
 
     Call it first thing in a program's entry point, before work worth keeping: nothing of the current process
     survives the re-execution. Raises AllocatorError as :func:`preload_env`; OSError when the interpreter
