@@ -112,8 +112,8 @@ def use_tcmalloc() -> str:
     """
     loaded = loaded_allocator()
     env = preload_env(os.environ, loaded, find_tcmalloc())
-    if env is None:
-        return loaded
+    if env is None or not sys.executable or not getattr(sys, "orig_argv", None):
+        return loaded  # nothing to do, or an embedded interpreter that cannot be started again
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
