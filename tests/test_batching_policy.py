@@ -95,3 +95,29 @@ def test_clip_by_global_norm_multiplies_by_one_factor_like_optax_and_keeps_its_s
     for k in tree:
         assert float(jnp.max(jnp.abs(p[k] - tree[k]))) > 1e-3              # it moved
         np.testing.assert_allclose(np.asarray(p[k]), np.asarray(rp[k]), rtol=1e-5, atol=1e-7)
+
+
+def test_clip_uses_the_global_norm_it_is_given_through_make_optimizers_chain():
+    """``global_norm=`` (what the train step passes, the norm it already computed) replaces the clip's own norm:
+    the same norm gives bitwise the same update; another norm (3x) scales the clipped update by 1/3; a norm below
+    the threshold leaves the gradient unclipped; and make_optimizer's chain forwards it to the clip."""
+    g = np.random.default_rng(1)
+    tree = {"a": jnp.asarray(g.normal(size=(4, 6)), jnp.float32), "b": jnp.asarray(g.normal(size=5), jnp.float32)}
+    norm = optax.tree.norm(tree)
+    clip = clip_by_global_norm(float(norm) / 2)
+    own = clip.update(tree, optax.EmptyState())[0]
+    given = clip.update(tree, optax.EmptyState(), global_norm=norm)[0]
+    tripled = clip.update(tree, optax.EmptyState(), global_norm=norm * 3)[0]
+    below = clip.update(tree, optax.EmptyState(), global_norm=norm / 4)[0]
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(given[k]), np.asarray(own[k]))
+        np.testing.assert_allclose(np.asarray(tripled[k]), np.asarray(own[k]) / 3, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(below[k]), np.asarray(tree[k]))
+    opt = make_optimizer(1e-2, weight_decay=0.0, clip_grad=float(norm) / 2)
+    s = opt.init(tree)
+    u_own = opt.update(tree, s, tree)[0]
+    u_given = opt.update(tree, s, tree, global_norm=norm)[0]
+    u_other = opt.update(tree, s, tree, global_norm=norm * 1e6)[0]  # a wrong norm changes the first Adam step
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(u_given[k]), np.asarray(u_own[k]))
+    assert float(jnp.max(jnp.abs(u_other["a"] - u_own["a"]))) > 1e-4

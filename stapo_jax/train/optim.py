@@ -37,7 +37,7 @@ def make_optimizer(lr: float, warmup_steps: int = 0, weight_decay: float = 0.0, 
     return optax.chain(clip_by_global_norm(clip_grad), adamw)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """``optax.clip_by_global_norm(max_norm)`` as one scalar factor: every update is multiplied by
     ``max_norm / norm`` when the global norm is at least ``max_norm`` and left bitwise as it is below it.
 
@@ -46,15 +46,21 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     reason is speed: XLA:CPU keeps optax's per-element divide as its own pass that writes every clipped
     gradient, while a multiply by a scalar is fused into the Adam moment updates that read the gradient
     (2.1 s of an 11.5 s Qwen3-0.6B update, ``bench/bench_update.py --preset qwen3-0.6b``).
+
+    ``update(updates, state, params=None, *, global_norm=None)``: a caller that already holds the global norm
+    of ``updates`` (a float32 scalar, e.g. the update's ``grad_norm`` metric) passes it as the extra argument
+    ``global_norm`` (``optax.chain`` forwards extra arguments), and the clip then reads no gradient itself:
+    the update becomes one fused pass over gradients, moments and parameters
+    (``stapo_jax.train.train_step``). Without it the norm is computed here, as optax does.
     Shapes / dtypes: any pytree of float arrays; the factor is cast to each leaf's dtype. Raises: nothing of its
     own (``max_norm`` > 0 is checked by :func:`make_optimizer`). Source: optax ``clip_by_global_norm``
     (Pascanu et al., 2012).
     """
 
-    def update_fn(updates, state, params=None):
-        del params
-        g_norm = optax.tree.norm(updates)
+    def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        g_norm = optax.tree.norm(updates) if global_norm is None else jnp.asarray(global_norm, jnp.float32)
         factor = jnp.where(g_norm < max_norm, jnp.ones_like(g_norm), max_norm / g_norm)
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
