@@ -49,9 +49,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
     ``update(updates, state, params=None, *, global_norm=None)``: a caller that already holds the global norm
     of ``updates`` (a float32 scalar, e.g. the update's ``grad_norm`` metric) passes it as the extra argument
-    ``global_norm`` (``optax.chain`` forwards extra arguments), and the clip then reads no gradient itself:
-    the update becomes one fused pass over gradients, moments and parameters
-    (``stapo_jax.train.train_step``). Without it the norm is computed here, as optax does.
+    ``global_norm`` (``optax.chain`` forwards extra arguments), and the clip then reads no gradient itself: one
+    pass over all gradients fewer inside the update (``stapo_jax.train.train_step``). It must be the norm of the
+    ``updates`` this transformation receives (first in :func:`make_optimizer`'s chain). Without it the norm is
+    computed here, as optax does.
     Shapes / dtypes: any pytree of float arrays; the factor is cast to each leaf's dtype. Raises: nothing of its
     own (``max_norm`` > 0 is checked by :func:`make_optimizer`). Source: optax ``clip_by_global_norm``
     (Pascanu et al., 2012).

@@ -255,20 +255,20 @@ def make_train_step(
         loss_sum, den, m = surrogate(lp_all, ent_all, batch, out.keep)
         m = {**m, **mask_metrics(recipe, out, batch, vocab_size)}
         # the gradient of the mean is grad_sum / den: one scalar reciprocal and a multiply (a per-element divide
-        # was a pass of its own on XLA:CPU). The scaled gradient is never materialised: the norm reads grad_sum
-        # and multiplies on the fly, and the branch below multiplies again inside the optimizer's fused pass,
-        # which gets the norm as ``global_norm`` (our clip then reads no gradient). Materialising the product as
-        # the branch's operand was one write and one read of every gradient more (0.8 -> 0.6 s of the
-        # optimizer at Qwen3-0.6B on XLA:CPU); the values agree up to rounding (the fused loop contracts other
-        # multiply-adds into FMAs).
+        # was a pass of its own on XLA:CPU). The product stays materialised: it is an operand of the branch below
+        # (computing it inside the branch made XLA copy the branch's operands, 8.6 -> 11.9 s per Qwen3-0.6B update,
+        # bench/bench_update.py --preset qwen3-0.6b; recomputing it in each of the branch's per-leaf AdamW loops
+        # raised that update's XLA temporaries by 470 MiB). The optimizer gets the norm computed here as
+        # ``global_norm`` (optax extra argument), so our clip reads no gradient inside the branch: one pass over
+        # the 0.6B gradients fewer, bitwise the same update.
         inv_den = safe_divide(jnp.ones((), jnp.float32), den)
-        scaled = lambda: jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # noqa: E731 (f32, as g / den was)
-        grad_norm = optax.tree.norm(scaled())
+        grads = jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # float32, as g / den was for bf16 gradients
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         extra = {"global_norm": grad_norm} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
 
         def apply(params_and_opt):
-            updates, new_opt = optimizer.update(scaled(), params_and_opt[1], params_and_opt[0], **extra)
+            updates, new_opt = optimizer.update(grads, params_and_opt[1], params_and_opt[0], **extra)
             return optax.apply_updates(params_and_opt[0], updates), new_opt
 
         updated_types = jax.eval_shape(apply, (params, state.opt_state))
