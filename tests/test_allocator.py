@@ -97,3 +97,13 @@ def test_the_cli_runs_under_tcmalloc_and_rejects_a_bad_value():
     bad = _run(["-m", "stapo_jax", "launch", "--help"], **{ENV_ALLOCATOR: "mimalloc"})
     assert bad.returncode == 2 and bad.stdout == ""
     assert f"stapo-jax launch: error: {ENV_ALLOCATOR}='mimalloc'" in bad.stderr
+
+
+def test_a_program_read_from_stdin_is_not_reexecuted():
+    """``python - < script.py``: the first process has consumed the script, so a re-execution would start with
+    nothing to run and exit 0 silently; the program keeps running under the system allocator instead."""
+    script = PROBE + "; print('ran to the end')"
+    out = subprocess.run([sys.executable, "-", "x"], input=script, capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env={**_clean_env(), ENV_ALLOCATOR: "auto"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["system ['x'] ", "ran to the end"]

@@ -9,7 +9,7 @@ from flax import nnx
 from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
-from stapo_jax.train.optim import clip_by_global_norm, make_optimizer
+from stapo_jax.train.optim import GlobalNormClipped, clip_by_global_norm, make_optimizer
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
 
@@ -114,6 +114,7 @@ def test_clip_uses_the_global_norm_it_is_given_through_make_optimizers_chain():
         np.testing.assert_allclose(np.asarray(tripled[k]), np.asarray(own[k]) / 3, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(below[k]), np.asarray(tree[k]))
     opt = make_optimizer(1e-2, weight_decay=0.0, clip_grad=float(norm) / 2)
+    assert isinstance(opt, GlobalNormClipped) and not isinstance(make_optimizer(1e-2), GlobalNormClipped)
     s = opt.init(tree)
     u_own = opt.update(tree, s, tree)[0]
     u_given = opt.update(tree, s, tree, global_norm=norm)[0]

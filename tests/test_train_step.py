@@ -288,3 +288,25 @@ def test_given_grad_norm_update_equals_the_plain_optax_path(model):
     for x, x0 in zip(jax.tree.leaves(a.params), jax.tree.leaves(nnx.split(model)[1]), strict=True):
         moved += not np.array_equal(np.asarray(x), np.asarray(x0))
     assert moved == len(jax.tree.leaves(a.params))
+
+
+
+def test_a_user_chain_with_a_transformation_before_the_clip_gets_no_norm(model):
+    """Only make_optimizer's clip-first optimizer (``GlobalNormClipped``) is given the step's gradient norm: a user
+    chain that scales the gradient before our clip must clip by the norm of what the clip receives (the scaled
+    gradient), i.e. exactly as the same chain computing its own norm."""
+    from stapo_jax.train.optim import GlobalNormClipped, clip_by_global_norm
+
+    batch = make_batch(model, seed=5)
+    chain = optax.chain(optax.scale(2.0), clip_by_global_norm(1.0), optax.sgd(1.0))
+    hidden = optax.GradientTransformation(chain.init, lambda u, s, p=None: chain.update(u, s, p))
+    assert not isinstance(chain, GlobalNormClipped)
+    deltas = []
+    for opt in (chain, hidden):
+        state = TrainState.create(model, opt)
+        new, m = make_train_step(get_recipe("grpo"), opt, seq_chunk=4)(state, batch)
+        deltas.append(jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, state.params))
+    assert float(m["grad_norm"]) > 0.5  # 2 x grad_norm > 1: the clip is active on the scaled gradient
+    for x, y in zip(jax.tree.leaves(deltas[0]), jax.tree.leaves(deltas[1]), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert float(optax.tree.norm(deltas[0])) == pytest.approx(1.0, rel=1e-5)  # sgd(1) of the clipped gradient

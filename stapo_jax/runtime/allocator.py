@@ -86,8 +86,9 @@ def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> 
         return None
     if env.get(ENV_REEXEC):
         if mode == "tcmalloc":
-            raise AllocatorError(f"{ENV_ALLOCATOR}=tcmalloc: the process was re-executed with LD_PRELOAD="
-                                 f"{env.get('LD_PRELOAD', '')!r} but TCMalloc is not loaded")
+            raise AllocatorError(f"{ENV_ALLOCATOR}=tcmalloc: {ENV_REEXEC} is set (this process was re-executed, or "
+                                 f"inherited the variable) but TCMalloc is not loaded (LD_PRELOAD="
+                                 f"{env.get('LD_PRELOAD', '')!r})")
         return None
     if library is None:
         if mode == "tcmalloc":
@@ -107,13 +108,16 @@ def use_tcmalloc() -> str:
     otherwise return the allocator it runs under (``"tcmalloc" | "jemalloc" | "system"``, a str; no arrays).
 
     Call it first thing in a program's entry point, before work worth keeping: nothing of the current process
-    survives the re-execution. Raises AllocatorError as :func:`preload_env`; OSError when the interpreter
+    survives the re-execution. A program read from standard input (``sys.argv[0]`` ``"-"`` or ``""``) is not
+    re-executed. ``STAPO_JAX_ALLOCATOR_REEXEC`` is inherited by child processes (they keep ``LD_PRELOAD`` too). Raises AllocatorError as :func:`preload_env`; OSError when the interpreter
     cannot be executed. Source: as :func:`preload_env`.
     """
     loaded = loaded_allocator()
     env = preload_env(os.environ, loaded, find_tcmalloc())
-    if env is None or not sys.executable or not getattr(sys, "orig_argv", None):
-        return loaded  # nothing to do, or an embedded interpreter that cannot be started again
+    if env is None or not sys.executable or not getattr(sys, "orig_argv", None) or sys.argv[:1] in ([""], ["-"]):
+        # nothing to do; an embedded interpreter that cannot be started again; or a program read from stdin,
+        # which the first process has consumed (``python - < script.py`` would restart with nothing to run)
+        return loaded
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -34,7 +34,18 @@ def make_optimizer(lr: float, warmup_steps: int = 0, weight_decay: float = 0.0, 
     adamw = optax.adamw(schedule, b1=betas[0], b2=betas[1], eps=eps, weight_decay=weight_decay)
     if clip_grad is None:
         return adamw
-    return optax.chain(clip_by_global_norm(clip_grad), adamw)
+    chain = optax.chain(clip_by_global_norm(clip_grad), adamw)
+    return GlobalNormClipped(chain.init, chain.update)
+
+
+class GlobalNormClipped(optax.GradientTransformationExtraArgs):
+    """An optax optimizer whose first transformation is :func:`clip_by_global_norm`, so its ``update`` may be
+    given ``global_norm=`` (the norm of the gradient it receives) and then reads no gradient for the clip.
+    :func:`make_optimizer` returns one when ``clip_grad`` is set; ``stapo_jax.train.train_step`` passes the norm
+    only to this type (a user chain with a transformation before the clip, or the clip in one group of
+    ``optax.multi_transform``, would need another norm). Otherwise an ordinary optax transformation (the same
+    ``init`` / ``update`` and state). No arrays of its own; never raises. Source: optax's extra-argument
+    protocol (``GradientTransformationExtraArgs``)."""
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
@@ -50,9 +61,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     ``update(updates, state, params=None, *, global_norm=None)``: a caller that already holds the global norm
     of ``updates`` (a float32 scalar, e.g. the update's ``grad_norm`` metric) passes it as the extra argument
     ``global_norm`` (``optax.chain`` forwards extra arguments), and the clip then reads no gradient itself: one
-    pass over all gradients fewer inside the update (``stapo_jax.train.train_step``). It must be the norm of the
-    ``updates`` this transformation receives (first in :func:`make_optimizer`'s chain). Without it the norm is
-    computed here, as optax does.
+    pass over all gradients fewer inside the update (``stapo_jax.train.train_step``, for a
+    :class:`GlobalNormClipped` optimizer). It must be the norm of the ``updates`` this transformation receives
+    (first in :func:`make_optimizer`'s chain). Without it the norm is computed here, as optax does.
     Shapes / dtypes: any pytree of float arrays; the factor is cast to each leaf's dtype. Raises: nothing of its
     own (``max_norm`` > 0 is checked by :func:`make_optimizer`). Source: optax ``clip_by_global_norm``
     (Pascanu et al., 2012).

@@ -36,6 +36,7 @@ from stapo_jax.algo.objectives import finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import Recipe
 from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, mask_metrics,
                                            mask_strategy, masked_policy_loss, split_micro_batches)
+from stapo_jax.train.optim import GlobalNormClipped
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
@@ -192,7 +193,9 @@ def make_train_step(
       recipe: a :class:`~stapo_jax.algo.recipes.Recipe` (loss, token mask and its scope); its mask strategy comes
         from ``stapo_jax.train.mask_strategy.mask_strategy`` (decided at trace time: it may depend on whether the
         batch has ``old_entropy``).
-      optimizer: optax transformation (``stapo_jax.train.optim.make_optimizer``).
+      optimizer: optax transformation (``stapo_jax.train.optim.make_optimizer``). A
+        ``stapo_jax.train.optim.GlobalNormClipped`` one (make_optimizer's with ``clip_grad``) is given the
+        step's ``grad_norm`` as the extra argument ``global_norm``; any other is called as optax defines it.
       num_micro_batches: K, gradient-accumulation steps (must divide B).
       temperature: sampling temperature (logits are divided by it).
       seq_chunk / vocab_chunk: chunk sizes of the LM-head pass (``chunked_log_probs_and_entropy``).
@@ -258,14 +261,15 @@ def make_train_step(
         # was a pass of its own on XLA:CPU). The product stays materialised: it is an operand of the branch below
         # (computing it inside the branch made XLA copy the branch's operands, 8.6 -> 11.9 s per Qwen3-0.6B update,
         # bench/bench_update.py --preset qwen3-0.6b; recomputing it in each of the branch's per-leaf AdamW loops
-        # raised that update's XLA temporaries by 470 MiB). The optimizer gets the norm computed here as
-        # ``global_norm`` (optax extra argument), so our clip reads no gradient inside the branch: one pass over
-        # the 0.6B gradients fewer, bitwise the same update.
+        # raised that update's XLA temporaries by 470 MiB). make_optimizer's clip-first optimizer gets the norm
+        # computed here as ``global_norm`` (optax extra argument), so the clip reads no gradient inside the
+        # branch: one pass over the 0.6B gradients fewer, bitwise the same update. Any other optimizer is called
+        # as optax defines it (its clip, wherever it sits, computes its own norm).
         inv_den = safe_divide(jnp.ones((), jnp.float32), den)
         grads = jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # float32, as g / den was for bf16 gradients
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        extra = {"global_norm": grad_norm} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+        extra = {"global_norm": grad_norm} if isinstance(optimizer, GlobalNormClipped) else {}
 
         def apply(params_and_opt):
             updates, new_opt = optimizer.update(grads, params_and_opt[1], params_and_opt[0], **extra)
