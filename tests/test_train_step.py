@@ -270,11 +270,11 @@ def test_given_grad_norm_update_equals_the_plain_optax_path(model):
     ``optax.GradientTransformation`` (given no norm: its clip computes its own), with the clip active."""
     from stapo_jax.train.optim import make_optimizer
 
-    fused = make_optimizer(1e-2, warmup_steps=1, weight_decay=0.1, clip_grad=1e-3)
-    plain = optax.GradientTransformation(fused.init, lambda u, s, p=None: fused.update(u, s, p))
+    clipped = make_optimizer(1e-2, warmup_steps=1, weight_decay=0.1, clip_grad=1e-3)
+    plain = optax.GradientTransformation(clipped.init, lambda u, s, p=None: clipped.update(u, s, p))
     batch = make_batch(model, seed=5)
     outs = []
-    for opt in (fused, plain):
+    for opt in (clipped, plain):
         state = TrainState.create(model, opt)
         step = make_train_step(get_recipe("stapo"), opt, num_micro_batches=2, seq_chunk=4)
         for _ in range(2):
@@ -288,7 +288,6 @@ def test_given_grad_norm_update_equals_the_plain_optax_path(model):
     for x, x0 in zip(jax.tree.leaves(a.params), jax.tree.leaves(nnx.split(model)[1]), strict=True):
         moved += not np.array_equal(np.asarray(x), np.asarray(x0))
     assert moved == len(jax.tree.leaves(a.params))
-
 
 
 def test_a_user_chain_with_a_transformation_before_the_clip_gets_no_norm(model):

@@ -109,8 +109,9 @@ def use_tcmalloc() -> str:
 
     Call it first thing in a program's entry point, before work worth keeping: nothing of the current process
     survives the re-execution. A program read from standard input (``sys.argv[0]`` ``"-"`` or ``""``) is not
-    re-executed. ``STAPO_JAX_ALLOCATOR_REEXEC`` is inherited by child processes (they keep ``LD_PRELOAD`` too). Raises AllocatorError as :func:`preload_env`; OSError when the interpreter
-    cannot be executed. Source: as :func:`preload_env`.
+    re-executed. ``STAPO_JAX_ALLOCATOR_REEXEC`` is inherited by child processes (they keep ``LD_PRELOAD`` too).
+    Raises AllocatorError as :func:`preload_env`; OSError when the interpreter cannot be executed. Source: as
+    :func:`preload_env`.
     """
     loaded = loaded_allocator()
     env = preload_env(os.environ, loaded, find_tcmalloc())
