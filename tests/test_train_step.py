@@ -264,6 +264,12 @@ def test_nonfinite_gradient_skips_the_update_bitwise(dtype):
     assert "parameter(" in hlo and not re.findall(r"copy\(%state_opt_state[\w.]*\)", hlo)
 
 
+def _without_extra_args(opt):
+    """``opt`` as a plain ``optax.GradientTransformation``: called without extra arguments, its clip computes its
+    own norm."""
+    return optax.GradientTransformation(opt.init, lambda u, s, p=None: opt.update(u, s, p))
+
+
 def test_given_grad_norm_update_equals_the_plain_optax_path(model):
     """The step hands make_optimizer's chain the gradient norm it computed (``global_norm``), so the clip reads
     no gradient inside the update; the update equals, bitwise, that of the same optimizer as a plain
@@ -271,7 +277,7 @@ def test_given_grad_norm_update_equals_the_plain_optax_path(model):
     from stapo_jax.train.optim import make_optimizer
 
     clipped = make_optimizer(1e-2, warmup_steps=1, weight_decay=0.1, clip_grad=1e-3)
-    plain = optax.GradientTransformation(clipped.init, lambda u, s, p=None: clipped.update(u, s, p))
+    plain = _without_extra_args(clipped)
     batch = make_batch(model, seed=5)
     outs = []
     for opt in (clipped, plain):
@@ -298,7 +304,7 @@ def test_a_user_chain_with_a_transformation_before_the_clip_gets_no_norm(model):
 
     batch = make_batch(model, seed=5)
     chain = optax.chain(optax.scale(2.0), clip_by_global_norm(1.0), optax.sgd(1.0))
-    hidden = optax.GradientTransformation(chain.init, lambda u, s, p=None: chain.update(u, s, p))
+    hidden = _without_extra_args(chain)
     assert not isinstance(chain, GlobalNormClipped)
     deltas = []
     for opt in (chain, hidden):

@@ -48,6 +48,18 @@ class GlobalNormClipped(optax.GradientTransformationExtraArgs):
     protocol (``GradientTransformationExtraArgs``)."""
 
 
+def update_with_norm(optimizer: optax.GradientTransformation, grads, opt_state, params, grad_norm: jax.Array):
+    """``optimizer.update(grads, opt_state, params)``, giving a :class:`GlobalNormClipped` optimizer the norm the
+    caller already computed (``global_norm=grad_norm``) so its clip reads no gradient; any other optimizer is
+    called as optax defines it. The one place that decides it (the RL train step and the SFT step call it).
+
+    Args: ``grads`` / ``params`` pytrees of float arrays (same structure), ``opt_state`` the optimizer's state,
+    ``grad_norm`` a scalar: ``optax.tree.norm(grads)``. Returns ``(updates, new_opt_state)``.
+    Raises what ``optimizer.update`` raises. Source: optax's extra-argument protocol."""
+    extra = {"global_norm": grad_norm} if isinstance(optimizer, GlobalNormClipped) else {}
+    return optimizer.update(grads, opt_state, params, **extra)
+
+
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
     """``optax.clip_by_global_norm(max_norm)`` as one scalar factor: every update is multiplied by
     ``max_norm / norm`` when the global norm is at least ``max_norm`` and left bitwise as it is below it.
@@ -59,7 +71,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     (2.1 s of an 11.5 s Qwen3-0.6B update, ``bench/bench_update.py --preset qwen3-0.6b``).
 
     ``update(updates, state, params=None, *, global_norm=None)``: a caller that already holds the global norm
-    of ``updates`` (a float32 scalar, e.g. the update's ``grad_norm`` metric) passes it as the extra argument
+    of ``updates`` (a scalar, as ``optax.tree.norm(updates)`` gives it: the update's ``grad_norm`` metric) passes it as the extra argument
     ``global_norm`` (``optax.chain`` forwards extra arguments), and the clip then reads no gradient itself: one
     pass over all gradients fewer inside the update (``stapo_jax.train.train_step``, for a
     :class:`GlobalNormClipped` optimizer). It must be the norm of the ``updates`` this transformation receives
@@ -71,7 +83,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
     def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
         del params, extra_args
-        g_norm = optax.tree.norm(updates) if global_norm is None else jnp.asarray(global_norm, jnp.float32)
+        g_norm = optax.tree.norm(updates) if global_norm is None else jnp.asarray(global_norm)
         factor = jnp.where(g_norm < max_norm, jnp.ones_like(g_norm), max_norm / g_norm)
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 

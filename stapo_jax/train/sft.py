@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from stapo_jax.train.batching import pack_prompt_response
-from stapo_jax.train.optim import make_optimizer
+from stapo_jax.train.optim import make_optimizer, update_with_norm
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.train.train_step import place_rows
 from stapo_jax.train.update import data_parallel_size
@@ -55,9 +55,10 @@ def sft_step(graphdef, optimizer, response_length: int, seq_chunk: int, params, 
         return -(lp * m).sum() / jnp.maximum(n, 1.0), n
 
     (loss, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    grad_norm = optax.tree.norm(grads)  # the metric, and make_optimizer's clip (computed once)
+    updates, opt_state = update_with_norm(optimizer, grads, opt_state, params, grad_norm)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"sft/loss": loss, "sft/tokens": n, "sft/grad_norm": optax.tree.norm(grads)}
+    return params, opt_state, {"sft/loss": loss, "sft/tokens": n, "sft/grad_norm": grad_norm}
 
 
 def model_mesh(model):
