@@ -40,6 +40,20 @@ _REMAT_POLICIES = {
 }
 
 
+def remat_layer(fn, remat: str):
+    """``fn`` (one decoder layer's step, any signature) wrapped in the ``jax.checkpoint`` policy named ``remat``
+    (``Qwen3Config.remat``: ``none`` returns ``fn`` itself, ``full`` saves nothing, ``dots`` saves every matmul
+    output, ``dots_no_batch`` the matmul outputs without batch dimensions). No arrays are touched; raises
+    KeyError naming the value for an unknown policy. Source: ``jax.checkpoint_policies`` (MaxText's
+    ``remat_policy`` names the same choices)."""
+    if remat not in _REMAT_POLICIES:
+        raise KeyError(f"remat={remat!r}: expected one of {sorted(_REMAT_POLICIES)}")
+    policy = _REMAT_POLICIES[remat]
+    if policy == "full":
+        return jax.checkpoint(fn)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+
+
 class ConfigError(ValueError):
     """A model config that is not a Qwen3 config or holds an unsupported value."""
 
@@ -514,12 +528,7 @@ class Qwen3(nnx.Module):
             def body(h, st):
                 return nnx.merge(graphdef, st)(h, cos, sin, None, segment_ids=seg.astype(jnp.int32))[0], None
 
-            policy = _REMAT_POLICIES[cfg.remat]
-            if policy == "full":
-                body = jax.checkpoint(body)
-            elif policy is not None:
-                body = jax.checkpoint(body, policy=policy)
-            x, _ = jax.lax.scan(body, x, layer_state)
+            x, _ = jax.lax.scan(remat_layer(body, cfg.remat), x, layer_state)
             return self.norm(x), None
 
         if layers is not None and len(layers) != cfg.num_hidden_layers:

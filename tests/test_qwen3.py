@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from models.decode import decode_step, prefill, split_layers
-from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count
+from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count, remat_layer
 
 TINY = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
@@ -131,6 +131,22 @@ def test_remat_and_bf16_policies():
     lb = np.asarray(bf.logits(h))
     assert lb.dtype == np.float32
     assert np.abs(lb - base).max() < 0.05  # bf16 rounding of weights and activations only
+
+
+def test_remat_layer_wraps_only_when_asked_and_names_an_unknown_policy():
+    def step(x):
+        return jnp.sin(x) @ x
+
+    assert remat_layer(step, "none") is step
+    x = jnp.arange(4.0).reshape(2, 2) / 4
+    for policy in ("full", "dots", "dots_no_batch"):
+        wrapped = remat_layer(step, policy)
+        assert wrapped is not step
+        np.testing.assert_array_equal(wrapped(x), step(x))
+        names = [e.primitive.name for e in jax.make_jaxpr(wrapped)(x).jaxpr.eqns]
+        assert names == ["remat2"], (policy, names)
+    with pytest.raises(KeyError, match="remat='dot'"):
+        remat_layer(step, "dot")
 
 
 def test_config_reads_both_rope_forms_and_rejects_non_qwen3():

@@ -1,0 +1,142 @@
+"""Loss + gradient with the decoder layers applied by ``jax.lax.scan`` over their stacked ``[L, ...]`` parameters
+(``models.qwen3.Qwen3``, what the trainer runs) vs a Python loop over one parameter state per layer (Tunix's and
+HF's per-layer modules; MaxText's ``scan_layers=False``): same weights, same remat policy, same head and loss, both
+jitted ``jax.value_and_grad`` in one process, interleaved. The measurement behind keeping the scan (DESIGN.md).
+
+What differs between the sides is only how the layer weights reach the layer: inside the scan every iteration
+reads its layer's slice of the stacked weights (a copy on XLA:CPU, forward and again in the remat backward),
+writes its gradients into the stacked gradient and its saved activations into stacked residual buffers; the
+per-layer loop reads each layer's own buffers and unrolls the layers into one program (longer compile).
+
+Sides (each call: forward + backward of the loss w.r.t. every parameter; no optimizer):
+
+* ``scan``: ``Qwen3.__call__`` on the stacked parameters (``jax.lax.scan``, ``model.remat`` = ``--remat``).
+* ``per-layer``: the same ``DecoderLayer`` modules, one ``nnx.State`` per layer (sliced from the stack once,
+  before timing), applied in a Python loop, each wrapped in the same ``models.qwen3.remat_layer`` policy.
+
+Loss on both sides: minus the mean log-prob of the next token over the last R positions, through the trainer's
+head (``stapo_jax.algo.logprobs.chunked_log_probs_and_entropy``, tied embedding, ``calculate_entropy=False``).
+Checks before timing: equal losses and equal gradients (max |diff| of every layer leaf and the embedding).
+
+Reported: machine and load, per side the median [min..max] seconds of ``--repeats`` interleaved calls, the ratio
+per-layer / scan in speed (> 1: per-layer faster) with its per-round spread, compile seconds and XLA temporaries.
+
+    .venv/bin/python bench/bench_scan_layers.py                         # 4 layers, Qwen3-0.6B widths, 1 x 512
+    .venv/bin/python bench/bench_scan_layers.py --layers 28 --repeats 5 # the full depth
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from benchutil import interleaved, load_line, machine_line, ratio, summary, use_cli_allocator  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models.attention import segment_ids_from_mask  # noqa: E402
+from models.presets import from_hf_config  # noqa: E402
+from models.qwen3 import Qwen3, positions_from_mask, remat_layer, rope_cos_sin  # noqa: E402
+from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen3-0.6B has 28)")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the real 151,936)")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--T", type=int, default=512)
+    ap.add_argument("--R", type=int, default=256, help="positions the loss reads (the response)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--remat", default="dots_no_batch", choices=("none", "full", "dots", "dots_no_batch"))
+    a = ap.parse_args(argv)
+    if a.repeats < 3:
+        raise SystemExit(f"--repeats must be >= 3 for a median with spread (got {a.repeats})")
+    if not 1 <= a.R < a.T:
+        raise SystemExit(f"--R must be in [1, --T - 1] (got R={a.R}, T={a.T})")
+    use_cli_allocator()
+    print(machine_line(), flush=True)
+
+    base = from_hf_config("Qwen3-0.6B", dtype="float32", param_dtype="float32")
+    cfg = dataclasses.replace(base, num_hidden_layers=a.layers, vocab_size=a.vocab or base.vocab_size,
+                              remat=a.remat)
+    if not cfg.tie_word_embeddings:
+        raise SystemExit("this bench assumes a tied head (Qwen3-0.6B's)")
+    b, t, r = a.B, a.T, a.R
+    print(f"shape: Qwen3-0.6B widths, L={a.layers}, V={cfg.vocab_size}, tied head; B={b} T={t} R={r}; fp32; "
+          f"remat {a.remat}, attention {cfg.attention}", flush=True)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    layer_def, stacked = nnx.split(model.layers)
+    embed_def, embed_state = nnx.split(model.embed_tokens)
+    norm_def, norm_state = nnx.split(model.norm)
+    per_layer = [jax.tree.map(lambda x, i=i: jnp.array(x[i]), stacked) for i in range(a.layers)]
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (b, t)), jnp.int32)
+    att = jnp.ones((b, t), bool)
+    cos, sin = rope_cos_sin(positions_from_mask(att), cfg.head_dim, cfg.rope_theta)
+    seg = segment_ids_from_mask(att).astype(jnp.int32)
+
+    def loss_from_hidden(hidden, embedding):
+        lp = chunked_log_probs_and_entropy(hidden[:, t - r - 1:t - 1], embedding, ids[:, t - r:],
+                                           weight_layout="vd", calculate_entropy=False)[0]
+        return -jnp.mean(lp)
+
+    def scan_loss(prm):
+        m = nnx.merge(graphdef, prm)
+        return loss_from_hidden(m(ids, att)[0], m.embed_tokens.embedding[...])
+
+    def body(h, st):
+        return nnx.merge(layer_def, st)(h, cos, sin, None, segment_ids=seg)[0]
+
+    step = remat_layer(body, a.remat)
+
+    def per_layer_loss(prm):
+        emb, norm, layers = prm
+        embed = nnx.merge(embed_def, emb)
+        x = embed(ids)
+        for st in layers:
+            x = step(x, st)
+        return loss_from_hidden(nnx.merge(norm_def, norm)(x), embed.embedding[...])
+
+    args = {"scan": params, "per-layer": (embed_state, norm_state, per_layer)}
+    compiled, compile_s = {}, {}
+    for name, fn in (("scan", scan_loss), ("per-layer", per_layer_loss)):
+        t0 = time.perf_counter()
+        compiled[name] = jax.jit(jax.value_and_grad(fn)).lower(args[name]).compile()
+        compile_s[name] = time.perf_counter() - t0
+
+    (l_s, g_s), (l_p, g_p) = compiled["scan"](params), compiled["per-layer"](args["per-layer"])
+    stacked_g = jax.tree.map(lambda *xs: jnp.stack(xs), *g_p[2])
+    layer_diff = max(float(jnp.abs(x - y).max()) for x, y in
+                     zip(jax.tree.leaves(g_s["layers"]), jax.tree.leaves(stacked_g)))
+    emb_diff = float(jnp.abs(g_s["embed_tokens"]["embedding"][...] - g_p[0]["embedding"][...]).max())
+    print(f"loss scan {float(l_s):.7f} vs per-layer {float(l_p):.7f}; gradients max |diff|: layers "
+          f"{layer_diff:.2e}, embedding {emb_diff:.2e}; compile "
+          + ", ".join(f"{k} {s:.1f}s" for k, s in compile_s.items()) + "; XLA temporaries "
+          + ", ".join(f"{k} {c.memory_analysis().temp_size_in_bytes / 2**20:.0f} MiB" for k, c in compiled.items()),
+          flush=True)
+    if not (np.isclose(float(l_s), float(l_p), rtol=1e-5, atol=1e-6) and max(layer_diff, emb_diff) <= 1e-4):
+        raise SystemExit("the scan and the per-layer loop disagree on the loss or its gradient")
+    del g_s, g_p, stacked_g
+
+    sides = {k: (lambda c=c, x=args[k]: jax.block_until_ready(c(x))) for k, c in compiled.items()}
+    times = interleaved(sides, a.repeats, warmup=1)
+    for k, ts in times.items():
+        print(f"{k:10s} loss+grad {summary(ts, 's')}: {b * t / np.median(ts):.1f} tok/s")
+    print(f"ratio per-layer / scan (speed) = {ratio(times['scan'], times['per-layer'])} "
+          "(median [per-round min..max]; > 1: per-layer faster)")
+    print(load_line("at end"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
