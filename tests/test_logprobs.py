@@ -307,7 +307,9 @@ def test_vd_layout_equals_dv_layout_on_the_transposed_weight(monkeypatch, seq_ch
     """A ``[V, D]`` weight (``weight_layout="vd"``, a tied embedding as stored) gives the values and gradients
     (hidden, weight -- in [V, D] -- and temperature) of the ``[D, V]`` call on its transpose, with collision
     probabilities and ragged tiles on both axes: the same float64 numbers (1e-12), float32 to rounding (the two
-    einsums sum in different orders; both are as close to the float64 result)."""
+    einsums sum in different orders; both are as close to the float64 result: 1e-5, about 20 float32 ulps of a
+    log-prob near log(41); a 2-core AMD EPYC Zen 3 (AVX2) differed by 1.9e-6 on one collision probability, which
+    1e-6 rejected)."""
     if bwd_tile is not None:
         monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
     rng = np.random.default_rng(7)
@@ -327,7 +329,7 @@ def test_vd_layout_equals_dv_layout_on_the_transposed_weight(monkeypatch, seq_ch
         (_, outs), grads = f(jnp.asarray(h, dtype), jnp.asarray(w, dtype), jnp.asarray(0.7, dtype))
         return [np.asarray(x) for x in outs], [np.asarray(x) for x in grads]
 
-    for dtype, atol_values, atol_grads in ((jnp.float32, 1e-6, 1e-4), (jnp.float64, 1e-12, 1e-12)):
+    for dtype, atol_values, atol_grads in ((jnp.float32, 1e-5, 1e-4), (jnp.float64, 1e-12, 1e-12)):
         with jax.enable_x64(dtype == jnp.float64):
             outs_vd, (gh_vd, gw_vd, gt_vd) = run(emb, "vd", dtype)
             outs_dv, (gh_dv, gw_dv, gt_dv) = run(emb.T, "dv", dtype)
