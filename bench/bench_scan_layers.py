@@ -42,6 +42,7 @@ from benchutil import interleaved, load_line, machine_line, ratio, summary, use_
 from flax import nnx  # noqa: E402
 
 from models.attention import segment_ids_from_mask  # noqa: E402
+from models.decode import unstack_layers  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3, positions_from_mask, remat_layer, rope_cos_sin  # noqa: E402
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     layer_def, stacked = nnx.split(model.layers)
     embed_def, embed_state = nnx.split(model.embed_tokens)
     norm_def, norm_state = nnx.split(model.norm)
-    per_layer = [jax.tree.map(lambda x, i=i: jnp.array(x[i]), stacked) for i in range(a.layers)]
+    per_layer = list(unstack_layers(stacked))  # one state per layer, copies of the stack's slices
 
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (b, t)), jnp.int32)
