@@ -2,8 +2,8 @@
 
 Flax ``nnx.Linear`` stores ``kernel`` [in, out]; PyTorch ``nn.Linear`` stores ``weight`` [out, in]. For the skinny
 products of a decode step (a few dozen rows against a weight matrix that does not fit in cache) XLA:CPU on an
-Intel Xeon reads the weight about twice as fast when it is [out, in] and contracted on its last axis (on an AMD
-EPYC the [in, out] form is faster; bench/bench_rollout.py), so the rollout engine's per-layer decode copy may
+Intel Xeon or an AVX2 AMD EPYC (Zen 3) reads the weight faster when it is [out, in] and contracted on its last
+axis (on an AVX-512 AMD EPYC, Zen 4, the [in, out] form is faster; bench/bench_rollout.py), so the rollout engine's per-layer decode copy may
 hold the kernels that way while every other user sees [in, out].
 """
 from __future__ import annotations
@@ -55,28 +55,46 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
             sub.kernel_layout = layout
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The host CPU's vendor id from ``cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``, ...), or ``""``
-    where it cannot be read (not Linux, no ``vendor_id`` line). No arrays; never raises. Source: the Linux
-    ``/proc/cpuinfo`` format (x86 ``CPUID`` vendor string)."""
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
+    """The host CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``, ...) and feature flags (``"avx2"``,
+    ``"avx512f"``, ...) from the first processor block of ``cpuinfo``; ``("", frozenset())`` where it cannot be
+    read (not Linux, no such lines). No arrays; never raises. Source: the Linux ``/proc/cpuinfo`` format (x86
+    ``CPUID`` vendor string and feature names)."""
+    vendor, flags = "", frozenset()
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
     except OSError:
         pass
-    return ""
+    return vendor, flags
 
 
-def preferred_kernel_layout(platform: str, vendor: str | None = None) -> str:
-    """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``) and
-    CPU vendor (default :func:`cpu_vendor`): ``"out_in"`` on ``"cpu"`` with an Intel CPU, ``"in_out"`` everywhere
-    else. Measured with ``bench/bench_rollout.py --kernel-layouts in_out,out_in`` at Qwen3-0.6B, 32 slots: on a
-    2-core Intel Xeon (AVX-512) out_in made the layers' decode matmuls about 2x faster (400 -> 190 ms per step);
-    on a 2-core AMD EPYC (Zen 4) in_out made the whole step faster (524 vs 665 ms). GPU/TPU matmuls take either
-    operand order, and in_out needs no transpose at weight sync. No arrays; never raises. Source: our
-    measurements; [out, in] is PyTorch's ``nn.Linear`` convention."""
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The vendor id of :func:`cpu_info` (``""`` where unknown). No arrays; never raises. Source: as
+    :func:`cpu_info`."""
+    return cpu_info(cpuinfo)[0]
+
+
+def preferred_kernel_layout(platform: str, vendor: str | None = None, flags=None) -> str:
+    """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``), CPU
+    vendor and CPU feature flags (defaults: :func:`cpu_info`): ``"in_out"`` off CPU and on an AMD CPU with
+    AVX-512, ``"out_in"`` on every other CPU. Measured with ``bench/bench_rollout.py --kernel-layouts
+    in_out,out_in`` at Qwen3-0.6B, 32 slots, 2 cores: on an Intel Xeon (AVX-512) out_in made the layers' decode
+    matmuls about 2x faster (400 -> 190 ms per step); on an AMD EPYC Zen 3 (AVX2) out_in made decoding 1.22x
+    faster (29.5 -> 35.9 tok/s); on an AMD EPYC Zen 4 (AVX-512) in_out made the whole step faster (524 vs 665
+    ms). GPU/TPU matmuls take either operand order, and in_out needs no transpose at weight sync. No arrays;
+    never raises. Source: our measurements; [out, in] is PyTorch's ``nn.Linear`` convention."""
     if platform != "cpu":
         return "in_out"
-    return "out_in" if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else "in_out"
+    if vendor is None or flags is None:
+        here_vendor, here_flags = cpu_info()
+        vendor = here_vendor if vendor is None else vendor
+        flags = here_flags if flags is None else flags
+    return "in_out" if vendor == "AuthenticAMD" and "avx512f" in flags else "out_in"

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from fixtures_rollout import RAGGED_PROMPTS, make_engine, tiny_model
 from models.decode import copy_layer_into, greedy_generate, split_layers
-from models.linear import Linear, cpu_vendor, preferred_kernel_layout, set_kernel_layout
+from models.linear import Linear, cpu_info, cpu_vendor, preferred_kernel_layout, set_kernel_layout
 from models.sharding import make_mesh, param_path
 from stapo_jax.rollout.decode_fns import decode_param_shardings, resolve_kernel_layout
 from stapo_jax.rollout.driver import RolloutDriver
@@ -112,20 +112,27 @@ def test_greedy_generate_layouts_agree():
     assert lengths.tolist() == [6, 6]
 
 
-def test_cpu_vendor_reads_the_vendor_id_line(tmp_path):
+def test_cpu_info_reads_the_first_processor_block(tmp_path):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 avx512f\n\n"
+                    "processor\t: 1\nvendor_id\t: GenuineIntel\nflags\t\t: sse2\n")
+    assert cpu_info(str(info)) == ("AuthenticAMD", frozenset({"fpu", "avx2", "avx512f"}))
     assert cpu_vendor(str(info)) == "AuthenticAMD"
     info.write_text("processor\t: 0\nmodel name\t: some ARM core\n")
+    assert cpu_info(str(info)) == ("", frozenset())
     assert cpu_vendor(str(info)) == ""
-    assert cpu_vendor(str(tmp_path / "missing")) == ""
+    assert cpu_info(str(tmp_path / "missing")) == ("", frozenset())
 
 
 def test_auto_layout_and_config_errors():
-    assert preferred_kernel_layout("cpu", "GenuineIntel") == "out_in"
-    assert preferred_kernel_layout("cpu", "AuthenticAMD") == preferred_kernel_layout("cpu", "") == "in_out"
+    zen3, zen4 = frozenset({"avx", "avx2"}), frozenset({"avx", "avx2", "avx512f"})
+    assert preferred_kernel_layout("cpu", "GenuineIntel", zen4) == preferred_kernel_layout("cpu", "GenuineIntel", zen3) \
+        == "out_in"
+    assert preferred_kernel_layout("cpu", "AuthenticAMD", zen4) == "in_out"
+    assert preferred_kernel_layout("cpu", "AuthenticAMD", zen3) == preferred_kernel_layout("cpu", "", zen4) == "out_in"
     assert preferred_kernel_layout("gpu") == preferred_kernel_layout("tpu") == "in_out"
-    here = "out_in" if cpu_vendor() == "GenuineIntel" else "in_out"
+    vendor, flags = cpu_info()
+    here = "in_out" if vendor == "AuthenticAMD" and "avx512f" in flags else "out_in"
     assert preferred_kernel_layout("cpu") == here
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     assert resolve_kernel_layout("auto", mesh) == here  # the tests run on CPU devices

@@ -103,9 +103,9 @@ class EngineConfig:
       seed: default seed of ``init_decode_state``.
       cache_dtype: KV-cache dtype name; ``None`` = the model's compute dtype.
       kernel_layout: how the engine's per-layer decode copy holds the linear kernels: ``"in_out"`` (as the
-        trainer), ``"out_in"`` (transposed, PyTorch's layout: about 2x faster skinny matmuls on XLA:CPU on an
-        Intel Xeon, for a transpose at each weight sync) or ``"auto"`` (``"out_in"`` on CPU devices of an Intel
-        host, ``"in_out"`` elsewhere; :func:`models.linear.preferred_kernel_layout`).
+        trainer), ``"out_in"`` (transposed, PyTorch's layout: faster skinny matmuls on XLA:CPU on an Intel
+        Xeon or an AVX2 AMD EPYC, for a transpose at each weight sync) or ``"auto"`` (``"in_out"`` off CPU
+        and on an AVX-512 AMD host, ``"out_in"`` on other CPUs; :func:`models.linear.preferred_kernel_layout`).
       kv_cache_buckets: True (default): :class:`~stapo_jax.rollout.driver.RolloutDriver` keeps the decode state's
         KV cache at the smallest of :func:`~stapo_jax.rollout.decode_fns.kv_length_buckets` that holds its
         active slots (a decode step reads all S cache positions of every slot, filled or not), resizing it
