@@ -1,7 +1,8 @@
 """Loss + gradient with the decoder layers applied by ``jax.lax.scan`` over their stacked ``[L, ...]`` parameters
 (``models.qwen3.Qwen3``, what the trainer runs) vs a Python loop over one parameter state per layer (Tunix's and
-HF's per-layer modules; MaxText's ``scan_layers=False``): same weights, same remat policy, same head and loss, both
-jitted ``jax.value_and_grad`` in one process, interleaved. The measurement behind keeping the scan (DESIGN.md).
+HF's per-layer modules; MaxText's ``scan_layers=False``) and two unrolled loops over the stack: same weights, same
+remat policy, same head and loss, all jitted ``jax.value_and_grad`` in one process, interleaved. The measurement
+behind keeping the scan (DESIGN.md).
 
 What differs between the sides is only how the layer weights reach the layer: inside the scan every iteration
 reads its layer's slice of the stacked weights (a copy on XLA:CPU, forward and again in the remat backward),
@@ -13,13 +14,19 @@ Sides (each call: forward + backward of the loss w.r.t. every parameter; no opti
 * ``scan``: ``Qwen3.__call__`` on the stacked parameters (``jax.lax.scan``, ``model.remat`` = ``--remat``).
 * ``per-layer``: the same ``DecoderLayer`` modules, one ``nnx.State`` per layer (sliced from the stack once,
   before timing), applied in a Python loop, each wrapped in the same ``models.qwen3.remat_layer`` policy.
+* ``unrolled``: the stacked parameters under ``jax.lax.scan(..., unroll=True)`` (the stack kept, the loop
+  unrolled at compile time, so every slice index is a constant).
+* ``sliced``: the stacked parameters, a Python loop over static slices ``leaf[i]`` of the stack (MaxText's
+  ``scan_layers=False`` compute on the scan's parameter layout).
 
 Loss on both sides: minus the mean log-prob of the next token over the last R positions, through the trainer's
 head (``stapo_jax.algo.logprobs.chunked_log_probs_and_entropy``, tied embedding, ``calculate_entropy=False``).
-Checks before timing: equal losses and equal gradients (max |diff| of every layer leaf and the embedding).
+Checks before timing: equal losses and equal gradients (max |diff| of every layer leaf and the embedding; for
+``unrolled`` / ``sliced`` the layer leaves against the scan's, printed).
 
-Reported: machine and load, per side the median [min..max] seconds of ``--repeats`` interleaved calls, the ratio
-per-layer / scan in speed (> 1: per-layer faster) with its per-round spread, compile seconds and XLA temporaries.
+Reported: machine and load, per side the median [min..max] seconds of ``--repeats`` interleaved calls, each
+other side's speed against the scan (> 1: faster than the scan) with its per-round spread, compile seconds and XLA
+temporaries.
 
     .venv/bin/python bench/bench_scan_layers.py                         # 4 layers, Qwen3-0.6B widths, 1 x 512
     .venv/bin/python bench/bench_scan_layers.py --layers 28 --repeats 5 # the full depth
@@ -108,9 +115,25 @@ def main(argv=None) -> int:
             x = step(x, st)
         return loss_from_hidden(nnx.merge(norm_def, norm)(x), embed.embedding[...])
 
-    args = {"scan": params, "per-layer": (embed_state, norm_state, per_layer)}
+    def unrolled_loss(prm):
+        emb, norm, stk = prm
+        embed = nnx.merge(embed_def, emb)
+        x, _ = jax.lax.scan(lambda h, st: (step(h, st), None), embed(ids), stk, unroll=True)
+        return loss_from_hidden(nnx.merge(norm_def, norm)(x), embed.embedding[...])
+
+    def sliced_loss(prm):
+        emb, norm, stk = prm
+        embed = nnx.merge(embed_def, emb)
+        x = embed(ids)
+        for i in range(a.layers):
+            x = step(x, jax.tree.map(lambda v, i=i: v[i], stk))
+        return loss_from_hidden(nnx.merge(norm_def, norm)(x), embed.embedding[...])
+
+    args = {"scan": params, "per-layer": (embed_state, norm_state, per_layer),
+            "unrolled": (embed_state, norm_state, stacked), "sliced": (embed_state, norm_state, stacked)}
+    fns = {"scan": scan_loss, "per-layer": per_layer_loss, "unrolled": unrolled_loss, "sliced": sliced_loss}
     compiled, compile_s = {}, {}
-    for name, fn in (("scan", scan_loss), ("per-layer", per_layer_loss)):
+    for name, fn in fns.items():
         t0 = time.perf_counter()
         compiled[name] = jax.jit(jax.value_and_grad(fn)).lower(args[name]).compile()
         compile_s[name] = time.perf_counter() - t0
@@ -127,14 +150,21 @@ def main(argv=None) -> int:
           flush=True)
     if not (np.isclose(float(l_s), float(l_p), rtol=1e-5, atol=1e-6) and max(layer_diff, emb_diff) <= 1e-4):
         raise SystemExit("the scan and the per-layer loop disagree on the loss or its gradient")
+    for k in ("unrolled", "sliced"):
+        l_k, g_k = compiled[k](args[k])
+        d = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(g_s["layers"]), jax.tree.leaves(g_k[2])))
+        print(f"{k}: loss {float(l_k):.7f}, layer grad max |diff| vs scan {d:.2e}", flush=True)
+        if not (np.isclose(float(l_s), float(l_k), rtol=1e-5, atol=1e-6) and d <= 1e-4):
+            raise SystemExit(f"the scan and the {k} loop disagree on the loss or its gradient")
     del g_s, g_p, stacked_g
 
     sides = {k: (lambda c=c, x=args[k]: jax.block_until_ready(c(x))) for k, c in compiled.items()}
     times = interleaved(sides, a.repeats, warmup=1)
     for k, ts in times.items():
         print(f"{k:10s} loss+grad {summary(ts, 's')}: {b * t / np.median(ts):.1f} tok/s")
-    print(f"ratio per-layer / scan (speed) = {ratio(times['scan'], times['per-layer'])} "
-          "(median [per-round min..max]; > 1: per-layer faster)")
+    for k in ("per-layer", "unrolled", "sliced"):
+        print(f"ratio {k} / scan (speed) = {ratio(times['scan'], times[k])} "
+              "(median [per-round min..max]; > 1: faster than the scan)")
     print(load_line("at end"))
     return 0
 
