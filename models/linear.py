@@ -3,8 +3,8 @@
 Flax ``nnx.Linear`` stores ``kernel`` [in, out]; PyTorch ``nn.Linear`` stores ``weight`` [out, in]. For the skinny
 products of a decode step (a few dozen rows against a weight matrix that does not fit in cache) XLA:CPU on an
 Intel Xeon or an AVX2 AMD EPYC (Zen 3) reads the weight faster when it is [out, in] and contracted on its last
-axis (on an AVX-512 AMD EPYC, Zen 4, the [in, out] form is faster; bench/bench_rollout.py), so the rollout engine's per-layer decode copy may
-hold the kernels that way while every other user sees [in, out].
+axis (on an AVX-512 AMD EPYC, Zen 4, the [in, out] form is faster; bench/bench_rollout.py), so the rollout
+engine's per-layer decode copy may hold the kernels that way while every other user sees [in, out].
 """
 from __future__ import annotations
 
@@ -76,21 +76,17 @@ def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
     return vendor, flags
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The vendor id of :func:`cpu_info` (``""`` where unknown). No arrays; never raises. Source: as
-    :func:`cpu_info`."""
-    return cpu_info(cpuinfo)[0]
-
-
-def preferred_kernel_layout(platform: str, vendor: str | None = None, flags=None) -> str:
+def preferred_kernel_layout(platform: str, vendor: str | None = None, flags: frozenset | None = None) -> str:
     """The decode kernel layout for a JAX platform name (``jax.default_backend()`` / ``device.platform``), CPU
-    vendor and CPU feature flags (defaults: :func:`cpu_info`): ``"in_out"`` off CPU and on an AMD CPU with
-    AVX-512, ``"out_in"`` on every other CPU. Measured with ``bench/bench_rollout.py --kernel-layouts
-    in_out,out_in`` at Qwen3-0.6B, 32 slots, 2 cores: on an Intel Xeon (AVX-512) out_in made the layers' decode
-    matmuls about 2x faster (400 -> 190 ms per step); on an AMD EPYC Zen 3 (AVX2) out_in made decoding 1.22x
-    faster (29.5 -> 35.9 tok/s); on an AMD EPYC Zen 4 (AVX-512) in_out made the whole step faster (524 vs 665
-    ms). GPU/TPU matmuls take either operand order, and in_out needs no transpose at weight sync. No arrays;
-    never raises. Source: our measurements; [out, in] is PyTorch's ``nn.Linear`` convention."""
+    vendor id and set of CPU feature flag names (each ``None``: this host's, :func:`cpu_info`): ``"in_out"``
+    off CPU and on an AMD CPU with ``avx512f``, ``"out_in"`` on every other CPU.
+
+    Measured with ``bench/bench_rollout.py --kernel-layouts in_out,out_in`` at Qwen3-0.6B, 32 slots, 2 cores: on
+    an Intel Xeon (AVX-512) out_in made the layers' decode matmuls about 2x faster (400 -> 190 ms per step); on an
+    AMD EPYC Zen 3 (AVX2) out_in made decoding 1.22x faster (29.5 -> 35.9 tok/s); on an AMD EPYC Zen 4 (AVX-512)
+    in_out made the whole step faster (524 vs 665 ms). GPU/TPU matmuls take either operand order, and in_out
+    needs no transpose at weight sync. No arrays; never raises. Source: our measurements; [out, in] is
+    PyTorch's ``nn.Linear`` convention."""
     if platform != "cpu":
         return "in_out"
     if vendor is None or flags is None:
