@@ -19,16 +19,9 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     extension, e.g. ``"AMD EPYC (family 25 model 1, avx2)"``: a VM may report only ``"AMD EPYC"`` for both a Zen 3
     (AVX2) and a Zen 4 (AVX-512) host, whose XLA:CPU matmul peaks differ by 2x. Else ``platform.processor()``,
     else ``"unknown"``."""
-    fields: dict[str, str] = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    from models.linear import cpuinfo_fields
+
+    fields = cpuinfo_fields(cpuinfo)
     name = fields.get("model name")
     if not name:
         return platform.processor() or "unknown"

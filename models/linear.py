@@ -55,25 +55,30 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
             sub.kernel_layout = layout
 
 
-def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
-    """The host CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``, ...) and feature flags (``"avx2"``,
-    ``"avx512f"``, ...) from the first processor block of ``cpuinfo``; ``("", frozenset())`` where it cannot be
-    read (not Linux, no such lines). No arrays; never raises. Source: the Linux ``/proc/cpuinfo`` format (x86
-    ``CPUID`` vendor string and feature names)."""
-    vendor, flags = "", frozenset()
+def cpuinfo_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The ``key: value`` lines of the first processor block of ``cpuinfo`` as a dict of stripped strings (the
+    first value of a repeated key wins); ``{}`` where the file cannot be read (not Linux). No arrays; never
+    raises. Source: the Linux ``/proc/cpuinfo`` format."""
+    fields: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
                 if not line.strip():
                     break  # the first processor's block is enough
                 key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "flags":
-                    flags = frozenset(value.split())
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return vendor, flags
+    return fields
+
+
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
+    """The host CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``, ...) and feature flags (``"avx2"``,
+    ``"avx512f"``, ...) from :func:`cpuinfo_fields`; ``("", frozenset())`` where they cannot be read (not
+    Linux, no such lines). No arrays; never raises. Source: the Linux ``/proc/cpuinfo`` format (x86 ``CPUID``
+    vendor string and feature names)."""
+    fields = cpuinfo_fields(cpuinfo)
+    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
 
 
 def preferred_kernel_layout(platform: str, vendor: str | None = None, flags: frozenset | None = None) -> str:
