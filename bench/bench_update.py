@@ -20,10 +20,15 @@ Both optimizers: lr 1e-6, betas (0.9, 0.999), eps 1e-8, weight decay 0.1, global
 ``actor.optim`` defaults; no warm-up on either side). Correctness, untimed: the loss of step 0 (same weights,
 same batch) is printed for both sides and asserted close.
 
+Warm-up: step 0 and then one more untimed round of every side. With both frameworks in one heap, torch's
+step 0 takes over the memory that ours freed, so our second step still first-touches its temporaries (547k
+page faults: 7.7 CPU-seconds in the kernel, +3.8 s of wall time at 28 layers on a Zen 3); from the third step
+on neither side faults.
+
 Reported: the machine and its load (before/after), per side the median [min..max] seconds of ``--repeats``
-interleaved steps (after step 0, which is the warm-up), tokens/s = B·(P+R) / median, the ratio ours/torch in
-tokens/s (> 1: ours faster; per-round spread), and the fraction of the measured fp32 matmul peak (an
-``--peak-n``-square matmul in each framework, median of 3) reached by the model FLOPs
+interleaved steps, tokens/s = B·(P+R) / median, the ratio ours/torch in tokens/s (> 1: ours faster; per-round
+spread) with the ratio of process CPU seconds (all threads), and the fraction of the measured fp32 matmul peak
+(an ``--peak-n``-square matmul in each framework, median of 3) reached by the model FLOPs
 6·(N·B·(P+R) + D·V·B·R): N = the decoder's matmul weights (no embedding, no norms), the tied head counted
 over the R response positions only (both sides compute logits only there); attention scores not counted.
 
@@ -197,12 +202,13 @@ def main(argv=None) -> int:
     if masked == 0.0 and not np.isclose(losses["ours"], losses["torch"], rtol=1e-3, atol=1e-5):
         raise SystemExit(f"step-0 losses differ: {losses}")
 
-    times = interleaved(sides, a.repeats, warmup=0)
+    cpu: dict[str, list[float]] = {}
+    times = interleaved(sides, a.repeats, warmup=1, cpu=cpu)  # warm-up: see the module docstring
     peak_jax, peak_torch = matmul_peak(a.peak_n)
     print(f"measured fp32 matmul peak ({a.peak_n}^3, median of 3): jax {peak_jax:.1f} GFLOP/s, torch "
           f"{peak_torch:.1f} GFLOP/s")
     report_throughput(times, what="update", tokens=b * t, flops=model_flops,
-                      peaks={k: peak_jax if k == "ours" else peak_torch for k in times})
+                      peaks={k: peak_jax if k == "ours" else peak_torch for k in times}, cpu=cpu)
     print(load_line("at end"))
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -67,6 +68,10 @@ def run(runs):
 def test_console_output(run):
     out = run["log"]
     assert re.search(r"SFT warm-up: 100 steps, loss [\d.]+ -> [\d.]+", out)
+    # the CLI re-executed itself under TCMalloc (installed wherever the tests run: tests/test_allocator.py) and says so
+    mode = os.environ.get("STAPO_JAX_ALLOCATOR") or "auto"
+    allocator = re.search(r"host allocator: (\w+) \(STAPO_JAX_ALLOCATOR=(\w+);", out)
+    assert allocator and allocator.groups() == ("system" if mode == "system" else "tcmalloc", mode), out[:3000]
     before = float(re.search(r"heldout_acc_before: ([\d.]+)", out).group(1))
     after = float(re.search(r"heldout_acc_after: ([\d.]+)", out).group(1))
     assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0

@@ -16,6 +16,7 @@ from flax import nnx
 
 from stapo_jax.config import build
 from stapo_jax.runtime.checkpoint import Checkpointer, export_hf
+from stapo_jax.runtime.allocator import ENV_ALLOCATOR, loaded_allocator
 from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
@@ -63,6 +64,8 @@ def train(cfg: Config) -> dict[str, Any]:
         check_sft_batch_size(cfg.sft.batch_size, mesh)
     attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
     long_rows = packing_long_rows(attention)
+    log.info("host allocator: %s (%s=%s; README, Host allocator)", loaded_allocator(), ENV_ALLOCATOR,
+             os.environ.get(ENV_ALLOCATOR) or "auto")
     log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
     if cfg.model.use_remove_padding:
         log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
