@@ -20,10 +20,10 @@ Both optimizers: lr 1e-6, betas (0.9, 0.999), eps 1e-8, weight decay 0.1, global
 ``actor.optim`` defaults; no warm-up on either side). Correctness, untimed: the loss of step 0 (same weights,
 same batch) is printed for both sides and asserted close.
 
-Warm-up: step 0 and then one more untimed round of every side. With both frameworks in one heap, torch's
-step 0 takes over the memory that ours freed, so our second step still first-touches its temporaries (547k
-page faults: 7.7 CPU-seconds in the kernel, +3.8 s of wall time at 28 layers on a Zen 3); from the third step
-on neither side faults.
+Warm-up: step 0 and then one more untimed round of every side. Our second step still first-touched its
+temporaries (547k page faults: 7.7 CPU-seconds in the kernel, +3.8 s of wall time at 28 layers on a Zen 3),
+most likely because torch's step 0, in the same heap, had reused the memory ours freed; from the third step on
+neither side faulted (``resource.getrusage`` around each call).
 
 Reported: the machine and its load (before/after), per side the median [min..max] seconds of ``--repeats``
 interleaved steps, tokens/s = B·(P+R) / median, the ratio ours/torch in tokens/s (> 1: ours faster; per-round
