@@ -62,6 +62,13 @@ def loaded_allocator(maps_path: str = "/proc/self/maps") -> str:
     return "system"
 
 
+def allocator_mode(env: Mapping[str, str]) -> str:
+    """The ``STAPO_JAX_ALLOCATOR`` value of ``env`` as given, ``"auto"`` where it is unset or empty. No arrays:
+    a str mapping in, a str out; never raises (:func:`preload_env` rejects a value outside ``MODES``). Source:
+    this module's ``STAPO_JAX_ALLOCATOR`` convention."""
+    return env.get(ENV_ALLOCATOR) or "auto"
+
+
 def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> Optional[dict]:
     """The environment to re-execute the process with so that it runs under TCMalloc, or None to keep it.
     No arrays: str mappings and paths in, a dict of str (or None) out.
@@ -79,7 +86,7 @@ def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> 
         the library is missing (or the re-executed process still does not run under it).
     Source: PyTorch's CPU performance tuning guide (``LD_PRELOAD`` of TCMalloc / jemalloc).
     """
-    mode = env.get(ENV_ALLOCATOR, "auto") or "auto"
+    mode = allocator_mode(env)
     if mode not in MODES:
         raise AllocatorError(f"{ENV_ALLOCATOR}={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "system" or loaded != "system":

@@ -16,7 +16,7 @@ from flax import nnx
 
 from stapo_jax.config import build
 from stapo_jax.runtime.checkpoint import Checkpointer, export_hf
-from stapo_jax.runtime.allocator import ENV_ALLOCATOR, loaded_allocator
+from stapo_jax.runtime.allocator import ENV_ALLOCATOR, allocator_mode, loaded_allocator
 from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
@@ -65,7 +65,7 @@ def train(cfg: Config) -> dict[str, Any]:
     attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
     long_rows = packing_long_rows(attention)
     log.info("host allocator: %s (%s=%s; README, Host allocator)", loaded_allocator(), ENV_ALLOCATOR,
-             os.environ.get(ENV_ALLOCATOR) or "auto")
+             allocator_mode(os.environ))
     log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
     if cfg.model.use_remove_padding:
         log.info("model.use_remove_padding: the old-log-prob pass and the update run on packed rows (%s)",
