@@ -40,11 +40,12 @@ from models.qwen3 import Qwen3  # noqa: E402
 
 
 def hf_copy(model: Qwen3, cfg) -> transformers.Qwen3ForCausalLM:
-    """The HF model holding exactly our weights (built on the meta device, tensors assigned, head re-tied)."""
+    """The HF model holding exactly our weights (built on the meta device, tensors assigned, head re-tied), in
+    ``cfg.param_dtype`` (the tensors travel as float32 numpy, which holds bf16 values exactly)."""
     hf_cfg = transformers.Qwen3Config(**cfg.to_hf_dict())
     with torch.device("meta"):
         hf = transformers.Qwen3ForCausalLM(hf_cfg)
-    sd = {name: torch.from_numpy(arr) for name, arr in iter_hf_tensors(model, cfg)}
+    sd = {name: torch.from_numpy(arr) for name, arr in iter_hf_tensors(model, cfg, dtype="float32")}
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
@@ -52,7 +53,7 @@ def hf_copy(model: Qwen3, cfg) -> transformers.Qwen3ForCausalLM:
         raise RuntimeError(f"HF state dict mismatch: missing={missing}, unexpected={unexpected}")
     # non-persistent buffers (RoPE inv_freq) are still on meta: rebuild them on CPU
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg)
-    return hf.eval()
+    return hf.to(getattr(torch, str(cfg.param_dtype))).eval()
 
 
 def main(argv=None) -> int:
@@ -75,8 +76,6 @@ def main(argv=None) -> int:
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     hf = hf_copy(model, cfg)
-    if args.dtype == "bfloat16":
-        hf = hf.to(torch.bfloat16)
     print(f"init + copy into HF: {time.perf_counter() - t0:.1f}s")
 
     def fwd(state, ids, mask):

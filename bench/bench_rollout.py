@@ -2,7 +2,8 @@
 CPU, KV cache) on the same weights, in one process; plus the weight-sync time of the driver.
 
 Workload per model: B=32 prompts of 16 random tokens, 128 new tokens each, greedy, no EOS (both sides emit
-exactly B*128 tokens). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
+exactly B*128 tokens), in ``--dtype`` (float32 by default; bfloat16: weights, activations and KV cache in bf16
+on both sides). Throughput = generated tokens / median wall time of full ``generate`` calls (5 for
 tiny, 3 for 0.6b; ours and HF interleaved, spread [min..max] printed), after a warm-up call (ours: one
 full-length call, which compiles every KV-cache length; HF: 6-token runs). Ours includes prefill,
 per-token full-vocabulary log-probs and the host loop of continuous batching; HF's ``generate`` computes no
@@ -15,7 +16,7 @@ steps per jitted call). ``--kernel-layouts in_out,out_in`` times the engine's tw
 the full-length cache.
 
 Models: ``tiny`` (2 layers, D=64, V=1024) and ``0.6b`` (the real Qwen3-0.6B config from
-``stapo_jax/assets/qwen3_configs``, random weights), both float32. Weights go into the HF model through the
+``stapo_jax/assets/qwen3_configs``, random weights), both in ``--dtype``. Weights go into the HF model through the
 exporter's tensor stream (``bench_forward.hf_copy`` over ``models.hf.iter_hf_tensors``).
 
 torch runs with the faster of 1 thread and all cores (measured on a 6-token run first): on a shared, busy
@@ -28,7 +29,7 @@ of 3. bench/bench_weight_sync.py compares that copy with the former one into fre
 
     .venv/bin/python bench/bench_rollout.py                      # tiny and 0.6b (several minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --models tiny        # quick
-    python bench/bench_rollout.py --models 0.6b --torch-device cuda   # on a GPU machine: HF generate on CUDA
+    python bench/bench_rollout.py --models 0.6b --torch-device cuda --dtype bfloat16   # GPU: HF generate on CUDA
 """
 from __future__ import annotations
 
@@ -58,23 +59,24 @@ from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
 CONFIG_06B = qwen3_config_dir() / "Qwen3-0.6B.json"
 
 
-def model_config(name: str) -> Qwen3Config:
+def model_config(name: str, dtype: str = "float32") -> Qwen3Config:
     if name == "tiny":
         return Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None,
-                           bos_token_id=None, pad_token_id=0, tie_word_embeddings=True)
+                           bos_token_id=None, pad_token_id=0, tie_word_embeddings=True, dtype=dtype,
+                           param_dtype=dtype)
     if name == "0.6b":
         import dataclasses
 
-        return dataclasses.replace(from_hf_config(str(CONFIG_06B)), dtype="float32", param_dtype="float32",
+        return dataclasses.replace(from_hf_config(str(CONFIG_06B)), dtype=dtype, param_dtype=dtype,
                                    eos_token_id=None, bos_token_id=None, pad_token_id=0)
     raise SystemExit(f"unknown model {name!r}: expected tiny or 0.6b")
 
 
 def bench_one(name: str, batch: int, new_tokens: int, prompt_len: int, repeats: int,
               steps_per_sync: tuple[int, ...], torch_device: str = "cpu", kernel_layouts: tuple[str, ...] = ("auto",),
-              kv_cache_buckets: tuple[bool, ...] = (True,)) -> dict:
-    cfg = model_config(name)
+              kv_cache_buckets: tuple[bool, ...] = (True,), dtype: str = "float32") -> dict:
+    cfg = model_config(name, dtype)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     hf = hf_copy(model, cfg).to(torch_device)
     rng = np.random.default_rng(0)
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute, both sides")
     p.add_argument("--kv-cache-buckets", default="on",
                    help="EngineConfig.kv_cache_buckets values to time side by side: on, off or on,off (on: the KV "
                         "cache is kept at the smallest bucket holding the active slots)")
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     use_cli_allocator()
     print(machine_line(), flush=True)
-    print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, fp32")
+    print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts of {args.prompt_len} tokens, greedy, {args.dtype}")
     for name in args.models.split(","):
         name = name.strip()
         repeats = args.repeats or (5 if name == "tiny" else 3)
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
         layouts = tuple(x.strip() for x in args.kernel_layouts.split(","))
         buckets = tuple({"on": True, "off": False}[x.strip()] for x in args.kv_cache_buckets.split(","))
         r = bench_one(name, args.batch, args.new_tokens, args.prompt_len, repeats, k, args.torch_device, layouts,
-                      buckets)
+                      buckets, args.dtype)
         print(f"[{r['model']}] HF generate {r['hf_tok_s']:.1f} tok/s ({summary(r['hf_times'], 's')}, "
               f"{args.torch_device}, {r['torch_threads']} torch thread(s), the faster of 1 and all)", flush=True)
         for label, ts in r["times"].items():
