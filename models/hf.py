@@ -39,7 +39,7 @@ import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors' numpy backend can read bf16)
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models.qwen3 import ConfigError, Qwen3, Qwen3Config
@@ -167,9 +167,13 @@ def _tensor_files(ckpt_dir: Path) -> tuple[dict[str, Path], str]:
         raise CheckpointError(f"{ckpt_dir}: no *.safetensors files (weights are only read from safetensors)")
     files = {}
     for fn in paths:
-        with safe_open(fn, framework="numpy") as h:
-            for name in h.keys():
-                files[name] = fn
+        try:
+            with safe_open(fn, framework="numpy") as h:
+                for name in h.keys():
+                    files[name] = fn
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); is it truncated? Re-copy or "
+                                  f"re-export it") from e
     return files, ", ".join(str(p) for p in paths)
 
 

@@ -59,3 +59,68 @@ def test_errors(tmp_path):
     with pytest.raises(CheckpointError, match="cannot restore step 3"):
         ck.restore({"other": jnp.zeros((2,))})
     ck.close()
+
+
+class _Tok:
+    """Stands in for the tokenizer: ``save_pretrained`` writes one file (what export_hf asks of it)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def save_pretrained(self, path):
+        with open(os.path.join(path, "tokenizer_marker.txt"), "w") as f:
+            f.write(self.text)
+
+
+def test_export_hf_replaces_the_previous_export_and_leaves_no_side_folders(tmp_path):
+    """A re-export replaces ``out`` whole (the second model's weights and tokenizer file), and neither ``out.tmp``
+    nor ``out.old`` (where the previous export waits during the swap) is left behind."""
+    from flax import nnx
+
+    from models.hf import load_hf_checkpoint
+    from models.qwen3 import Qwen3, Qwen3Config
+    from stapo_jax.runtime.checkpoint import export_hf
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    out = str(tmp_path / "hf")
+    for seed in (0, 1):
+        model = Qwen3(cfg, rngs=nnx.Rngs(seed))
+        assert export_hf(model, _Tok(f"run {seed}"), out) == out
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    with open(os.path.join(out, "tokenizer_marker.txt")) as f:
+        assert f.read() == "run 1"
+    _, loaded = load_hf_checkpoint(out)
+    np.testing.assert_array_equal(np.asarray(loaded.embed_tokens.embedding[...]),
+                                  np.asarray(model.embed_tokens.embedding[...]))
+
+
+def test_resume_false_sets_the_earlier_runs_checkpoints_aside(tmp_path):
+    """``trainer.resume=false`` in a run directory with checkpoints (the trainer calls ``set_aside_checkpoints``):
+    the earlier run's steps move to ``checkpoints.replaced-<time>`` intact, so a fresh run's checkpointer starts
+    empty and a later resume finds only the fresh run's steps; no directory, or an empty one, is left alone."""
+    from stapo_jax.train.run_files import set_aside_checkpoints
+
+    d = tmp_path / "checkpoints"
+    assert set_aside_checkpoints(str(d), main_process=True) is None  # nothing there yet
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    for step in (4, 5, 6):
+        ck.save(step, _state(step))
+    ck.close()
+    moved = set_aside_checkpoints(str(d), main_process=True)
+    assert moved is not None and os.path.basename(moved).startswith("checkpoints.replaced-") and not d.exists()
+    fresh = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    assert fresh.latest_step() is None
+    fresh.save(1, _state(1))
+    fresh.wait()
+    assert fresh.latest_step() == 1
+    fresh.close()
+    old = Checkpointer(moved, save_every=1, keep=5, async_save=False)
+    assert old.latest_step() == 6
+    step, state, _, _ = old.restore(_state(0))
+    assert step == 6
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.asarray(_state(6)["params"]["w"]))
+    old.close()
+    (tmp_path / "empty").mkdir()
+    assert set_aside_checkpoints(str(tmp_path / "empty"), main_process=True) is None
+    assert set_aside_checkpoints(str(d), main_process=False) is None and d.exists()  # only process 0 renames

@@ -195,6 +195,18 @@ def test_missing_tensor_names_tensor_shape_and_file(hf_tied, tmp_path):
     assert name in msg and "missing" in msg and "[128, 64]" in msg and str(f) in msg
 
 
+@pytest.mark.parametrize("keep_bytes", [5000, 4])
+def test_truncated_safetensors_names_the_file(hf_tied, tmp_path, keep_bytes):
+    """A copy cut short (inside the tensor data, or inside the header's length prefix) is a CheckpointError that
+    names the file, not safetensors' bare header error."""
+    ck = _copy_checkpoint(hf_tied[1], tmp_path / "ck")
+    f = ck / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:keep_bytes])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file") as e:
+        load_hf_checkpoint(ck)
+    assert str(f) in str(e.value) and "truncated" in str(e.value)
+
+
 def test_wrong_shape_names_tensor_both_shapes_and_file(hf_tied, tmp_path):
     ck = _copy_checkpoint(hf_tied[1], tmp_path / "ck")
     name = "model.layers.0.self_attn.k_proj.weight"

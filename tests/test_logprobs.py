@@ -349,7 +349,7 @@ def test_tied_head_hlo_has_no_dv_gradient_or_float32_copy(monkeypatch, budget):
     modes, several backward vocabulary tiles: the gradient is written as ``[V, D]`` and no array of the
     transposed shape ``[D, V]`` other than in the weight's own dtype exists (no float32 / uint16 ``[D, V]``
     gradient buffer, zero fill or transpose of it back, no float32 copy of the weight), whereas the ``[D, V]``
-    call on ``embedding.T`` has them (so the check can fail). The CPU compiler still makes one bf16 ``[D, V]``
+    call on ``embedding.T`` has such a buffer (so the check can fail). The CPU compiler still makes one bf16 ``[D, V]``
     copy of the weight for the forward's whole-vocabulary dot inside the sequence loop (it makes none for
     the same dot outside a loop); the assertion allows it."""
     monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 1024)
@@ -368,7 +368,9 @@ def test_tied_head_hlo_has_no_dv_gradient_or_float32_copy(monkeypatch, budget):
         return {m.group(1) for m in re.finditer(rf"\b(\w+)\[{d},{v}\]", text)}
 
     assert dv_dtypes("vd") <= {"bf16"}, dv_dtypes("vd")
-    assert {"f32", "u16"} <= dv_dtypes("dv")
+    # the control: the [D, V] call has a non-bf16 [D, V] buffer (f32 and u16 with jax 0.10's XLA; u16 alone with
+    # jax 0.12's), so the assertion above can fail
+    assert dv_dtypes("dv") - {"bf16"}, dv_dtypes("dv")
 
 
 def test_bad_inputs():

@@ -330,6 +330,24 @@ def test_different_configs_are_named():
         assert "processes [1]" in err
 
 
+def test_different_training_data_is_named():
+    """The trainer's second check (``check_same_config`` over the dataset fingerprints): processes that read
+    different data files stop with the training-data message and its remedy, naming the differing split."""
+    code = ("import sys; from stapo_jax.runtime import distributed as d; d.initialize(); i = int(sys.argv[1])\n"
+            "from stapo_jax.data.prompts import examples_fingerprint as fp\n"
+            "train = [{'index': 0, 'prompt_ids': [1, 2, 3 + i], 'answer': '4'}]\n"
+            "val = [{'index': 0, 'prompt_ids': [5], 'answer': '6'}]\n"
+            "try:\n    d.check_same_config({'train_prompts_sha256': fp(train), 'val_prompts_sha256': fp(val)},"
+            " what='training data', fix='read the same files')\n"
+            "except d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
+    out = _run_snippet(code)
+    assert [rc for _, rc in out] == [3, 3], out
+    for text, _ in out:
+        err = next(x for x in text.splitlines() if x.startswith("ERR"))
+        assert "training data that differs" in err and "'train_prompts_sha256'" in err, err
+        assert "val_prompts" not in err and err.endswith("read the same files") and "processes [1]" in err, err
+
+
 def test_eval_graders_split_rows_over_processes():
     """``stapo-jax eval`` graders (evaluate.make_graders) with 2 processes: each grades its own share of the rows
     (3 + 2 of 5) and both get the one-process scores and counts."""

@@ -58,6 +58,17 @@ class DataError(ValueError):
     fetched. The message names the file (and line) or dataset id."""
 
 
+def examples_fingerprint(examples) -> str:
+    """sha256 (hex str) over (index, prompt_ids as int32 bytes, answer) of every example dict, in order. Never
+    raises for the dicts the loaders here build (a KeyError for others). Source: ``hashlib.sha256``."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(str(ex["index"]).encode())
+        h.update(np.asarray(ex["prompt_ids"], dtype=np.int32).tobytes())
+        h.update(ex["answer"].encode())
+    return h.hexdigest()
+
+
 @dataclasses.dataclass
 class DataReport:
     """What loading did to the rows of one split (also logged as one summary line)."""
@@ -92,14 +103,9 @@ class PromptDataset:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over (index, prompt_ids, answer) of every example in order: equal fingerprints mean a
-        resumed run iterates over the same prompts."""
-        h = hashlib.sha256()
-        for ex in self.examples:
-            h.update(str(ex["index"]).encode())
-            h.update(np.asarray(ex["prompt_ids"], dtype=np.int32).tobytes())
-            h.update(ex["answer"].encode())
-        return h.hexdigest()
+        """:func:`examples_fingerprint` of the examples: equal fingerprints mean a resumed run iterates over the
+        same prompts (and that every process of a job read the same ones)."""
+        return examples_fingerprint(self.examples)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -97,7 +97,9 @@ class Checkpointer:
 
 
 def export_hf(model, tok, out: str) -> str:
-    """HF safetensors + tokenizer into ``out``, written next to it and swapped in (a re-run replaces it).
+    """HF safetensors + tokenizer into ``out``, written next to it (``out.tmp``) and swapped in (a re-run replaces
+    it; the previous export is renamed to ``out.old`` before the swap and deleted after it, so a kill at any point
+    leaves one complete export on disk).
     Every process takes part in gathering the (sharded, possibly multi-host) parameters tensor by tensor (never
     more than one tensor on the host); process 0 alone writes. Returns ``out``.
 
@@ -123,8 +125,12 @@ def export_hf(model, tok, out: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, model.config, tmp)
     tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
+    old = out + ".old"  # the previous export moves aside first: a kill at any point leaves a complete copy
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out):
+        os.replace(out, old)
     os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("stapo_jax hf export")
     return out

@@ -242,11 +242,16 @@ def config_key_hashes(config_dict: dict) -> dict[str, int]:
             for k, v in sorted(_flat(config_dict).items())}
 
 
-def check_same_config(cfg) -> None:
+SAME_CONFIG_FIX = "start every process with the same --config and overrides"
+
+
+def check_same_config(cfg, *, what: str = "config", fix: str = SAME_CONFIG_FIX) -> None:
     """All processes of the job run the same config: all-gather one hash per flattened key and compare.
 
     Args:
-      cfg: a :class:`stapo_jax.config.schema.Config` (or any object with ``to_dict()``), or a nested dict.
+      cfg: a :class:`stapo_jax.config.schema.Config` (or any object with ``to_dict()``), or a nested dict (also
+        of other values that must agree, e.g. the trainer's dataset fingerprints).
+      what, fix: the error message's name for those values and its remedy.
     Gathers two int32 arrays: ``[2]`` (key count, crc32 of the key names) and ``[K]`` (one hash per key), as
     ``[P, 2]`` / ``[P, K]`` over the ``P`` processes; returns None. A collective: every process must call it.
     Source: ``jax.experimental.multihost_utils.process_allgather`` (as ``assert_equal`` there does for one
@@ -263,14 +268,12 @@ def check_same_config(cfg) -> None:
     names = np.array([len(keys), zlib.crc32("\n".join(keys).encode()) & 0x7FFFFFFF], np.int32)
     all_names = np.asarray(multihost_utils.process_allgather(names))
     if (all_names != all_names[0]).any():
-        raise DistributedError(f"the {jax.process_count()} processes were started with configs of different key "
-                               f"sets (key counts {all_names[:, 0].tolist()}): start every process with the same "
-                               f"--config and overrides")
+        raise DistributedError(f"the {jax.process_count()} processes were started with {what}s of different key "
+                               f"sets (key counts {all_names[:, 0].tolist()}): {fix}")
     vals = np.array([hashes[k] for k in keys], np.int32)
     all_vals = np.asarray(multihost_utils.process_allgather(vals))  # [P, K]
     bad = np.nonzero((all_vals != all_vals[0]).any(0))[0]
     if bad.size:
         procs = sorted({int(p) for p in np.nonzero((all_vals != all_vals[0]).any(1))[0]})
-        raise DistributedError(f"processes {procs} were started with a config that differs from process 0's in "
-                               f"{[keys[i] for i in bad]}: start every process with the same --config and "
-                               f"overrides")
+        raise DistributedError(f"processes {procs} were started with a {what} that differs from process 0's in "
+                               f"{[keys[i] for i in bad]}: {fix}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Sequence
+import time
+from typing import Optional, Sequence
 
 import numpy as np
 import yaml
@@ -51,6 +52,36 @@ def check_same_model(cfg: Config, run_dir: str) -> None:
     if diff:
         raise ConfigError(f"trainer.run_dir={run_dir} holds checkpoints of a different model ({'; '.join(diff)}); "
                           f"use a new trainer.run_dir or trainer.resume=false")
+
+
+def set_aside_checkpoints(ckpt_dir: str, main_process: bool) -> Optional[str]:
+    """``trainer.resume=false`` in a run directory that already holds checkpoints: rename ``ckpt_dir`` to
+    ``<ckpt_dir>.replaced-<UTC YYYYmmdd-HHMMSS>`` (process 0; nothing is deleted) so that the fresh run's
+    checkpoints do not mix with the earlier run's, whose later steps a resume would otherwise load as this run's.
+
+    Takes no arrays. A collective when ``jax.process_count() > 1``: every process calls it (two barriers, so no
+    process builds its checkpointer before the rename). Returns the new name on process 0 when a non-empty
+    ``ckpt_dir`` was moved, else None. Raises OSError when the rename fails (e.g. the target exists). Source:
+    verl's ``trainer.resume_mode=disable`` starts fresh; the rename keeps the earlier run's files.
+    """
+    import jax
+
+    moved = None
+    if main_process and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        moved = f"{ckpt_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("stapo_jax checkpoints: resume=false check")
+    if moved:
+        os.replace(ckpt_dir, moved)
+        log.warning("trainer.resume=false: moved the earlier run's checkpoints %s to %s (this run starts fresh; "
+                    "a later resume cannot load the earlier run's steps)", ckpt_dir, moved)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("stapo_jax checkpoints: resume=false moved")
+    return moved
 
 
 def load_val_examples(cfg: Config, tok) -> list[dict]:

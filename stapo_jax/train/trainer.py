@@ -18,15 +18,15 @@ from stapo_jax.config import build
 from stapo_jax.runtime.checkpoint import Checkpointer, export_hf
 from stapo_jax.runtime.allocator import ENV_ALLOCATOR, allocator_mode, loaded_allocator
 from stapo_jax.config.schema import Config, ConfigError, load_config
-from stapo_jax.data.prompts import load_prompt_dataset, make_iterator
+from stapo_jax.data.prompts import examples_fingerprint, load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
 from stapo_jax.train.experience import collect_experience, heldout_accuracy
 from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
 from stapo_jax.rollout.multihost import coordination_seconds
-from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples, sft_warmup,
-                                 write_plots, write_summary)
+from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples,
+                                       set_aside_checkpoints, sft_warmup, write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
@@ -76,8 +76,14 @@ def train(cfg: Config) -> dict[str, Any]:
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
     train_ds = load_prompt_dataset(cfg, tok, "train")
     val_examples = load_val_examples(cfg, tok)
+    check_same_config({"train_prompts_sha256": train_ds.fingerprint,  # each host may read its own copy of the files
+                       "val_prompts_sha256": examples_fingerprint(val_examples)},
+                      what="training data", fix="every process must read the same data files (the same contents "
+                      "on every host) with the same tokenizer")
     scorer = make_scorer(cfg)
     os.makedirs(run_dir, exist_ok=True)
+    if not t.resume:
+        set_aside_checkpoints(os.path.join(run_dir, "checkpoints"), main_process)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     resuming = t.resume and ckpt.latest_step() is not None
