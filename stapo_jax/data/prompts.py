@@ -59,8 +59,9 @@ class DataError(ValueError):
 
 
 def examples_fingerprint(examples) -> str:
-    """sha256 (hex str) over (index, prompt_ids as int32 bytes, answer) of every example dict, in order. Never
-    raises for the dicts the loaders here build (a KeyError for others). Source: ``hashlib.sha256``."""
+    """sha256 (hex str) over (index, prompt_ids as int32 bytes, answer) of every example dict, in order (no
+    arrays: ``prompt_ids`` is a list of int). Never raises for the dicts the loaders here build (a KeyError for
+    others). Source: ``hashlib.sha256``."""
     h = hashlib.sha256()
     for ex in examples:
         h.update(str(ex["index"]).encode())
