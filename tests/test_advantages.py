@@ -124,3 +124,14 @@ def test_estimators_and_losses_are_registered_by_name():
         register_policy_loss("vanilla")(compute_policy_loss)
     r, g = jnp.array([1.0, 0.0, 1.0, 1.0]), jnp.array([7, 7, -3, -3])  # any integer uids
     np.testing.assert_allclose(np.asarray(compute_advantages("rloo", r, g)), [1.0, -1.0, 0.0, 0.0])
+
+
+def test_grpo_negative_epsilon_is_an_error():
+    """A negative (or NaN) epsilon could cancel a group's std and give +-inf advantages: refused, naming it;
+    epsilon = 0 is allowed (the z-score without the guard)."""
+    r, g = jnp.asarray([1.0, 0.0, 1.0, 1.0]), jnp.asarray([0, 0, 1, 1])
+    for bad in (-0.7071067811865476, float("nan")):
+        with pytest.raises(ValueError, match="epsilon must be >= 0"):
+            grpo_advantages(r, g, epsilon=bad)
+    np.testing.assert_allclose(np.asarray(grpo_advantages(r, g, epsilon=0.0)), [0.70710678, -0.70710678, 0.0, 0.0],
+                               rtol=1e-6)

@@ -147,6 +147,11 @@ def test_config_validation():
         TopEntropyConfig(ratio=0.0)
     with pytest.raises(ValueError, match="entropy shape"):
         s2t_mask(jnp.zeros((2, 3)), jnp.zeros((2, 4)), jnp.zeros(2), jnp.ones((2, 3)))
+    for bad in (0.0, -1.0, 2.0, float("nan")):  # the pure function checks tau_p as S2TConfig does
+        with pytest.raises(ValueError, match="tau_p must be in"):
+            s2t_mask(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.ones(2), jnp.ones((2, 3)), tau_p=bad)
+    keep, _ = s2t_mask(jnp.full((2, 3), -9.0), jnp.zeros((2, 3)), jnp.ones(2), jnp.ones((2, 3)), tau_p=1.0)
+    assert keep.shape == (2, 3)  # tau_p = 1 (the bound) is accepted
 
 
 _stats = st.integers(0, 2**16).map(lambda s: random_stats(s, 3, 5))

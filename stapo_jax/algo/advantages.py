@@ -130,14 +130,16 @@ def grpo_advantages(
       or ``R``); all-equal groups: exactly 0.
 
     Raises:
-      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, or, with
-        ``num_groups``, concrete (not traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad
+      ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, ``epsilon`` < 0 or
+        NaN, or, with ``num_groups``, concrete (not traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad
         index; under jit the range is the caller's to guarantee).
 
     Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
     """
     _check(rewards, group_ids)
     _check_single_sample(single_sample)
+    if isinstance(epsilon, (int, float)) and not epsilon >= 0.0:  # a negative one can cancel the std: +-inf
+        raise ValueError(f"grpo_advantages: epsilon must be >= 0, got {epsilon}")
     r = _float(rewards)
     count, mean, std, constant = _group_stats(r, group_ids, num_groups, ddof)
     single = count <= 1

@@ -220,12 +220,15 @@ def s2t_mask(
       population is empty: then nothing is silenced).
 
     Raises:
-      ValueError: shape mismatches (naming the array) or invalid settings.
+      ValueError: shape mismatches (naming the array) or invalid settings (``tau_p`` outside (0, 1], an unknown
+        ``quantile_tokens`` / ``quantile_method``, ``entropy_quantile`` outside [0, 1]).
 
     Source: STAPO (arXiv 2602.15620) §3-4, Algorithm 1; stapo_spec.md §3.
     """
     _check_same_shape("response_mask", response_mask, log_probs=log_probs, entropy=entropy, advantages=advantages)
     check_one_of("quantile_tokens", quantile_tokens, QUANTILE_TOKENS)
+    if isinstance(tau_p, (int, float)) and not 0.0 < tau_p <= 1.0:  # as S2TConfig; a traced tau_p is the caller's
+        raise ValueError(f"s2t_mask: tau_p must be in (0, 1] (a probability), got {tau_p}")
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
     adv = _tokenwise(sg(advantages), response_mask)
