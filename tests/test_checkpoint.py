@@ -2,6 +2,7 @@
 half-written checkpoints never restored, clear errors."""
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,32 @@ def test_errors(tmp_path):
     ck.wait()
     with pytest.raises(CheckpointError, match="cannot restore step 3"):
         ck.restore({"other": jnp.zeros((2,))})
+    ck.close()
+
+
+def test_damaged_step_is_one_line_naming_the_step_and_the_way_back(tmp_path):
+    """A checkpoint file cut short (a disk filled up, a bad copy): restore raises a one-line CheckpointError that
+    names the step, keeps at most MAX_ERROR_DETAIL characters of TensorStore's message and says how to fall back
+    to the step before; that step restores intact."""
+    from stapo_jax.runtime.checkpoint import MAX_ERROR_DETAIL
+
+    d = tmp_path / "ckpt"
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    for step in (1, 2):
+        ck.save(step, _state(step))
+    ck.close()
+    data = [p for p in (d / "2").rglob("*") if p.is_file() and "/d/" in str(p)]
+    assert data, sorted(str(p) for p in (d / "2").rglob("*"))
+    for p in data:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    with pytest.raises(CheckpointError) as e:
+        ck.restore(_state(0))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"cannot restore step 2 from {d}"), msg
+    assert f"move {d / '2'} aside" in msg and len(msg) < MAX_ERROR_DETAIL + 400, msg
+    step, state, _, _ = ck.restore(_state(0), step=1)
+    assert step == 1 and int(state["step"]) == 1
     ck.close()
 
 
@@ -124,3 +151,23 @@ def test_resume_false_sets_the_earlier_runs_checkpoints_aside(tmp_path):
     (tmp_path / "empty").mkdir()
     assert set_aside_checkpoints(str(tmp_path / "empty"), main_process=True) is None
     assert set_aside_checkpoints(str(d), main_process=False) is None and d.exists()  # only process 0 renames
+
+
+def test_cli_prints_a_checkpoint_error_as_one_line(monkeypatch, capsys):
+    """``stapo-jax <command>`` turns a CheckpointError (e.g. the damaged step above, raised by ``train``'s resume)
+    into one ``error:`` line and exit code 2; other runtime errors still propagate."""
+    import types
+
+    from stapo_jax.tools import cli
+
+    def main(argv):
+        raise {"ckpt": CheckpointError("cannot restore step 2 from /x (move /x/2 aside ...)"),
+               "other": RuntimeError("boom")}[argv[0]]
+
+    monkeypatch.setitem(sys.modules, "fake_cmd", types.SimpleNamespace(main=main))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_cmd", "a test command"))
+    assert cli.main(["fake", "ckpt"]) == 2
+    assert capsys.readouterr().err == "stapo-jax fake: error: CheckpointError: cannot restore step 2 from /x " \
+                                      "(move /x/2 aside ...)\n"
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["fake", "other"])

@@ -15,6 +15,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
+MAX_ERROR_DETAIL = 400  # characters of Orbax's / TensorStore's message kept in a CheckpointError
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be restored into the requested state."""
 
@@ -71,7 +74,9 @@ class Checkpointer:
         Returns:
           (step, state, data_state, meta).
         Raises:
-          CheckpointError: no committed checkpoint exists, or the stored tree does not match.
+          CheckpointError: no committed checkpoint exists, or the step cannot be restored (the stored tree does
+            not match, or its files are damaged): one line naming the step, the cause (cut to
+            ``MAX_ERROR_DETAIL`` characters) and the way back to the previous step.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -82,8 +87,13 @@ class Checkpointer:
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-        except Exception as e:  # orbax raises several types; name the directory and step
-            raise CheckpointError(f"cannot restore step {step} from {self.directory}: {e}") from e
+        except Exception as e:  # orbax raises several types; name the directory and step, one line
+            detail = " ".join(str(e).split())  # TensorStore errors carry multi-line JSON specs
+            if len(detail) > MAX_ERROR_DETAIL:
+                detail = detail[:MAX_ERROR_DETAIL] + " ..."
+            raise CheckpointError(f"cannot restore step {step} from {self.directory}: {type(e).__name__}: {detail} "
+                                  f"(if that step is damaged, move {os.path.join(self.directory, str(step))} aside "
+                                  f"and run again to resume from the step before it)") from e
         return step, out["state"], dict(out["data"] or {}), dict(out["meta"] or {})
 
     def wait(self) -> None:

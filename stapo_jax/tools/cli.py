@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code.
 
     No arrays: ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
-    / FileNotFoundError / NotADirectoryError / IsADirectoryError of a subcommand are printed as one line (exit 2),
-    not raised; other errors propagate. Called as the process entry point (``argv`` None), it first re-executes
+    / FileNotFoundError / NotADirectoryError / IsADirectoryError / ``stapo_jax.runtime.checkpoint.CheckpointError``
+    (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other
+    errors propagate. Called as the process entry point (``argv`` None), it first re-executes
     the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
     bad value of that variable is one line, exit 2. Source: the git-style ``COMMAND [ARGS...]`` CLI convention.
     """
@@ -76,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
-        # bad input (ConfigError, DataError, a file where a directory belongs, ...): one clear line
+    except Exception as e:
+        # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint): one line.
+        # The checkpoint module is looked up, not imported: `check` (PyTorch jobs) imports no JAX.
+        ckpt = sys.modules.get("stapo_jax.runtime.checkpoint")
+        bad_input = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+        if not isinstance(e, bad_input + ((ckpt.CheckpointError,) if ckpt else ())):
+            raise
         print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
