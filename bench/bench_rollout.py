@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-sync", default=None,
                    help="driver steps_per_sync values to time, comma-separated (default: 1,8 for tiny, 1 for 0.6b)")
     p.add_argument("--torch-device", default="cpu", help="device of the HF side (cpu, cuda)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute, both sides")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights and compute, both sides")
     p.add_argument("--kv-cache-buckets", default="on",
                    help="EngineConfig.kv_cache_buckets values to time side by side: on, off or on,off (on: the KV "
                         "cache is kept at the smallest bucket holding the active slots)")

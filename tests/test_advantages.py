@@ -133,5 +133,5 @@ def test_grpo_negative_epsilon_is_an_error():
     for bad in (-0.7071067811865476, float("nan")):
         with pytest.raises(ValueError, match="epsilon must be >= 0"):
             grpo_advantages(r, g, epsilon=bad)
-    np.testing.assert_allclose(np.asarray(grpo_advantages(r, g, epsilon=0.0)), [0.70710678, -0.70710678, 0.0, 0.0],
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grpo_advantages(r, g, epsilon=0.0)),
+                               [0.70710678, -0.70710678, 0.0, 0.0], rtol=1e-6)

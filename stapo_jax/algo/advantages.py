@@ -131,8 +131,8 @@ def grpo_advantages(
 
     Raises:
       ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, ``epsilon`` < 0 or
-        NaN, or, with ``num_groups``, concrete (not traced) ``group_ids`` outside ``[0, num_groups)`` (names the first bad
-        index; under jit the range is the caller's to guarantee).
+        NaN, or, with ``num_groups``, concrete (not traced) ``group_ids`` outside ``[0, num_groups)`` (names the
+        first bad index; under jit the range is the caller's to guarantee).
 
     Source: Shao et al. 2402.03300 eq. (GRPO outcome supervision); verl ``compute_grpo_outcome_advantage``.
     """
