@@ -214,6 +214,11 @@ def test_bad_inputs_name_the_field():
         PolicyLossConfig(clip_ratio_c=0.5)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         PolicyLossConfig(loss_agg_mode="mean")
+    xi = jnp.zeros((2, 3), jnp.int32)  # an int dtype would have truncated the other inputs to ints
+    for args, name in (((xi, x, jnp.zeros(2), x), "log_probs"), ((x, xi, jnp.zeros(2), x), "old_log_probs"),
+                       ((x, x, jnp.zeros(2, jnp.int32), x), "advantages")):
+        with pytest.raises(ValueError, match=f"^{name} must be a float array, got dtype int32"):
+            compute_policy_loss(*args)
 
 
 @settings(max_examples=25, deadline=None)

@@ -218,13 +218,17 @@ def compute_policy_loss(
       ``kl_loss``, ``entropy_loss``, ``rollout_is_weight`` when those terms are active.
 
     Raises:
-      ValueError: a shape mismatch (naming the array) or a required optional input missing.
+      ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
+        ``advantages``, or a required optional input missing.
 
     Source: verl ``compute_policy_loss_vanilla`` + ``agg_loss`` + ``kl_penalty`` (conventions.md §1);
     dual clip Ye et al. 1912.09729; STAPO objective stapo_spec.md §4.
     """
     if log_probs.ndim != 2:
         raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
+    for name, a in (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("advantages", advantages)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):  # an int dtype would truncate the others (cast to it)
+            raise ValueError(f"{name} must be a float array, got dtype {a.dtype}")
     shape = tuple(log_probs.shape)
     named = dict(old_log_probs=old_log_probs, response_mask=response_mask, token_mask=token_mask, entropy=entropy,
                  ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
