@@ -65,22 +65,21 @@ def set_aside_checkpoints(ckpt_dir: str, main_process: bool) -> Optional[str]:
     verl's ``trainer.resume_mode=disable`` starts fresh; the rename keeps the earlier run's files.
     """
     import jax
+    from jax.experimental import multihost_utils
+
+    def barrier(name: str) -> None:
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"stapo_jax checkpoints: resume=false {name}")
 
     moved = None
     if main_process and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
         moved = f"{ckpt_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("stapo_jax checkpoints: resume=false check")
+    barrier("check")
     if moved:
         os.replace(ckpt_dir, moved)
         log.warning("trainer.resume=false: moved the earlier run's checkpoints %s to %s (this run starts fresh; "
                     "a later resume cannot load the earlier run's steps)", ckpt_dir, moved)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("stapo_jax checkpoints: resume=false moved")
+    barrier("moved")
     return moved
 
 
