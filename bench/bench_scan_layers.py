@@ -18,6 +18,8 @@ Sides (each call: forward + backward of the loss w.r.t. every parameter; no opti
   unrolled at compile time, so every slice index is a constant).
 * ``sliced``: the stacked parameters, a Python loop over static slices ``leaf[i]`` of the stack (MaxText's
   ``scan_layers=False`` compute on the scan's parameter layout).
+* ``unroll<k>`` (one per ``--unrolls`` value): the stacked parameters under ``jax.lax.scan(..., unroll=k)``,
+  ``k`` layers per loop iteration (``model.scan_unroll``, :mod:`models.layer_scan`, which this bench sets).
 
 Loss on both sides: minus the mean log-prob of the next token over the last R positions, through the trainer's
 head (``stapo_jax.algo.logprobs.chunked_log_probs_and_entropy``, tied embedding, ``calculate_entropy=False``).
@@ -58,6 +60,8 @@ from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen3-0.6B has 28)")
+    ap.add_argument("--unrolls", default="4", help="comma-separated jax.lax.scan unroll values to add as sides "
+                    "(layers per iteration; '' for none)")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the real 151,936)")
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--T", type=int, default=512)
@@ -74,7 +78,10 @@ def main(argv=None) -> int:
 
     base = from_hf_config("Qwen3-0.6B", dtype="float32", param_dtype="float32")
     cfg = dataclasses.replace(base, num_hidden_layers=a.layers, vocab_size=a.vocab or base.vocab_size,
-                              remat=a.remat)
+                              remat=a.remat, scan_unroll=1)  # the "scan" side: the rolled loop
+    unrolls = [int(k) for k in a.unrolls.split(",") if k.strip()]
+    if any(k < 1 for k in unrolls):
+        raise SystemExit(f"--unrolls must be ints >= 1 (got {a.unrolls!r})")
     if not cfg.tie_word_embeddings:
         raise SystemExit("this bench assumes a tied head (Qwen3-0.6B's)")
     b, t, r = a.B, a.T, a.R
@@ -125,13 +132,15 @@ def main(argv=None) -> int:
             x = step(x, jax.tree.map(lambda v, i=i: v[i], stk))
         return x
 
-    def unrolled_scan(x, stk):
-        return jax.lax.scan(lambda h, st: (step(h, st), None), x, stk, unroll=True)[0]
+    def scan_unrolled_by(k):  # k layers per iteration (True: all)
+        return lambda x, stk: jax.lax.scan(lambda h, st: (step(h, st), None), x, stk, unroll=k)[0]
 
     args = {"scan": params, "per-layer": (embed_state, norm_state, per_layer),
-            "unrolled": (embed_state, norm_state, stacked), "sliced": (embed_state, norm_state, stacked)}
-    fns = {"scan": scan_loss, "per-layer": loss_over(per_layer_loop), "unrolled": loss_over(unrolled_scan),
-           "sliced": loss_over(sliced_loop)}
+            "unrolled": (embed_state, norm_state, stacked), "sliced": (embed_state, norm_state, stacked),
+            **{f"unroll{k}": (embed_state, norm_state, stacked) for k in unrolls}}
+    fns = {"scan": scan_loss, "per-layer": loss_over(per_layer_loop), "unrolled": loss_over(scan_unrolled_by(True)),
+           "sliced": loss_over(sliced_loop), **{f"unroll{k}": loss_over(scan_unrolled_by(k)) for k in unrolls}}
+    others = [k for k in fns if k != "scan"]
     compiled, compile_s = {}, {}
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -142,7 +151,7 @@ def main(argv=None) -> int:
           flush=True)
 
     l_s, g_s = compiled["scan"](params)
-    for k in ("per-layer", "unrolled", "sliced"):
+    for k in others:
         l_k, (g_emb, _, g_layers) = compiled[k](args[k])
         if k == "per-layer":
             g_layers = jax.tree.map(lambda *xs: jnp.stack(xs), *g_layers)
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
     times = interleaved(sides, a.repeats, warmup=1)
     for k, ts in times.items():
         print(f"{k:10s} loss+grad {summary(ts, 's')}: {b * t / np.median(ts):.1f} tok/s")
-    for k in ("per-layer", "unrolled", "sliced"):
+    for k in others:
         print(f"ratio {k} / scan (speed) = {ratio(times['scan'], times[k])} "
               "(median [per-round min..max]; > 1: faster than the scan)")
     print(load_line("at end"))

@@ -62,10 +62,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchutil import interleaved, load_line, machine_line, median, report_throughput, use_cli_allocator  # noqa: E402
+from benchutil import (interleaved, load_line, machine_line, median, report_throughput, scan_unroll_arg,  # noqa: E402
+                       use_cli_allocator)
 
 import stapo_jax.algo.logprobs as logprobs  # noqa: E402
 from models.hf import iter_hf_tensors  # noqa: E402
+from models.layer_scan import resolve_scan_unroll  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.train.policy import response_log_probs_and_entropy  # noqa: E402
@@ -165,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--R", type=int, default=256, help="response tokens (the loss is over them)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--remat", default="dots_no_batch", choices=("none", "full", "dots", "dots_no_batch"))
+    ap.add_argument("--scan-unroll", default="auto",
+                    help="ours: decoder layers per layer-scan iteration (model.scan_unroll; auto = its default)")
     ap.add_argument("--no-recompute-side", action="store_true", help="drop the 'ours, head recompute' side")
     ap.add_argument("--peak-n", type=int, default=2048)
     a = ap.parse_args(argv)
@@ -179,14 +183,14 @@ def main(argv=None) -> int:
 
     base = from_hf_config("Qwen3-0.6B", dtype="float32", param_dtype="float32")
     cfg = dataclasses.replace(base, num_hidden_layers=a.layers, vocab_size=a.vocab or base.vocab_size,
-                              remat=a.remat)
+                              remat=a.remat, scan_unroll=resolve_scan_unroll(scan_unroll_arg(a.scan_unroll)))
     b, p, r, t = a.B, a.P, a.R, a.P + a.R
     d, f, nh, nkv, hd, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     n_dec = a.layers * (d * (nh + 2 * nkv) * hd + nh * hd * d + 3 * d * f)
     model_flops = 6 * (n_dec * b * t + d * v * b * r)
     print(f"shape: Qwen3-0.6B widths D={d} F={f} Nh={nh} Nkv={nkv} H={hd}, L={a.layers}, V={v}, tied head; "
-          f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, attention {cfg.attention}; logits "
+          f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, scan_unroll {cfg.scan_unroll}, attention {cfg.attention}; logits "
           f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
           f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB (kept: {b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES}); "
           f"model FLOPs 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)

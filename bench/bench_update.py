@@ -68,8 +68,9 @@ from flax import nnx  # noqa: E402
 from bench_forward import hf_copy  # noqa: E402
 from bench_loss import torch_pg_loss  # noqa: E402
 from benchutil import (interleaved, load_line, machine_line, median, pick_torch_threads,  # noqa: E402
-                       report_throughput, use_cli_allocator)
+                       report_throughput, scan_unroll_arg, use_cli_allocator)
 
+from models.layer_scan import resolve_scan_unroll  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.algo.recipes import get_recipe  # noqa: E402
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--R", type=int, default=64, help="response columns")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--remat", default="dots_no_batch", choices=("none", "full", "dots", "dots_no_batch"))
+    ap.add_argument("--scan-unroll", default="auto",
+                    help="ours: decoder layers per layer-scan iteration (model.scan_unroll; auto = its default)")
     ap.add_argument("--tau-p", type=float, default=1e-9, help="S2T tau_p (paper 0.002 masks ~a third of a "
                     "random model's tokens; then the losses differ and the step-0 check is skipped)")
     ap.add_argument("--torch-entropy", action="store_true", help="add a torch side that also computes entropy")
@@ -151,14 +154,15 @@ def main(argv=None) -> int:
 
     base = from_hf_config("Qwen3-0.6B", dtype=a.dtype, param_dtype="float32")
     layers = a.layers or (2 if a.preset == "small" else base.num_hidden_layers)
-    cfg = dataclasses.replace(base, num_hidden_layers=layers, vocab_size=a.vocab or base.vocab_size, remat=a.remat)
+    cfg = dataclasses.replace(base, num_hidden_layers=layers, vocab_size=a.vocab or base.vocab_size, remat=a.remat,
+                              scan_unroll=resolve_scan_unroll(scan_unroll_arg(a.scan_unroll)))
     b, p, r, t = a.B, a.P, a.R, a.P + a.R
     d, f, nh, nkv, hd, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                             cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
     n_dec = layers * (d * (nh + 2 * nkv) * hd + nh * hd * d + 3 * d * f)
     model_flops = 6 * (n_dec * b * t + d * v * b * r)
     print(f"shape: Qwen3-0.6B widths D={d} F={f} Nh={nh} Nkv={nkv} H={hd}, L={layers}, V={v}, tied head; "
-          f"B={b} P={p} R={r} (T={t}); {a.dtype} (fp32 master weights); torch on {a.device}; remat {a.remat}; "
+          f"B={b} P={p} R={r} (T={t}); {a.dtype} (fp32 master weights); torch on {a.device}; remat {a.remat}, scan_unroll {cfg.scan_unroll}; "
           f"decoder matmul weights N={n_dec / 1e6:.1f} M; "
           f"model FLOPs/update 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)
 

@@ -93,6 +93,17 @@ def interleaved(sides: dict[str, Callable[[], object]], repeats: int, warmup: in
     return times
 
 
+def scan_unroll_arg(text: str):
+    """A ``--scan-unroll`` value as ``model.scan_unroll`` takes it: ``"auto"`` or an int (the bench exits with
+    the flag named when it is neither)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"--scan-unroll must be 'auto' or an int >= 1, got {text!r}") from None
+
+
 def median(ts: list[float]) -> float:
     """The median of ``ts`` (seconds)."""
     return statistics.median(ts)

@@ -181,7 +181,7 @@ def _tensor_files(ckpt_dir: Path) -> tuple[dict[str, Path], str]:
 def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[jax.sharding.Mesh] = None,
                        rules=PARAM_RULES, dtype: Optional[str] = None, param_dtype: Optional[str] = None,
                        remat: Optional[str] = None, revision: Optional[str] = None, attention: Optional[str] = None,
-                       strict: bool = True) -> tuple[Qwen3Config, Qwen3]:
+                       strict: bool = True, scan_unroll: Optional[int] = None) -> tuple[Qwen3Config, Qwen3]:
     """Load an HF Qwen3 checkpoint into a ``Qwen3`` whose parameters are placed on ``mesh``.
 
     Each parameter is created with ``jax.make_array_from_callback``: a device receives only its slice, read
@@ -193,7 +193,8 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
       rules: partition rules (:data:`models.sharding.PARAM_RULES`).
       dtype: compute dtype (``"float32"`` default, ``"bfloat16"``); param_dtype: parameter storage dtype
         (default float32, whatever the file holds: bf16 files are upcast exactly). remat: remat policy.
-        attention: attention kernel (``Qwen3Config.attention``; default ``xla``).
+        attention: attention kernel (``Qwen3Config.attention``; default ``xla``). scan_unroll: layers per
+        iteration of the layer scan (``Qwen3Config.scan_unroll``, an int >= 1; default 1).
       revision: hub revision for a repo id.
       strict: a tensor in the files that the model has no parameter for (e.g. ``model.layers.{i}`` beyond
         ``num_hidden_layers``, or another architecture's weights) raises; ``False`` warns and ignores it
@@ -211,8 +212,8 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
     Flax's ``[in, out]`` kernels).
     """
     ckpt = resolve_checkpoint(path_or_id, revision)
-    overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                                     attention=attention).items() if v is not None}
+    overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
+                                       scan_unroll=scan_unroll).items() if v is not None}
     cfg = read_config(ckpt, **overrides)
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

@@ -64,7 +64,8 @@ class Qwen3Config:
 
     ``dtype`` is the compute dtype (activations, matmul inputs), ``param_dtype`` the storage dtype of
     parameters; norms, softmax and logits are always computed in float32. ``remat`` is one of
-    ``none | full | dots | dots_no_batch`` (``jax.checkpoint`` policy per layer). ``attention`` is the
+    ``none | full | dots | dots_no_batch`` (``jax.checkpoint`` policy per layer); ``scan_unroll`` the layers per
+    iteration of the layer scan (:mod:`models.layer_scan`; 1: a rolled loop). ``attention`` is the
     self-attention kernel of the uncached forward and of prefill (``xla | blockwise | cudnn | splash | auto``,
     see :mod:`models.attention`); cached decoding always attends over the KV cache. ``attention_block_size``
     is the blockwise/splash tile in tokens.
@@ -88,6 +89,7 @@ class Qwen3Config:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    scan_unroll: int = 1
     attention: str = "xla"
     attention_block_size: int = DEFAULT_BLOCK
 
@@ -103,6 +105,8 @@ class Qwen3Config:
             raise ConfigError(f"Qwen3Config.attention_block_size={self.attention_block_size} must be positive")
         if self.remat not in _REMAT_POLICIES:
             raise ConfigError(f"Qwen3Config.remat={self.remat!r}: expected one of {sorted(_REMAT_POLICIES)}")
+        if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
+            raise ConfigError(f"Qwen3Config.scan_unroll={self.scan_unroll!r}: expected an int >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -528,7 +532,7 @@ class Qwen3(nnx.Module):
             def body(h, st):
                 return nnx.merge(graphdef, st)(h, cos, sin, None, segment_ids=seg.astype(jnp.int32))[0], None
 
-            x, _ = jax.lax.scan(remat_layer(body, cfg.remat), x, layer_state)
+            x, _ = jax.lax.scan(remat_layer(body, cfg.remat), x, layer_state, unroll=cfg.scan_unroll)
             return self.norm(x), None
 
         if layers is not None and len(layers) != cfg.num_hidden_layers:

@@ -126,6 +126,20 @@ def test_estimators_and_losses_are_registered_by_name():
     np.testing.assert_allclose(np.asarray(compute_advantages("rloo", r, g)), [1.0, -1.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_half_precision_rewards_keep_their_variance(dtype, name):
+    """Rewards of a few hundred in float16 square past its 65,504 maximum: the statistics are computed in float32
+    (the advantages come back in the rewards' dtype), so they equal the float32 estimator's rounded, not inf/NaN."""
+    r32 = jnp.asarray([300.0, 0.0, 260.0, -280.0, 500.0, 510.0], jnp.float32)  # exact in both half dtypes
+    g = jnp.asarray([0, 0, 0, 0, 1, 1])
+    half = compute_advantages(name, r32.astype(dtype), g)
+    assert half.dtype == dtype
+    want = np.asarray(compute_advantages(name, r32, g).astype(dtype).astype(jnp.float32))
+    assert np.all(np.isfinite(want)) and np.abs(want).max() > 0.5
+    np.testing.assert_array_equal(np.asarray(half.astype(jnp.float32)), want)
+
+
 def test_grpo_negative_epsilon_is_an_error():
     """A negative (or NaN) epsilon could cancel a group's std and give +-inf advantages: refused, naming it;
     epsilon = 0 is allowed (the z-score without the guard)."""

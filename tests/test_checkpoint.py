@@ -122,35 +122,51 @@ def test_export_hf_replaces_the_previous_export_and_leaves_no_side_folders(tmp_p
                                   np.asarray(model.embed_tokens.embedding[...]))
 
 
-def test_resume_false_sets_the_earlier_runs_checkpoints_aside(tmp_path):
-    """``trainer.resume=false`` in a run directory with checkpoints (the trainer calls ``set_aside_checkpoints``):
-    the earlier run's steps move to ``checkpoints.replaced-<time>`` intact, so a fresh run's checkpointer starts
-    empty and a later resume finds only the fresh run's steps; no directory, or an empty one, is left alone."""
-    from stapo_jax.train.run_files import set_aside_checkpoints
+def test_resume_false_sets_the_earlier_runs_outputs_aside(tmp_path):
+    """``trainer.resume=false`` in a run directory an earlier run wrote to (the trainer calls
+    ``set_aside_earlier_run``): its checkpoints, ``metrics.jsonl``, ``tb/`` and other processes' metrics move to
+    ``replaced-<time>/`` intact, so a fresh run's checkpointer starts empty, a later resume finds only the fresh
+    run's steps and ``metrics.jsonl`` holds only the fresh run's rows; files of other commands stay; a run
+    directory with nothing of a run, or only an empty ``checkpoints``, is left alone; only process 0 moves."""
+    from stapo_jax.train.metrics import MetricsLogger, read_metrics
+    from stapo_jax.train.run_files import set_aside_earlier_run
 
-    d = tmp_path / "checkpoints"
-    assert set_aside_checkpoints(str(d), main_process=True) is None  # nothing there yet
+    run = tmp_path / "run"
+    assert set_aside_earlier_run(str(run), main_process=True) is None  # no run directory yet
+    d = run / "checkpoints"
     ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    assert set_aside_earlier_run(str(run), main_process=True) is None and d.is_dir()  # an empty checkpoints
     for step in (4, 5, 6):
         ck.save(step, _state(step))
     ck.close()
-    moved = set_aside_checkpoints(str(d), main_process=True)
-    assert moved is not None and os.path.basename(moved).startswith("checkpoints.replaced-") and not d.exists()
+    logger = MetricsLogger(str(run), tensorboard=False, progress=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward": 0.5})
+    logger.close()
+    (run / "process_1").mkdir()
+    (run / "eval").mkdir()  # another command's output
+    assert set_aside_earlier_run(str(run), main_process=False) is None and d.exists()  # only process 0 moves
+    moved = set_aside_earlier_run(str(run), main_process=True)
+    assert moved is not None and os.path.basename(moved).startswith("replaced-")
+    assert sorted(os.listdir(moved)) == ["checkpoints", "metrics.jsonl", "process_1"]
+    assert sorted(os.listdir(run)) == ["eval", os.path.basename(moved)]
     fresh = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
     assert fresh.latest_step() is None
     fresh.save(1, _state(1))
     fresh.wait()
     assert fresh.latest_step() == 1
     fresh.close()
-    old = Checkpointer(moved, save_every=1, keep=5, async_save=False)
+    logger = MetricsLogger(str(run), tensorboard=False, progress=False)
+    logger.log(1, {"reward": 0.25})
+    logger.close()
+    assert [(r["step"], r["reward"]) for r in read_metrics(str(run))] == [(1, 0.25)]
+    assert [r["step"] for r in read_metrics(moved)] == [1, 2, 3]
+    old = Checkpointer(os.path.join(moved, "checkpoints"), save_every=1, keep=5, async_save=False)
     assert old.latest_step() == 6
     step, state, _, _ = old.restore(_state(0))
     assert step == 6
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.asarray(_state(6)["params"]["w"]))
     old.close()
-    (tmp_path / "empty").mkdir()
-    assert set_aside_checkpoints(str(tmp_path / "empty"), main_process=True) is None
-    assert set_aside_checkpoints(str(d), main_process=False) is None and d.exists()  # only process 0 renames
 
 
 def test_cli_prints_a_checkpoint_error_as_one_line(monkeypatch, capsys):

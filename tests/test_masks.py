@@ -51,6 +51,27 @@ def test_masked_quantile_matches_torch(method, q):
     assert np.isnan(float(masked_quantile(jnp.asarray(x), jnp.zeros((4, 6), bool), q, method)))  # empty: NaN
 
 
+@pytest.mark.parametrize("method", ["linear", "nearest", "topk_ceil"])
+def test_masked_quantile_with_infinite_and_nan_values(method):
+    """A valid +inf is ordered above every finite value (not behind the padding of invalid entries), two equal
+    infinite neighbours interpolate to themselves (torch.quantile's lerp gives NaN there: inf + 0 * (inf - inf)),
+    and a valid NaN gives NaN, as ``torch.quantile`` does; an invalid inf or NaN is ignored."""
+    x = np.array([[1.0, 3.0, np.inf, 2.0], [np.inf, np.nan, -np.inf, 0.5]])
+    valid = np.array([[True, True, True, True], [False, False, False, True]])
+    for q in (0.0, 0.3, 0.7):
+        ours = float(masked_quantile(jnp.asarray(x, jnp.float32), jnp.asarray(valid), q, method))
+        theirs = ref.quantile(torch.tensor(x[valid], dtype=torch.float32), q, method).item()
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, err_msg=f"q={q}")  # equal infinities pass
+    assert float(masked_quantile(jnp.asarray(x), jnp.asarray(valid), 1.0, method)) == np.inf  # the largest
+    both = np.array([5.0, np.inf, np.inf])
+    assert float(masked_quantile(jnp.asarray(both), jnp.ones(3, bool), 0.75, method)) == np.inf
+    nan_valid = valid.copy()
+    nan_valid[1, 1] = True
+    assert np.isnan(float(masked_quantile(jnp.asarray(x), jnp.asarray(nan_valid), 0.5, method)))
+    if method != "topk_ceil":  # torch.topk (the 80/20 code's rule) orders NaN instead
+        assert np.isnan(ref.quantile(torch.tensor(x[nan_valid]), 0.5, method).item())
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("tokens", ["valid", "positive_adv", "candidates"])
 def test_s2t_matches_torch(seed, tokens):

@@ -383,6 +383,25 @@ def test_unreachable_coordinator_fails_clearly():
     assert time.monotonic() - t0 < 15
 
 
+def test_coordinator_without_peers_says_why_before_jax_aborts():
+    """Process 0 alone: JAX aborts it (a C++ check failure, no Python exception) once the other process has not
+    registered within the initialization timeout. The stderr must carry our line naming the cause and the
+    settings before JAX's DEADLINE_EXCEEDED, and the process must end within the timeout plus start-up."""
+    port = portpicker.pick_unused_port()
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from stapo_jax.runtime import distributed\n"
+            f"distributed.initialize('127.0.0.1:{port}', 2, 0, initialization_timeout_s=2)\n"
+            "print('NOT REACHED')\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "STAPO_JAX_ALLOCATOR": "system"})
+    assert res.returncode != 0 and "NOT REACHED" not in res.stdout, res
+    ours = res.stderr.find(f"process 0 of 2: coordinator at 127.0.0.1:{port}, waiting up to 2 s")
+    assert ours >= 0 and "JAX_NUM_PROCESSES=2" in res.stderr and "STAPO_DISTRIBUTED_INIT_TIMEOUT_S" in res.stderr
+    assert ours < res.stderr.find("DEADLINE_EXCEEDED"), res.stderr[-2000:]
+    assert time.monotonic() - t0 < 100
+
+
 def test_batch_that_does_not_split_names_the_keys(tmp_path):
     from stapo_jax.config.schema import ConfigError, load_config
     from stapo_jax.train.trainer import train

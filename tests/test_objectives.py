@@ -221,6 +221,34 @@ def test_bad_inputs_name_the_field():
             compute_policy_loss(*args)
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_response_mask_is_read_as_a_boolean(mode):
+    """A response_mask holding 2 (or 0.5) marks one token, as 1 does: the loss, its gradient and every metric
+    equal the 0/1 mask's, in every aggregation mode (a weight of 2 would count the token twice)."""
+    rng = np.random.default_rng(3)
+    lp = jnp.asarray(rng.normal(size=(3, 5)) - 2.0, jnp.float32)
+    old = jnp.asarray(rng.normal(size=(3, 5)) - 2.0, jnp.float32)
+    adv = jnp.asarray(rng.normal(size=3), jnp.float32)
+    ones = (np.arange(5)[None] < np.array([[5], [2], [4]])).astype(np.float32)
+    cfg = PolicyLossConfig(loss_agg_mode=mode, use_kl_loss=True)
+    ref_lp = lp - 0.1
+
+    def run(mask):
+        def f(x):
+            s, d, _ = compute_policy_loss(x, old, adv, jnp.asarray(mask), config=cfg, ref_log_probs=ref_lp)
+            return s / d
+        value, grad = jax.value_and_grad(f)(lp)
+        metrics = compute_policy_loss(lp, old, adv, jnp.asarray(mask), config=cfg, ref_log_probs=ref_lp)[2]
+        return float(value), np.asarray(grad), {k: float(a) / float(b) for k, (a, b) in metrics.items()}
+
+    want = run(ones)
+    odd = ones * np.where(rng.random((3, 5)) < 0.5, 2.0, 0.5).astype(np.float32)
+    got = run(odd)
+    assert got[0] == want[0] and want[0] != 0.0
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2] == want[2]
+
+
 @settings(max_examples=25, deadline=None)
 @given(mode=st.sampled_from(LOSS_AGG_MODES), b=st.integers(1, 4), t=st.integers(1, 5),
        seed=st.integers(0, 2**16), empty=st.sampled_from(["response", "token"]))

@@ -133,6 +133,45 @@ def test_remat_and_bf16_policies():
     assert np.abs(lb - base).max() < 0.05  # bf16 rounding of weights and activations only
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_scan_unroll_gives_the_rolled_loss_and_gradient(unroll):
+    """``Qwen3Config.scan_unroll`` (``jax.lax.scan(unroll=)``): 3 layers run 2 or 3 per loop iteration (a
+    remainder iteration for 2) with the same loss and gradient as the rolled scan, and the traced scan carries
+    that unroll; bad values are refused naming the field. ``resolve_scan_unroll``: ``auto`` is
+    ``CPU_SCAN_UNROLL`` on CPU and 1 on GPU / TPU, ints pass through, anything else is named."""
+    from models.layer_scan import CPU_SCAN_UNROLL, resolve_scan_unroll
+
+    cfg = dataclasses.replace(TINY, num_hidden_layers=3, remat="dots_no_batch")
+    rng = np.random.RandomState(5)
+    ids = jnp.asarray(rng.randint(0, 97, (2, 6))); mask = jnp.asarray(rng.rand(2, 6) > 0.2)
+
+    def value_and_grad(c):
+        m = Qwen3(c, rngs=nnx.Rngs(0))
+        gd = nnx.graphdef(m)
+
+        def loss(state):
+            mm = nnx.merge(gd, state)
+            return jnp.mean(jax.nn.log_softmax(mm.logits(mm(ids, mask)[0]))[..., 7])
+        scans = [e for e in jax.make_jaxpr(loss)(nnx.state(m)).jaxpr.eqns if e.primitive.name == "scan"]
+        return jax.value_and_grad(loss)(nnx.state(m)), scans[0].params["unroll"]
+
+    (l_ref, g_ref), rolled = value_and_grad(cfg)
+    (l, g), unrolled = value_and_grad(dataclasses.replace(cfg, scan_unroll=unroll))
+    assert (rolled, unrolled) == (1, unroll)
+    np.testing.assert_allclose(l, l_ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match="scan_unroll"):
+            dataclasses.replace(cfg, scan_unroll=bad)
+        with pytest.raises(ValueError, match="scan_unroll"):
+            resolve_scan_unroll(bad, "cpu")
+    assert (resolve_scan_unroll("auto", "cpu"), resolve_scan_unroll("auto", "gpu"),
+            resolve_scan_unroll("auto", "tpu"), resolve_scan_unroll(unroll, "tpu")) == (CPU_SCAN_UNROLL, 1, 1, unroll)
+    with pytest.raises(ValueError, match="scan_unroll must be 'auto' or an int"):
+        resolve_scan_unroll("fast")
+
+
 def test_remat_layer_wraps_only_when_asked_and_names_an_unknown_policy():
     def step(x):
         return jnp.sin(x) @ x

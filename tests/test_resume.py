@@ -164,3 +164,33 @@ def test_sigterm_saves_exits_zero_and_resumes(runs):
         assert deterministic_part(rt[s]).keys() == deterministic_part(ru[s]).keys()
         for key in COMPARED:
             assert np.isclose(rt[s][key], ru[s][key], rtol=1e-5, atol=1e-6), (s, key, rt[s][key], ru[s][key])
+
+
+def test_resume_false_starts_fresh_beside_the_earlier_run(runs, tmp_path):
+    """``trainer.resume=false`` in the finished run's directory (a copy of U's): the earlier run's checkpoints,
+    metrics and summary move into ``replaced-<time>/`` intact, and the fresh 2-step run's ``metrics.jsonl`` and
+    checkpoints hold only its own steps (before, the earlier run's 12 rows stayed in the file, and its
+    checkpoints were resumed from by the next plain run)."""
+    import shutil
+
+    from fixtures_trainer import run_cli
+
+    u = runs["U"]
+    assert u["rc"] == 0, u["log_text"][-3000:]
+    run_dir = tmp_path / "R"
+    shutil.copytree(u["run_dir"], run_dir)
+    gym = dict(TINY_CONFIG["data"]["gym"], val_size=0)
+    cfg = write_config(tmp_path / "R.yaml", run_dir, trainer={"total_steps": 2, "save_every": 1, "resume": False},
+                       data=dict(TINY_CONFIG["data"], gym=gym))
+    res = run_cli("train", "--config", str(cfg))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert "trainer.resume=false: moved the earlier run's" in res.stderr + res.stdout
+    replaced = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
+    assert len(replaced) == 1
+    old = replaced[0]
+    assert committed_steps(old / "checkpoints")[-1] == TOTAL
+    assert sorted(metrics_by_step(old)) == list(range(1, TOTAL + 1))
+    assert json.loads((old / "summary.json").read_text())["final_step"] == TOTAL
+    assert committed_steps(run_dir / "checkpoints") == [1, 2]
+    assert [r["step"] for r in metric_rows(run_dir)] == [1, 2]
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2

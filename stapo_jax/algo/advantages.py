@@ -100,7 +100,15 @@ def _group_stats(rewards, group_ids, num_groups, ddof):
 
 
 def _float(rewards):
-    return rewards if jnp.issubdtype(rewards.dtype, jnp.floating) else rewards.astype(jnp.float32)
+    """rewards in the dtype the statistics are computed in: at least float32 (a float16 or bfloat16 reward of a
+    few hundred overflows or loses the variance when squared), float64 kept."""
+    return rewards.astype(jnp.promote_types(rewards.dtype, jnp.float32)
+                          if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32)
+
+
+def _out_dtype(rewards):
+    """The advantages' dtype: the rewards' float dtype (float32 for integer rewards)."""
+    return rewards.dtype if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32
 
 
 @register_adv_est("grpo")
@@ -126,8 +134,9 @@ def grpo_advantages(
       single_sample: ``"zero"`` (default) or ``"verl"``: the advantage of a group with one response.
 
     Returns:
-      ``[N]`` advantages, float dtype of ``rewards``. Single-sample groups: 0 (``"verl"``: ``R/(1+epsilon)``
-      or ``R``); all-equal groups: exactly 0.
+      ``[N]`` advantages, float dtype of ``rewards`` (float32 for int rewards; the group statistics are computed
+      in at least float32, so float16 / bfloat16 rewards neither overflow nor lose the variance). Single-sample
+      groups: 0 (``"verl"``: ``R/(1+epsilon)`` or ``R``); all-equal groups: exactly 0.
 
     Raises:
       ValueError: if ``rewards`` is not 1-D, ``group_ids`` mismatches it or is not integer, ``epsilon`` < 0 or
@@ -147,7 +156,7 @@ def grpo_advantages(
     std = jnp.where(single, 1.0, std)
     centred = r - mean
     adv = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
-    return _zero_groups(adv, constant, single, single_sample)
+    return _zero_groups(adv, constant, single, single_sample).astype(_out_dtype(rewards))
 
 
 def _check_single_sample(single_sample: str) -> None:
@@ -176,8 +185,8 @@ def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero"
     """RLOO leave-one-out advantage ``R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean)``.
 
     Args/returns as :func:`grpo_advantages`: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int (any values);
-    returns ``[N]`` float32 (float64 for float64 rewards). A single-sample group: 0 (``"verl"``: keeps ``R``);
-    all-equal: 0.
+    returns ``[N]`` in the rewards' float dtype (float32 for int rewards; statistics in at least float32). A
+    single-sample group: 0 (``"verl"``: keeps ``R``); all-equal: 0.
     Raises: ValueError on shape mismatch or an unknown ``single_sample``.
     Source: Ahmadian et al. 2402.14740; verl ``compute_rloo_outcome_advantage``.
     """
@@ -187,7 +196,7 @@ def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero"
     count, mean, _, constant = _group_stats(r, group_ids, num_groups, 0)
     single = count <= 1
     adv = jnp.where(single, r, (r - mean) * count / jnp.maximum(count - 1, 1))
-    return _zero_groups(adv, constant, single, single_sample)
+    return _zero_groups(adv, constant, single, single_sample).astype(_out_dtype(rewards))
 
 
 def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:

@@ -168,7 +168,7 @@ def token_diagnostics(
     dt = lp.dtype
     adv = sg(advantages)
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, shape).astype(dt)
-    v = response_mask.astype(dt)
+    v = response_mask.astype(bool).astype(dt)  # nonzero = one response token, as compute_policy_loss reads it
     keep = v if token_mask is None else v * token_mask.astype(dt)
     p = jnp.exp(lp)
     low_p, low_h = p < tau_p, ent < tau_h

@@ -148,7 +148,8 @@ def masked_quantile(
       axis_name: mesh axis name(s) to gather over inside ``shard_map``; None for the local population.
 
     Returns:
-      scalar of ``values.dtype``; NaN when no value is valid (an empty population has no quantile).
+      scalar of ``values.dtype``; NaN when no value is valid (an empty population has no quantile) or when a
+      valid value is NaN (as ``torch.quantile``); a valid ``+inf`` / ``-inf`` is ordered as a number.
 
     Raises:
       ValueError: unknown ``method``, q outside [0, 1], or shape mismatch.
@@ -162,8 +163,7 @@ def masked_quantile(
     v = _gather(jax.lax.stop_gradient(values), axis_name)
     ok = _gather(valid.astype(bool), axis_name)
     n = jnp.sum(ok.astype(jnp.int32))
-    big = jnp.asarray(jnp.finfo(v.dtype).max, v.dtype)
-    s = jnp.sort(jnp.where(ok, v, big))  # valid values first, ascending
+    s = jnp.sort(jnp.where(ok, v, jnp.inf))  # valid values first, ascending (+inf pads tie with a valid +inf)
     last = jnp.maximum(n - 1, 0)
     if method == "topk_ceil":
         k = _kth_largest_count(n, 1.0 - q)
@@ -176,7 +176,8 @@ def masked_quantile(
             lo = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
             hi = jnp.minimum(lo + 1, last)
             frac = pos - lo.astype(v.dtype)
-            out = s[lo] + frac * (s[hi] - s[lo])
+            out = jnp.where(s[hi] == s[lo], s[lo], s[lo] + frac * (s[hi] - s[lo]))  # inf - inf is no NaN here
+    out = jnp.where(jnp.any(ok & jnp.isnan(v)), jnp.asarray(jnp.nan, v.dtype), out)  # torch.quantile's rule
     return _nan_if_empty(n, out)
 
 

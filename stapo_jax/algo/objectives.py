@@ -94,7 +94,8 @@ def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array, kl_type: str) -> 
 
 
 def _masks(response_mask, token_mask, renormalize):
-    v = response_mask.astype(jnp.float32) if not jnp.issubdtype(response_mask.dtype, jnp.floating) else response_mask
+    # read as a boolean (nonzero = a response token), so a mask value of 2 or 0.5 counts once, not as a weight
+    v = response_mask.astype(bool).astype(jnp.float32)
     k = v if token_mask is None else v * token_mask.astype(v.dtype)
     return k, (k if renormalize else v)
 
@@ -194,7 +195,8 @@ def compute_policy_loss(
       log_probs: ``[B, T]`` float, current policy (gradient flows through it), nats.
       old_log_probs: ``[B, T]`` float, the policy that produced the rollouts (constant).
       advantages: ``[B]`` or ``[B, T]`` float (constant).
-      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens.
+      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens (read as a boolean: any nonzero value is
+        one token, never a weight).
       token_mask: ``[B, T]`` bool keep mask (S2T, top-entropy, ...) or None (keep all valid tokens).
       config: :class:`PolicyLossConfig`.
       entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
@@ -266,7 +268,7 @@ def compute_policy_loss(
     adv = sg(advantages).astype(dt)
     k, d = _masks(response_mask, token_mask, renormalize)
     k, d = k.astype(dt), d.astype(dt)
-    v = response_mask.astype(dt)
+    v = valid.astype(dt)
 
     delta = jnp.clip(log_probs - old, -config.log_ratio_clamp, config.log_ratio_clamp)
     ratio = jnp.exp(delta)

@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 
 from models.hf import load_hf_checkpoint
+from models.layer_scan import resolve_scan_unroll
 from models.presets import canonical_name, from_hf_config, preset
 from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import ShardingError, make_mesh, shard_model
@@ -53,7 +54,8 @@ def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:
         base = Qwen3Config(**explicit)
     else:
         base = dataclasses.replace(base, **explicit)
-    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
+                 scan_unroll=resolve_scan_unroll(m.scan_unroll))
     if tokenizer is not None:
         extra["eos_token_id"] = tuple(stop_token_ids(tokenizer))
         extra["pad_token_id"] = tokenizer.pad_token_id
@@ -83,7 +85,7 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
     m = cfg.model
     if m.path:
         _, model = load_hf_checkpoint(m.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                                      attention=m.attention)
+                                      attention=m.attention, scan_unroll=resolve_scan_unroll(m.scan_unroll))
         return model
     model = Qwen3(model_config(cfg, tokenizer), rngs=nnx.Rngs(seed))
     return shard_model(model, mesh)

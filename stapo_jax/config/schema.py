@@ -75,9 +75,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # per-layer rematerialisation (jax.checkpoint policy); default measured by bench/bench_remat.py
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "dots_no_batch"
-    # self-attention kernel of the forward/update and of prefill (models.attention): xla materialises
-    # [heads, T, T] scores; blockwise is flash-style pure JAX (any backend); cudnn (GPU, bf16/fp16); splash
-    # (TPU); auto picks splash on TPU, cudnn on GPU for 16-bit dtypes, else blockwise.
+    # decoder layers per layer-scan iteration (jax.lax.scan unroll; models.layer_scan: auto = 4 on CPU, 1 else)
+    scan_unroll: Union[int, Literal["auto"]] = "auto"
+    # self-attention kernel of the forward/update and of prefill (models.attention): xla ([heads, T, T] scores),
+    # blockwise (flash-style, any backend), cudnn (GPU, 16-bit), splash (TPU); auto: splash / cudnn / blockwise
     attention: Literal["xla", "blockwise", "cudnn", "splash", "auto"] = "xla"
     # verl's actor_rollout_ref.model.use_remove_padding: the old-log-prob pass and the update run each
     # micro-batch's sequences packed end to end into rows (segment ids, RoPE restarting per sequence), so the
@@ -496,6 +497,7 @@ def validate(cfg: Config) -> None:
     for k in ("vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings") + _REQUIRED_SIZE_KEYS:
         v = getattr(m, k)
         need(v is None or v >= 1, f"model.{k}={v} must be >= 1")
+    need(m.scan_unroll == "auto" or m.scan_unroll >= 1, f"model.scan_unroll={m.scan_unroll} must be 'auto' or >= 1")
     if m.num_attention_heads and m.num_key_value_heads:
         need(m.num_attention_heads % m.num_key_value_heads == 0,
              f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "

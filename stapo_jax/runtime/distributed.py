@@ -154,7 +154,9 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     Raises:
       DistributedError: an unknown mode, only some of the three explicit settings, ``num_processes`` < 1,
         ``process_id`` outside ``[0, num_processes)``, a non-integer environment value, or (process id > 0)
-        a coordinator that accepts no connection within the initialization timeout.
+        a coordinator that accepts no connection within the initialization timeout. On process 0, JAX itself
+        aborts the process (no Python exception) when a peer does not register within that timeout; the INFO
+        line logged just before names the likely cause and the settings to check.
     """
     mode = mode or os.environ.get("STAPO_DISTRIBUTED", "auto") or "auto"
     if mode not in MODES:
@@ -190,6 +192,12 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
         log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", addr, n, pid)
         if pid > 0:  # JAX aborts the process with a bare DEADLINE_EXCEEDED when nobody listens; say why first
             _wait_for_coordinator(addr, init_s)
+        else:  # the coordinator also aborts (a C++ check failure, no Python exception) when a peer never registers
+            log.info("process 0 of %d: coordinator at %s, waiting up to %d s for all %d processes to register. If "
+                     "this process then stops with 'DEADLINE_EXCEEDED' and 'RegisterTask', a process never "
+                     "connected: start all %d with JAX_COORDINATOR_ADDRESS=%s and JAX_NUM_PROCESSES=%d (the other "
+                     "JAX_PROCESS_IDs 1..%d), or raise %s", n, addr, int(init_s), n, n, addr, n, n - 1,
+                     INIT_TIMEOUT_ENV)
         jax.distributed.initialize(addr, n, pid, local_device_ids=local_device_ids, **timeouts)
         return info("explicit", addr)
     cluster = detect_cluster() if mode == "auto" else "forced"

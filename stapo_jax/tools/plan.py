@@ -61,6 +61,7 @@ def plan_model_config(cfg) -> Any:
     No arrays; raises PlanError (unknown hub id), CheckpointError (bad config.json). Source: HF ``config.json``."""
     import dataclasses as dc
 
+    from models.layer_scan import resolve_scan_unroll
     from models.presets import canonical_name, preset
     from stapo_jax.config.build import model_config
 
@@ -68,7 +69,8 @@ def plan_model_config(cfg) -> Any:
     # the plan compiles on CPU: auto resolves to blockwise there; the TPU/GPU kernels (splash, cudnn) are
     # planned with blockwise, which has the same O(T x block) attention memory
     attention = "blockwise" if m.attention in ("splash", "cudnn") else m.attention
-    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention)
+    extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention,
+                 scan_unroll=resolve_scan_unroll(m.scan_unroll, "cpu"))  # the plan compiles on CPU
     if m.path:
         p = Path(m.path).expanduser()
         if p.is_dir() or p.is_file():

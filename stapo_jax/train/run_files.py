@@ -34,7 +34,7 @@ def dump_experience(directory: str, step: int, exp) -> None:
 
 # model keys that change how the weights are computed with, not which weights a checkpoint holds (the attention
 # kernel and the remat policy give the same parameter tree: a resume may switch them)
-RUNTIME_MODEL_KEYS = ("use_remove_padding", "attention", "remat")
+RUNTIME_MODEL_KEYS = ("use_remove_padding", "attention", "remat", "scan_unroll")
 
 
 def check_same_model(cfg: Config, run_dir: str) -> None:
@@ -54,33 +54,59 @@ def check_same_model(cfg: Config, run_dir: str) -> None:
                           f"use a new trainer.run_dir or trainer.resume=false")
 
 
-def set_aside_checkpoints(ckpt_dir: str, main_process: bool) -> Optional[str]:
-    """``trainer.resume=false`` in a run directory that already holds checkpoints: rename ``ckpt_dir`` to
-    ``<ckpt_dir>.replaced-<UTC YYYYmmdd-HHMMSS>`` (process 0; nothing is deleted) so that the fresh run's
-    checkpoints do not mix with the earlier run's, whose later steps a resume would otherwise load as this run's.
+# what an RL run writes into its run directory (besides exports of other commands: sft_hf/, eval/)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "plots", "summary.json", "config.yaml", "hf", "hf.old")
+
+
+def earlier_run_outputs(run_dir: str) -> list[str]:
+    """The names in ``run_dir`` that an earlier RL run wrote (``RUN_OUTPUTS`` and the ``process_<i>`` metrics
+    folders of other processes), sorted; an empty ``checkpoints`` folder does not count. No arrays; never raises
+    (a missing ``run_dir`` has none). Source: the files the trainer writes (README, Quickstart: what ``make run``
+    leaves in ``runs/tiny_cpu/``)."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        path = os.path.join(run_dir, name)
+        if name == "checkpoints" and os.path.isdir(path) and not os.listdir(path):
+            continue
+        if name in RUN_OUTPUTS or (name.startswith("process_") and name[len("process_"):].isdigit()):
+            out.append(name)
+    return out
+
+
+def set_aside_earlier_run(run_dir: str, main_process: bool) -> Optional[str]:
+    """``trainer.resume=false`` in a run directory an earlier run wrote to: move that run's outputs
+    (:func:`earlier_run_outputs`: checkpoints, ``metrics.jsonl``, ``tb/``, plots, summary, config, HF export) into
+    ``<run_dir>/replaced-<UTC YYYYmmdd-HHMMSS>/`` (process 0; nothing is deleted), so the fresh run's checkpoints
+    and metrics do not mix with the earlier run's: a resume would otherwise load the earlier run's later steps as
+    this run's, and ``metrics.jsonl`` would hold both runs' rows.
 
     Takes no arrays. A collective when ``jax.process_count() > 1``: every process calls it (two barriers, so no
-    process builds its checkpointer before the rename). Returns the new name on process 0 when a non-empty
-    ``ckpt_dir`` was moved, else None. Raises OSError when the rename fails (e.g. the target exists). Source:
-    verl's ``trainer.resume_mode=disable`` starts fresh; the rename keeps the earlier run's files.
+    process opens its checkpointer or metrics file before the move). Returns the new folder on process 0 when
+    something was moved, else None. Raises OSError when the folder or a move fails (e.g. the target exists).
+    Source: verl's ``trainer.resume_mode=disable`` starts fresh; the move keeps the earlier run's files.
     """
     import jax
     from jax.experimental import multihost_utils
 
     def barrier(name: str) -> None:
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"stapo_jax checkpoints: resume=false {name}")
+            multihost_utils.sync_global_devices(f"stapo_jax run_dir: resume=false {name}")
 
-    moved = None
-    if main_process and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        moved = f"{ckpt_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    names = earlier_run_outputs(run_dir) if main_process else []
+    target = os.path.join(run_dir, f"replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}") if names else None
     barrier("check")
-    if moved:
-        os.replace(ckpt_dir, moved)
-        log.warning("trainer.resume=false: moved the earlier run's checkpoints %s to %s (this run starts fresh; "
-                    "a later resume cannot load the earlier run's steps)", ckpt_dir, moved)
+    if target:
+        os.makedirs(target)
+        for name in names:
+            os.replace(os.path.join(run_dir, name), os.path.join(target, name))
+        log.warning("trainer.resume=false: moved the earlier run's %s from %s to %s (this run starts fresh; a "
+                    "later resume cannot load the earlier run's steps)", ", ".join(names), run_dir, target)
     barrier("moved")
-    return moved
+    return target
 
 
 def load_val_examples(cfg: Config, tok) -> list[dict]:

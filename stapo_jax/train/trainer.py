@@ -26,7 +26,7 @@ from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
 from stapo_jax.rollout.multihost import coordination_seconds
 from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples,
-                                       set_aside_checkpoints, sft_warmup, write_plots, write_summary)
+                                       set_aside_earlier_run, sft_warmup, write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
@@ -83,7 +83,7 @@ def train(cfg: Config) -> dict[str, Any]:
     scorer = make_scorer(cfg)
     os.makedirs(run_dir, exist_ok=True)
     if not t.resume:
-        set_aside_checkpoints(os.path.join(run_dir, "checkpoints"), main_process)
+        set_aside_earlier_run(run_dir, main_process)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     resuming = t.resume and ckpt.latest_step() is not None
