@@ -190,7 +190,8 @@ def main(argv=None) -> int:
     n_dec = a.layers * (d * (nh + 2 * nkv) * hd + nh * hd * d + 3 * d * f)
     model_flops = 6 * (n_dec * b * t + d * v * b * r)
     print(f"shape: Qwen3-0.6B widths D={d} F={f} Nh={nh} Nkv={nkv} H={hd}, L={a.layers}, V={v}, tied head; "
-          f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, scan_unroll {cfg.scan_unroll}, attention {cfg.attention}; logits "
+          f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, scan_unroll {cfg.scan_unroll}, "
+          f"attention {cfg.attention}; logits "
           f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
           f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB (kept: {b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES}); "
           f"model FLOPs 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)

@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     n_dec = layers * (d * (nh + 2 * nkv) * hd + nh * hd * d + 3 * d * f)
     model_flops = 6 * (n_dec * b * t + d * v * b * r)
     print(f"shape: Qwen3-0.6B widths D={d} F={f} Nh={nh} Nkv={nkv} H={hd}, L={layers}, V={v}, tied head; "
-          f"B={b} P={p} R={r} (T={t}); {a.dtype} (fp32 master weights); torch on {a.device}; remat {a.remat}, scan_unroll {cfg.scan_unroll}; "
+          f"B={b} P={p} R={r} (T={t}); {a.dtype} (fp32 master weights); torch on {a.device}; remat {a.remat}, "
+          f"scan_unroll {cfg.scan_unroll}; "
           f"decoder matmul weights N={n_dec / 1e6:.1f} M; "
           f"model FLOPs/update 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)
 

@@ -161,6 +161,13 @@ def test_resume_false_sets_the_earlier_runs_outputs_aside(tmp_path):
     logger.close()
     assert [(r["step"], r["reward"]) for r in read_metrics(str(run))] == [(1, 0.25)]
     assert [r["step"] for r in read_metrics(moved)] == [1, 2, 3]
+    again = set_aside_earlier_run(str(run), main_process=True)  # a new folder (with -1 within the same second)
+    assert again is not None and again != moved and sorted(os.listdir(again)) == ["checkpoints", "metrics.jsonl"]
+    user = tmp_path / "user"  # a run_dir that holds no run (e.g. trainer.run_dir=.): its files stay put
+    (user / "plots").mkdir(parents=True)
+    (user / "config.yaml").write_text("mine: 1\n")
+    assert set_aside_earlier_run(str(user), main_process=True) is None
+    assert sorted(os.listdir(user)) == ["config.yaml", "plots"]
     old = Checkpointer(os.path.join(moved, "checkpoints"), save_every=1, keep=5, async_save=False)
     assert old.latest_step() == 6
     step, state, _, _ = old.restore(_state(0))

@@ -70,6 +70,14 @@ def test_masked_quantile_with_infinite_and_nan_values(method):
     assert np.isnan(float(masked_quantile(jnp.asarray(x), jnp.asarray(nan_valid), 0.5, method)))
     if method != "topk_ceil":  # torch.topk (the 80/20 code's rule) orders NaN instead
         assert np.isnan(ref.quantile(torch.tensor(x[nan_valid]), 0.5, method).item())
+    if method == "linear":  # between -inf and 2 at weight 0.8: -inf (a + w (b - a) would be NaN)
+        assert float(masked_quantile(jnp.asarray([-np.inf, 2.0, 3.0]), jnp.ones(3, bool), 0.4, method)) == -np.inf
+    with pytest.raises(ValueError, match="values must be a float array, got dtype int32"):
+        masked_quantile(jnp.arange(4), jnp.ones(4, bool), 0.5, method)
+    # 70,000 float16 values: the rank q (n - 1) is beyond float16's range (65,504); computed in float32 it is not
+    half = jnp.linspace(0.0, 1.0, 70_000).astype(jnp.float16)
+    got = masked_quantile(half, jnp.ones(70_000, bool), 0.5, method)
+    assert got.dtype == jnp.float16 and abs(float(got) - 0.5) < 1e-3, float(got)
 
 
 @pytest.mark.parametrize("seed", range(4))

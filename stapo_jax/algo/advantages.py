@@ -102,13 +102,13 @@ def _group_stats(rewards, group_ids, num_groups, ddof):
 def _float(rewards):
     """rewards in the dtype the statistics are computed in: at least float32 (a float16 or bfloat16 reward of a
     few hundred overflows or loses the variance when squared), float64 kept."""
-    return rewards.astype(jnp.promote_types(rewards.dtype, jnp.float32)
-                          if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32)
+    dt = jnp.promote_types(rewards.dtype, jnp.float32) if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32
+    return rewards.astype(jax.dtypes.canonicalize_dtype(dt))  # float64 only where x64 is on
 
 
 def _out_dtype(rewards):
     """The advantages' dtype: the rewards' float dtype (float32 for integer rewards)."""
-    return rewards.dtype if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32
+    return jax.dtypes.canonicalize_dtype(rewards.dtype) if jnp.issubdtype(rewards.dtype, jnp.floating) else jnp.float32
 
 
 @register_adv_est("grpo")

@@ -149,10 +149,12 @@ def masked_quantile(
 
     Returns:
       scalar of ``values.dtype``; NaN when no value is valid (an empty population has no quantile) or when a
-      valid value is NaN (as ``torch.quantile``); a valid ``+inf`` / ``-inf`` is ordered as a number.
+      valid value is NaN (as ``torch.quantile``; for every method); a valid ``+inf`` / ``-inf`` is ordered as a
+      number, and interpolating towards it gives it (``-inf`` and 2 at weight 0.5: ``-inf``). Ranks are computed
+      in float32 (float64 for float64 values).
 
     Raises:
-      ValueError: unknown ``method``, q outside [0, 1], or shape mismatch.
+      ValueError: unknown ``method``, q outside [0, 1], shape mismatch, or non-float ``values``.
 
     Source: stapo_spec.md §3 and §10 item 4.
     """
@@ -160,6 +162,8 @@ def masked_quantile(
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")
     _check_same_shape("values", values, valid=valid)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        raise ValueError(f"values must be a float array, got dtype {values.dtype}")
     v = _gather(jax.lax.stop_gradient(values), axis_name)
     ok = _gather(valid.astype(bool), axis_name)
     n = jnp.sum(ok.astype(jnp.int32))
@@ -169,14 +173,16 @@ def masked_quantile(
         k = _kth_largest_count(n, 1.0 - q)
         out = s[jnp.clip(n - k, 0, last)]
     else:
-        pos = q * last.astype(v.dtype)
+        pos = q * last.astype(jnp.float64 if v.dtype == jnp.float64 else jnp.float32)  # 16-bit: no lost ranks
         if method == "nearest":
             out = s[jnp.clip(jnp.round(pos).astype(jnp.int32), 0, last)]
         else:
             lo = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
             hi = jnp.minimum(lo + 1, last)
-            frac = pos - lo.astype(v.dtype)
-            out = jnp.where(s[hi] == s[lo], s[lo], s[lo] + frac * (s[hi] - s[lo]))  # inf - inf is no NaN here
+            frac = pos - lo.astype(pos.dtype)
+            a, b = s[lo].astype(pos.dtype), s[hi].astype(pos.dtype)
+            between = jnp.where(jnp.isneginf(a), a, jnp.where(jnp.isposinf(b), b, a + frac * (b - a)))
+            out = jnp.where(frac == 0, a, between).astype(v.dtype)  # an infinite end wins: no inf - inf
     out = jnp.where(jnp.any(ok & jnp.isnan(v)), jnp.asarray(jnp.nan, v.dtype), out)  # torch.quantile's rule
     return _nan_if_empty(n, out)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import jax
 from flax import nnx
@@ -32,8 +33,9 @@ def build_mesh(cfg: Config):
                           f"{jax.device_count()} devices of this job (-1 takes the remaining devices): {e}") from e
 
 
-def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:
+def model_config(cfg: Config, tokenizer=None, platform: Optional[str] = None) -> Qwen3Config:
     """The ``Qwen3Config`` of a from-scratch or preset model (not for ``model.path``, whose config.json rules).
+    ``model.scan_unroll=auto`` resolves for ``platform`` (``"cpu"`` / ``"gpu"`` / ``"tpu"``; default JAX's backend).
 
     The preset's numbers come first, explicit ``model.*`` size fields override them; a from-scratch model with
     no ``vocab_size`` takes ``len(tokenizer)``; EOS ids come from the tokenizer when one is given.
@@ -55,7 +57,7 @@ def model_config(cfg: Config, tokenizer=None) -> Qwen3Config:
     else:
         base = dataclasses.replace(base, **explicit)
     extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-                 scan_unroll=resolve_scan_unroll(m.scan_unroll))
+                 scan_unroll=resolve_scan_unroll(m.scan_unroll, platform))
     if tokenizer is not None:
         extra["eos_token_id"] = tuple(stop_token_ids(tokenizer))
         extra["pad_token_id"] = tokenizer.pad_token_id

@@ -192,7 +192,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
         log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", addr, n, pid)
         if pid > 0:  # JAX aborts the process with a bare DEADLINE_EXCEEDED when nobody listens; say why first
             _wait_for_coordinator(addr, init_s)
-        else:  # the coordinator also aborts (a C++ check failure, no Python exception) when a peer never registers
+        elif n > 1:  # the coordinator aborts too (a C++ check failure, no Python exception) when a peer never comes
             log.info("process 0 of %d: coordinator at %s, waiting up to %d s for all %d processes to register. If "
                      "this process then stops with 'DEADLINE_EXCEEDED' and 'RegisterTask', a process never "
                      "connected: start all %d with JAX_COORDINATOR_ADDRESS=%s and JAX_NUM_PROCESSES=%d (the other "

@@ -47,6 +47,7 @@ __all__ = ["PlanError", "DEVICE_MEMORY_GB", "make_spec", "run_plan", "plan", "fo
 
 GiB = 1024 ** 3
 GB = 1000 ** 3
+PLANNED_PLATFORM = "tpu"  # how model.scan_unroll=auto resolves in a plan (an accelerator run: the rolled loop)
 # HBM per device, decimal GB as vendors quote it (TPU v5p 95 GB, v6e 32 GB; H100 SXM 80 GB, H200 141 GB).
 DEVICE_MEMORY_GB = {"tpu-v5p": 95.0, "tpu-v6e": 32.0, "tpu-v5e": 16.0, "tpu-v4": 32.0, "h100": 80.0, "h200": 141.0,
                     "a100": 80.0}
@@ -67,10 +68,11 @@ def plan_model_config(cfg) -> Any:
 
     m = cfg.model
     # the plan compiles on CPU: auto resolves to blockwise there; the TPU/GPU kernels (splash, cudnn) are
-    # planned with blockwise, which has the same O(T x block) attention memory
+    # planned with blockwise, which has the same O(T x block) attention memory. It plans an accelerator run, so
+    # scan_unroll=auto is planned as there (1: the rolled loop); set an int to plan a CPU run's unroll
     attention = "blockwise" if m.attention in ("splash", "cudnn") else m.attention
     extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention,
-                 scan_unroll=resolve_scan_unroll(m.scan_unroll, "cpu"))  # the plan compiles on CPU
+                 scan_unroll=resolve_scan_unroll(m.scan_unroll, PLANNED_PLATFORM))
     if m.path:
         p = Path(m.path).expanduser()
         if p.is_dir() or p.is_file():
@@ -82,7 +84,7 @@ def plan_model_config(cfg) -> Any:
         except KeyError as e:
             raise PlanError(f"model.path={m.path!r} is not a local checkpoint and not a known preset name; "
                             f"pass a local directory with config.json") from e
-    return dc.replace(model_config(cfg), **extra)
+    return dc.replace(model_config(cfg, platform=PLANNED_PLATFORM), **extra)
 
 
 def _mesh_sizes(spec: Optional[str], cfg, devices: Optional[int]) -> tuple[dict[str, int], Optional[str]]:
@@ -272,7 +274,8 @@ def format_report(result: dict) -> str:
         f"model: L={m['num_hidden_layers']} D={m['hidden_size']} F={m['intermediate_size']} "
         f"heads={m['num_attention_heads']}/{m['num_key_value_heads']} V={m['vocab_size']} "
         f"tied={m['tie_word_embeddings']}  params={a['params'] / 1e9:.4g}B  dtype={m['dtype']} "
-        f"param_dtype={m['param_dtype']} remat={m['remat']} attention={m.get('attention', 'xla')}",
+        f"param_dtype={m['param_dtype']} remat={m['remat']} scan_unroll={m.get('scan_unroll', 1)} "
+        f"attention={m.get('attention', 'xla')}",
         f"mesh: {s['mesh']} = {s['devices']} devices"
         + (f" ({s['device_kind'] or 'device'}: {hbm:g} GB each)" if hbm else " (device memory unknown: pass --hbm-gb)"),
         f"recipe: {s['recipe']}  mini-batch {s['mini_batch_sequences']} sequences x {s['prompt_length']}+"

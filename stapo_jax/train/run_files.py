@@ -60,33 +60,46 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "plots", "summary.
 
 def earlier_run_outputs(run_dir: str) -> list[str]:
     """The names in ``run_dir`` that an earlier RL run wrote (``RUN_OUTPUTS`` and the ``process_<i>`` metrics
-    folders of other processes), sorted; an empty ``checkpoints`` folder does not count. No arrays; never raises
-    (a missing ``run_dir`` has none). Source: the files the trainer writes (README, Quickstart: what ``make run``
-    leaves in ``runs/tiny_cpu/``)."""
+    folders of other processes), sorted; [] unless the folder holds a run's ``metrics.jsonl`` or a non-empty
+    ``checkpoints/`` (so a user's own ``config.yaml`` or ``plots/`` beside no run, e.g. ``trainer.run_dir=.``,
+    stays put). No arrays; never raises (a missing ``run_dir`` has none). Source: the files the trainer writes
+    (README, Quickstart: what ``make run`` leaves in ``runs/tiny_cpu/``)."""
     try:
-        names = os.listdir(run_dir)
+        names = set(os.listdir(run_dir))
+        ckpt = os.path.join(run_dir, "checkpoints")
+        ran = "metrics.jsonl" in names or (os.path.isdir(ckpt) and bool(os.listdir(ckpt)))
     except OSError:
         return []
-    out = []
-    for name in sorted(names):
-        path = os.path.join(run_dir, name)
-        if name == "checkpoints" and os.path.isdir(path) and not os.listdir(path):
+    if not ran:
+        return []
+    return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith("process_") and n[8:].isdigit()))
+
+
+def _new_folder(run_dir: str) -> str:
+    """A fresh ``<run_dir>/replaced-<UTC YYYYmmdd-HHMMSS>[-k]`` folder (created; ``-k`` when that second's exists)."""
+    base = os.path.join(run_dir, f"replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    for k in range(1000):
+        path = base if k == 0 else f"{base}-{k}"
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
             continue
-        if name in RUN_OUTPUTS or (name.startswith("process_") and name[len("process_"):].isdigit()):
-            out.append(name)
-    return out
+    raise OSError(f"cannot create a new {base}-<k> folder in {run_dir}")
 
 
 def set_aside_earlier_run(run_dir: str, main_process: bool) -> Optional[str]:
     """``trainer.resume=false`` in a run directory an earlier run wrote to: move that run's outputs
     (:func:`earlier_run_outputs`: checkpoints, ``metrics.jsonl``, ``tb/``, plots, summary, config, HF export) into
-    ``<run_dir>/replaced-<UTC YYYYmmdd-HHMMSS>/`` (process 0; nothing is deleted), so the fresh run's checkpoints
-    and metrics do not mix with the earlier run's: a resume would otherwise load the earlier run's later steps as
-    this run's, and ``metrics.jsonl`` would hold both runs' rows.
+    ``<run_dir>/replaced-<UTC YYYYmmdd-HHMMSS>/`` (process 0; nothing is deleted; ``-1``, ``-2`` ... appended when
+    that second's folder exists), so the fresh run's checkpoints and metrics do not mix with the earlier run's: a
+    resume would otherwise load the earlier run's later steps as this run's, and ``metrics.jsonl`` would hold both
+    runs' rows.
 
     Takes no arrays. A collective when ``jax.process_count() > 1``: every process calls it (two barriers, so no
     process opens its checkpointer or metrics file before the move). Returns the new folder on process 0 when
-    something was moved, else None. Raises OSError when the folder or a move fails (e.g. the target exists).
+    something was moved, else None. Raises OSError when the folder or a move fails (e.g. a read-only run
+    directory; the other processes then stop at the second barrier's timeout).
     Source: verl's ``trainer.resume_mode=disable`` starts fresh; the move keeps the earlier run's files.
     """
     import jax
@@ -97,10 +110,9 @@ def set_aside_earlier_run(run_dir: str, main_process: bool) -> Optional[str]:
             multihost_utils.sync_global_devices(f"stapo_jax run_dir: resume=false {name}")
 
     names = earlier_run_outputs(run_dir) if main_process else []
-    target = os.path.join(run_dir, f"replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}") if names else None
     barrier("check")
+    target = _new_folder(run_dir) if names else None
     if target:
-        os.makedirs(target)
         for name in names:
             os.replace(os.path.join(run_dir, name), os.path.join(target, name))
         log.warning("trainer.resume=false: moved the earlier run's %s from %s to %s (this run starts fresh; a "
