@@ -317,15 +317,21 @@ def _run_snippet(code: str, n: int = 2, **env) -> list[subprocess.CompletedProce
     return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
 
 
-def test_different_configs_are_named():
-    code = ("import sys; from stapo_jax.runtime import distributed as d; d.initialize(); i = int(sys.argv[1]);\n"
-            "cfg = {'trainer': {'seed': 1, 'total_steps': 3 + i}, 'actor': {'optim': {'lr': 0.1}},"
-            " 'rollout': {'n': 8 if i else 4}}\n"
-            "try:\n    d.check_same_config(cfg)\nexcept d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
+def _check_same_config_errors(setup: str, call_args: str) -> list[str]:
+    """Run ``d.check_same_config(<call_args>)`` after ``setup`` (``i`` is the process index) in 2 processes;
+    assert both stop with a DistributedError and return each one's message."""
+    code = ("import sys; from stapo_jax.runtime import distributed as d; d.initialize(); i = int(sys.argv[1])\n"
+            + setup + f"try:\n    d.check_same_config({call_args})\n"
+            "except d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
     out = _run_snippet(code)
     assert [rc for _, rc in out] == [3, 3], out
-    for text, _ in out:
-        err = next(x for x in text.splitlines() if x.startswith("ERR"))
+    return [next(x for x in text.splitlines() if x.startswith("ERR")) for text, _ in out]
+
+
+def test_different_configs_are_named():
+    for err in _check_same_config_errors(
+            "cfg = {'trainer': {'seed': 1, 'total_steps': 3 + i}, 'actor': {'optim': {'lr': 0.1}},"
+            " 'rollout': {'n': 8 if i else 4}}\n", "cfg"):
         assert "'rollout.n'" in err and "'trainer.total_steps'" in err and "actor.optim.lr" not in err, err
         assert "processes [1]" in err
 
@@ -333,17 +339,12 @@ def test_different_configs_are_named():
 def test_different_training_data_is_named():
     """The trainer's second check (``check_same_config`` over the dataset fingerprints): processes that read
     different data files stop with the training-data message and its remedy, naming the differing split."""
-    code = ("import sys; from stapo_jax.runtime import distributed as d; d.initialize(); i = int(sys.argv[1])\n"
+    for err in _check_same_config_errors(
             "from stapo_jax.data.prompts import examples_fingerprint as fp\n"
             "train = [{'index': 0, 'prompt_ids': [1, 2, 3 + i], 'answer': '4'}]\n"
-            "val = [{'index': 0, 'prompt_ids': [5], 'answer': '6'}]\n"
-            "try:\n    d.check_same_config({'train_prompts_sha256': fp(train), 'val_prompts_sha256': fp(val)},"
-            " what='training data', fix='read the same files')\n"
-            "except d.DistributedError as e:\n    print('ERR', e); sys.exit(3)\n")
-    out = _run_snippet(code)
-    assert [rc for _, rc in out] == [3, 3], out
-    for text, _ in out:
-        err = next(x for x in text.splitlines() if x.startswith("ERR"))
+            "val = [{'index': 0, 'prompt_ids': [5], 'answer': '6'}]\n",
+            "{'train_prompts_sha256': fp(train), 'val_prompts_sha256': fp(val)}, what='training data', "
+            "fix='read the same files'"):
         assert "training data that differs" in err and "'train_prompts_sha256'" in err, err
         assert "val_prompts" not in err and err.endswith("read the same files") and "processes [1]" in err, err
 

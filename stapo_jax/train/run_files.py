@@ -72,7 +72,7 @@ def earlier_run_outputs(run_dir: str) -> list[str]:
         return []
     if not ran:
         return []
-    return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith("process_") and n[8:].isdigit()))
+    return sorted(n for n in names if n in RUN_OUTPUTS or (n.startswith("process_") and n[len("process_"):].isdigit()))
 
 
 def _new_folder(run_dir: str) -> str:
