@@ -150,8 +150,9 @@ class RewardScorer:
 
         Returns:
           ``(scores, stats)``: ``scores`` float32 [N] (±1 / 0-1 per kind; 0 for a timeout or error);
-          ``stats`` has ``n``, ``n_correct``, ``n_timeout``, ``n_error``, ``accuracy`` (fraction correct:
-          a match, or a gym score of 1), ``score_mean`` and ``time_s``.
+          ``stats`` has ``n``, ``n_correct``, ``n_timeout``, ``n_error``, ``n_unparsed`` (``math_verify_strict``:
+          a gold or answer that cannot be compared safely, scored 0), ``accuracy`` (fraction correct: a match, or
+          a gym score of 1), ``score_mean`` and ``time_s``.
 
         Raises:
           ValueError: ``len(responses) != len(golds)``.
@@ -169,7 +170,7 @@ class RewardScorer:
         n = len(responses)
         scores = np.zeros(n, dtype=np.float32)
         correct = np.zeros(n, dtype=bool)
-        n_timeout = n_error = 0
+        n_timeout = n_error = n_unparsed = 0
         if self.kind.startswith("boxed_exact"):
             wrong = -1.0 if self.kind == "boxed_exact_pm1" else 0.0
             for i, (r, g) in enumerate(zip(responses, golds)):
@@ -187,7 +188,7 @@ class RewardScorer:
 
                 args = [(r, g) for r, g in zip(responses, golds)]
             elif self.kind == "math_verify_strict":
-                from stapo_jax.rewards.math_strict import verify_one as fn
+                from stapo_jax.rewards.math_strict import score_one as fn
 
                 args = [(r, g, self.rel_tol, self.require_think_close) for r, g in zip(responses, golds)]
             else:
@@ -201,10 +202,13 @@ class RewardScorer:
                     n_error += 1
                     log.warning("verifier error on item %d: %s", i, value)
                 else:
+                    if isinstance(value, tuple):  # math_verify_strict: (score, unparsed)
+                        value, unparsed = value
+                        n_unparsed += bool(unparsed)
                     scores[i] = float(value)
                     correct[i] = float(value) >= 1.0
         stats = {"n": float(n), "n_correct": float(correct.sum()), "n_timeout": float(n_timeout),
-                 "n_error": float(n_error), "accuracy": float(correct.mean()) if n else 0.0,
+                 "n_error": float(n_error), "n_unparsed": float(n_unparsed), "accuracy": float(correct.mean()) if n else 0.0,
                  "score_mean": float(scores.mean()) if n else 0.0, "time_s": time.perf_counter() - t0}
         return scores, stats
 

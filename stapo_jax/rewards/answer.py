@@ -26,7 +26,10 @@ Normalisation (:func:`normalize`), applied to the gold and the prediction alike:
 ``{,}``, thin spaces ``\\,`` ``\\;`` ``\\!`` ``\\thinspace``, U+2009, U+202F), ``\\text{}``-style wrappers
 around numbers, trailing units in ``\\text{}``, degree marks, percent (returned as a flag; the comparator
 accepts the value or the value / 100), scientific notation ``3.2e5``, plain mixed numbers ``2 1/2``,
-``x \\in S`` -> ``S``, markdown bold, ``$`` and ``\\displaystyle``.
+``x \\in S`` -> ``S``, markdown bold, ``$`` and ``\\displaystyle``; Unicode math (``−`` U+2212, ``√``, ``π``,
+``∞``, ``≤``, ``≥``, ``×``, ``÷``, ``·``, ``²``, ``³``) and bare ``pi`` / ``sqrt(...)`` written as LaTeX (the
+parser reads a bare ``pi`` as the product p·i; huggingface/Math-Verify#69). Degree marks are removed and
+reported as a flag (the comparator also accepts the angle in radians).
 """
 from __future__ import annotations
 
@@ -145,13 +148,38 @@ _SCI_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\w.])")
 _MIXED_RE = re.compile(r"^(-?)(\d+)\s+(\d+)\s*/\s*(\d+)$")
 _IN_RE = re.compile(r"^\s*[a-zA-Z](?:_\{?\w+\}?)?\s*\\in\s+")
 _STRIP_RE = re.compile(r"\\displaystyle|\*\*|\\!")
+_UNICODE = {"\u2212": "-", "\u2013": "-", "\u03c0": "\\pi ", "\u221e": "\\infty ", "\u2264": "\\le ",
+            "\u2265": "\\ge ", "\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot ", "\u22c5": "\\cdot ",
+            "\u00b2": "^2", "\u00b3": "^3"}
+_UNICODE_RE = re.compile("|".join(_UNICODE))
+# "√(a+b)", "√{a+b}", "√3", "√x"; bare "sqrt(3)" and "pi" (not LaTeX commands, not inside a word)
+_ROOT_RE = re.compile(r"\u221a\s*(?:\(([^()]*)\)|\{([^{}]*)\}|(\d+(?:\.\d+)?|[a-zA-Z]))")
+_BARE_SQRT_RE = re.compile(r"(?<![\\a-zA-Z])sqrt\s*\(([^()]*)\)")
+_BARE_PI_RE = re.compile(r"(?<![\\a-zA-Z])pi(?![a-zA-Z])")
 
 
 class Normalized(NamedTuple):
-    """A normalised answer string and whether it was written as a percentage."""
+    """A normalised answer string, whether it was written as a percentage, and whether it carried a degree
+    mark."""
 
     text: str
     percent: bool
+    degree: bool = False
+
+
+def unicode_to_latex(s: str) -> str:
+    """Unicode math and bare ``pi`` / ``sqrt(...)`` written as LaTeX: ``"−3π"`` -> ``"-3\\pi "``,
+    ``"2√3"`` -> ``"2\\sqrt{3}"``, ``"-2*pi"`` -> ``"-2*\\pi "``, ``"sqrt(2)"`` -> ``"\\sqrt{2}"``.
+
+    No arrays: str in, str out; never raises. Source: huggingface/Math-Verify#69 (``-2*pi`` parsed as
+    ``-2*p*i``); Unicode minus U+2212 as in PrairieLearn/PrairieLearn#808.
+    """
+    if s.isascii() and "pi" not in s and "sqrt" not in s:
+        return s
+    s = _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s)
+    s = _ROOT_RE.sub(lambda m: "\\sqrt{" + next(g for g in m.groups() if g is not None) + "}", s)
+    s = _BARE_SQRT_RE.sub(lambda m: "\\sqrt{" + m.group(1) + "}", s)
+    return _BARE_PI_RE.sub(r"\\pi ", s)
 
 
 def normalize(answer: str) -> Normalized:
@@ -159,18 +187,20 @@ def normalize(answer: str) -> Normalized:
 
     Examples: ``"1{,}000{,}000"`` -> ``"1000000"``; ``"5\\text{ cm}^2"`` -> ``"5"``; ``"30^\\circ"`` ->
     ``"30"``; ``"12.5\\%"`` -> ``("12.5", percent=True)``; ``"3.2e-5"`` -> ``"3.2\\times10^{-5}"``;
-    ``"2 1/2"`` -> ``"(2+\\frac{1}{2})"``; ``"x \\in [2, 5]"`` -> ``"[2, 5]"``.
+    ``"2 1/2"`` -> ``"(2+\\frac{1}{2})"``; ``"x \\in [2, 5]"`` -> ``"[2, 5]"``; ``"−2√3"`` -> ``"-2\\sqrt{3}"``.
 
-    No arrays: str in, :class:`Normalized` (str ``text``, bool ``percent``) out; never raises on a str. Source: the
+    No arrays: str in, :class:`Normalized` (str ``text``, bool ``percent``, bool ``degree``) out; never raises on
+    a str. Source: the
     Minerva / Hendrycks MATH normalisation convention (as in verl's ``math_dapo.normalize_final_answer``), extended
     for issue 13.
     """
-    s = answer.strip()
+    s = unicode_to_latex(answer.strip())
     s = s.replace("\\$", "").replace("$", "")
     s = _STRIP_RE.sub("", s).strip()
     s = _THOUSANDS_RE.sub(lambda m: m.group(1) + _SEP_RE.sub("", m.group(2)), s)
     s = _WRAP_RE.sub(lambda m: m.group(1).strip(), s)
-    s = _DEGREE_RE.sub("", s).strip()
+    s, n_degree = _DEGREE_RE.subn("", s)
+    s = s.strip()
     percent = False
     m = _PERCENT_RE.search(s)
     if m and m.start() > 0:
@@ -183,4 +213,4 @@ def normalize(answer: str) -> Normalized:
     if m and int(m.group(3)) < int(m.group(4)):
         s = f"{m.group(1)}({m.group(2)}+\\frac{{{m.group(3)}}}{{{m.group(4)}}})"
     s = _IN_RE.sub("", s)
-    return Normalized(s.strip().rstrip(".").strip(), percent)
+    return Normalized(s.strip().rstrip(".").strip(), percent, n_degree > 0)

@@ -30,7 +30,8 @@ import logging
 import re
 from typing import Any, Optional
 
-from stapo_jax.rewards.answer import final_answer, normalize
+from stapo_jax.rewards.answer import Normalized, final_answer, normalize, unicode_to_latex
+from stapo_jax.rewards.forms import AnswerForm, forms_equal, has_infinity, is_unsafe, rounded_entries_match, special_form
 
 DEFAULT_REL_TOL = 1e-9
 
@@ -93,61 +94,67 @@ def _plain_number(text: str) -> Any:
 
 
 @functools.lru_cache(maxsize=1024)
-def parse_answer(text: str) -> tuple[Any, bool, str]:
-    """Normalise and parse one answer string (no surrounding prose): ``(expr, percent, normalised_text)``.
+def parse_answer(text: str) -> tuple[Any, Normalized]:
+    """Normalise and parse one answer string (no surrounding prose): ``(expr, normalized)``.
 
-    ``expr`` is a sympy object, or the normalised string when math-verify cannot parse it (text answers),
-    or None for an empty answer. Cached: the rollouts of a group often share their answer.
+    ``expr`` is a sympy object, an :class:`~stapo_jax.rewards.forms.AnswerForm` (a time, ratio or score), or the
+    normalised string when math-verify cannot parse it (text answers), or None for an empty answer;
+    ``normalized`` is the :class:`~stapo_jax.rewards.answer.Normalized` text with its percent and degree flags.
+    Cached: the rollouts of a group often share their answer.
 
-    No arrays: str in; ``expr`` a sympy object / str / None, ``percent`` a bool, the text a str. Never raises on a
-    str (math-verify's ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed
-    ``LatexExtractionConfig`` (verl ``utils/reward_score/math_verify.py`` convention).
+    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None. Never raises on a str (math-verify's
+    ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed ``LatexExtractionConfig`` (verl
+    ``utils/reward_score/math_verify.py`` convention).
     """
     from math_verify import parse
 
     norm = normalize(text)
     if not norm.text:
-        return None, norm.percent, ""
+        return None, norm
+    form = special_form(norm.text)
+    if form is not None:
+        return form, norm
     plain = _plain_number(norm.text)
     if plain is not None:
-        return plain, norm.percent, norm.text
+        return plain, norm
     boxed, _ = _configs()
     expr = _first_expr(parse("\\boxed{" + norm.text + "}", extraction_config=boxed, parsing_timeout=None))
     if expr is not None and not isinstance(expr, str) and _SUBSCRIPTED_RE.search(norm.text) \
             and not getattr(expr, "free_symbols", True):
         expr = None  # the parser dropped a subscripted symbol (``\\frac{1}{3} E_{1}`` -> 1/3): keep the text
-    return (norm.text if expr is None else expr), norm.percent, norm.text
+    return (norm.text if expr is None else expr), norm
 
 
-def parse_gold(gold: str) -> tuple[Any, bool, str]:
+def parse_gold(gold: str) -> tuple[Any, Normalized]:
     """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold).
 
-    No arrays: str in, ``(sympy expr / str / None, bool, str)`` out; never raises on a str. Source: as
-    :func:`parse_answer` (verl's gold-in-``\\boxed{}`` convention).
+    No arrays: str in, ``(sympy expr / AnswerForm / str / None, Normalized)`` out; never raises on a str. Source:
+    as :func:`parse_answer` (verl's gold-in-``\\boxed{}`` convention).
     """
     return parse_answer(gold)
 
 
-def parse_prediction(response: str, require_think_close: bool = False) -> tuple[Any, bool, str, str]:
-    """The graded answer of a response: ``(expr, percent, normalised_text, reason)``; ``expr`` is None when
-    the policy gives no answer (``reason`` says why, see :class:`stapo_jax.rewards.answer.FinalAnswer`).
+def parse_prediction(response: str, require_think_close: bool = False) -> tuple[Any, Normalized, str]:
+    """The graded answer of a response: ``(expr, normalized, reason)``; ``expr`` is None when the policy gives no
+    answer (``reason`` says why, see :class:`stapo_jax.rewards.answer.FinalAnswer`).
 
-    No arrays: ``response`` a str, the result ``(sympy expr / str / None, bool, str, str)``; never raises on a str.
-    Source: the final-answer policy of :mod:`stapo_jax.rewards.answer`, then math-verify's anchored
-    ``ExprExtractionConfig`` / ``LatexExtractionConfig``.
+    No arrays: ``response`` a str, the result ``(sympy expr / AnswerForm / str / None, Normalized, str)``; never
+    raises on a str. Source: the final-answer policy of :mod:`stapo_jax.rewards.answer`, then math-verify's
+    anchored ``ExprExtractionConfig`` / ``LatexExtractionConfig``.
     """
     fa = final_answer(response, require_think_close)
     if fa.text is None:
-        return None, False, "", fa.reason
-    expr, pct, norm = parse_answer(fa.text)
+        return None, Normalized("", False), fa.reason
+    expr, norm = parse_answer(fa.text)
     if expr is None or (isinstance(expr, str) and fa.reason == "anchored"):
         from math_verify import parse
 
         _, anchored = _configs()
-        got = _first_expr(parse("answer: " + fa.text, extraction_config=anchored, parsing_timeout=None))
+        got = _first_expr(parse("answer: " + unicode_to_latex(fa.text), extraction_config=anchored,
+                                parsing_timeout=None))
         if got is not None and not isinstance(got, str):
             expr = got
-    return expr, pct, norm, fa.reason
+    return expr, norm, fa.reason
 
 
 # --------------------------------------------------------------------------------------------- compare
@@ -265,17 +272,19 @@ def exprs_equal(gold: Any, pred: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     if isinstance(gold, Eq) and not isinstance(pred, Eq) and len(gold.lhs.free_symbols) == 1 \
             and gold.lhs.is_Symbol and not gold.rhs.free_symbols:
         gold = gold.rhs
+    if isinstance(gold, AnswerForm) or isinstance(pred, AnswerForm):
+        return forms_equal(gold, pred)
     intervals = (Interval, Union)
     if isinstance(gold, intervals) and not isinstance(pred, intervals + (Tuple,)):
-        if isinstance(gold, Interval) and not any(e.is_infinite for e in (gold.start, gold.end)) \
-                and gold.left_open and gold.right_open:
-            return False  # "(a, b)": a point or an interval; an inequality does not settle it
+        # "(a, b)" may be a point, but an answer "a < x < b" only makes sense for the interval (issue 36)
         converted = _as_set(pred)
         pred = pred if converted is None else converted
     if isinstance(pred, intervals) and not isinstance(gold, intervals + (Tuple,)):
         converted = _as_set(gold)
         gold = gold if converted is None else converted
     if _is_number(gold) and _is_number(pred):
+        if has_infinity(gold) or has_infinity(pred):
+            return bool(gold == pred)  # oo compares structurally, never numerically (issue 36)
         return numbers_equal(gold, pred, rel_tol)
     if isinstance(gold, Tuple) and isinstance(pred, Tuple):
         return len(gold) == len(pred) and all(exprs_equal(g, p, rel_tol) for g, p in zip(gold, pred))
@@ -309,20 +318,15 @@ def _end_equal(a, b, rel_tol) -> bool:
     return exprs_equal(a, b, rel_tol)
 
 
-def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
-                  require_think_close: bool = False) -> bool:
-    """True iff the final answer of ``response`` equals ``gold`` under the strict policy (module docstring).
+def grade(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
+          require_think_close: bool = False) -> tuple[bool, bool]:
+    """``(accepted, unparsed)`` for one response: ``accepted`` as :func:`verify_strict`; ``unparsed`` is True
+    when the gold or the graded answer cannot be compared safely (an empty gold, or a parse containing ``zoo`` /
+    ``nan``: a division by zero, a clock time read as ``H/0``), which is never accepted.
 
-    Args:
-      response: model output (str, any length).
-      gold: reference answer (str, e.g. ``"\\frac{14}{3}"``, ``"1,000"``, ``"(-\\infty, 3)"``).
-      rel_tol: relative tolerance for answers containing decimals (> 0; default 1e-9).
-      require_think_close: thinking-mode run: a response without ``</think>`` has no answer.
-    Returns:
-      bool; an unparseable gold or a missing answer gives False.
-    Raises:
-      TypeError: a non-str ``response`` or ``gold``.
-      ValueError: ``rel_tol`` <= 0.
+    No arrays: str response and gold, float ``rel_tol``, bool flag; returns two bools. Raises TypeError (a non-str
+    argument) and ValueError (``rel_tol <= 0``). Source: issue 13's policy plus issue 36's safety rules
+    (module docstring, :mod:`stapo_jax.rewards.forms`).
     """
     if not isinstance(response, str) or not isinstance(gold, str):
         raise TypeError(f"response and gold must be str, got {type(response).__name__}, {type(gold).__name__}")
@@ -330,29 +334,95 @@ def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
         raise ValueError(f"rel_tol={rel_tol} must be > 0")
     fa = final_answer(response, require_think_close)
     if fa.text is None:
-        return False
-    norm = normalize(fa.text)
-    if norm.text and (norm.text, norm.percent) == normalize(gold):
-        return True  # the same normalised string: no parsing needed
-    g, g_pct, g_text = parse_gold(gold)
-    p, p_pct, p_text, _ = parse_prediction(response, require_think_close)
-    if g is None or p is None:
-        return False
+        return False, False
+    g, g_norm = parse_gold(gold)
+    if g is None or is_unsafe(g):
+        return False, True
+    if normalize(fa.text) == g_norm:
+        return True, False  # the same normalised string: no comparison needed
+    p, p_norm, _ = parse_prediction(response, require_think_close)
+    if p is None:
+        return False, False
+    if is_unsafe(p):
+        return False, True
+    return _equal_any_form(g, g_norm, p, p_norm, rel_tol), False
+
+
+def _equal_any_form(g: Any, g_norm: Normalized, p: Any, p_norm: Normalized, rel_tol: float) -> bool:
+    """exprs_equal, then the percent, degree <-> radian, rounded-entries and positive-radical readings."""
     if exprs_equal(g, p, rel_tol):
         return True
-    if p_pct != g_pct and _is_number(g) and _is_number(p):  # "50%" for 0.5 (or 50), and the other way round
-        from sympy import Integer
+    if isinstance(g, (str, AnswerForm)) or isinstance(p, (str, AnswerForm)):
+        return False
+    from sympy import Integer, pi
 
-        scaled = (p / Integer(100)) if p_pct else (g / Integer(100))
-        return numbers_equal(g if p_pct else scaled, scaled if p_pct else p, rel_tol)
-    return False
+    if _is_number(g) and _is_number(p) and not (has_infinity(g) or has_infinity(p)):
+        if p_norm.percent != g_norm.percent:  # "50%" for 0.5 (or 50), and the other way round
+            scaled = (p / Integer(100)) if p_norm.percent else (g / Integer(100))
+            if numbers_equal(g if p_norm.percent else scaled, scaled if p_norm.percent else p, rel_tol):
+                return True
+        if p_norm.degree != g_norm.degree:  # "30^\\circ" for pi/6, and the other way round
+            g_rad = g * pi / 180 if g_norm.degree else g
+            p_rad = p * pi / 180 if p_norm.degree else p
+            return numbers_equal(g_rad, p_rad, rel_tol)
+        return False
+    return rounded_entries_match(g, g_norm.text, p) or _positive_radicals_equal(g, p)
+
+
+def _positive_radicals_equal(g: Any, p: Any) -> bool:
+    """Both sides are expressions with radicals in at most 3 symbols and no ``Abs``: equal when every symbol is
+    taken positive (``\\sqrt{1/m}`` = ``1/\\sqrt{m}``; huggingface/Math-Verify#64)."""
+    from sympy import Abs, Expr, Pow, Symbol, simplify
+
+    if not (isinstance(g, Expr) and isinstance(p, Expr)):
+        return False
+    syms = g.free_symbols | p.free_symbols
+    if not syms or len(syms) > 3 or g.has(Abs) or p.has(Abs):
+        return False
+    if not all(any(not a.exp.is_integer for a in e.atoms(Pow)) for e in (g, p)):
+        return False
+    sub = {s: Symbol(s.name, positive=True) for s in syms}
+    diff = g.subs(sub) - p.subs(sub)
+    if diff == 0:
+        return True
+    return diff.count_ops() <= 60 and simplify(diff) == 0
+
+
+def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
+                  require_think_close: bool = False) -> bool:
+    """True iff the final answer of ``response`` equals ``gold`` under the strict policy (module docstring).
+
+    Args:
+      response: model output (str, any length).
+      gold: reference answer (str, e.g. ``"\\frac{14}{3}"``, ``"1,000"``, ``"(-\\infty, 3)"``, ``"11:00"``).
+      rel_tol: relative tolerance for answers containing decimals (> 0; default 1e-9).
+      require_think_close: thinking-mode run: a response without ``</think>`` has no answer.
+    Returns:
+      bool; an unparseable or unsafe gold (``zoo``, ``nan``) or a missing answer gives False.
+    Raises:
+      TypeError: a non-str ``response`` or ``gold``.
+      ValueError: ``rel_tol`` <= 0.
+    """
+    return grade(response, gold, rel_tol, require_think_close)[0]
 
 
 def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, require_think_close: bool = False) -> float:
-    """Pool entry point: 1.0 if :func:`verify_strict` accepts, else 0.0.
+    """1.0 if :func:`verify_strict` accepts, else 0.0.
 
     No arrays: str response and gold, float ``rel_tol``; returns a float (1.0 / 0.0). Raises TypeError (a non-str
     argument) or ValueError (``rel_tol <= 0``) from :func:`verify_strict`. Source: verl's ``compute_score``
     pool-entry convention (one float per response).
     """
     return 1.0 if verify_strict(response, gold, rel_tol, require_think_close) else 0.0
+
+
+def score_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
+              require_think_close: bool = False) -> tuple[float, bool]:
+    """Pool entry point: ``(score, unparsed)`` from :func:`grade` (score 1.0 / 0.0; ``unparsed`` counted as
+    ``reward/n_unparsed``).
+
+    No arrays: str response and gold, float ``rel_tol``; returns ``(float, bool)``. Raises as :func:`grade`.
+    Source: verl's ``compute_score`` convention plus issue 36's unparsed count.
+    """
+    ok, unparsed = grade(response, gold, rel_tol, require_think_close)
+    return (1.0 if ok else 0.0), unparsed

@@ -103,7 +103,7 @@ def evaluate_benchmark(name: str, problems: Sequence[Problem], prompts: Sequence
         out = fn(texts, golds)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
             out, grader_stats[g] = out[0], {k: float(v) for k, v in out[1].items()
-                                            if k in ("n_timeout", "n_error", "time_s")}
+                                            if k in ("n_timeout", "n_error", "n_unparsed", "time_s")}
         scores[g] = np.asarray(out, np.float64)
     for g, s in scores.items():
         if s.shape != (len(texts),):

@@ -151,6 +151,7 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         "acc/mean": sum(s["n_correct"] for s in stats_all) / max(n, 1.0),
         "reward/n_timeout": sum(s["n_timeout"] for s in stats_all),
         "reward/n_error": sum(s["n_error"] for s in stats_all),
+        "reward/n_unparsed": sum(s.get("n_unparsed", 0.0) for s in stats_all),
         "sampling/gen_rounds": float(rounds), "sampling/prompts": float(len(examples)),
         "time/rollout": t_rollout, "time/reward": t_reward, "time/experience": time.perf_counter() - t0,
         "rollout/tokens_per_s": float(ro.response_lengths.sum()) / max(t_rollout, 1e-9),
