@@ -65,31 +65,29 @@ def special_form(text: str) -> Optional[AnswerForm]:
     return None
 
 
-def forms_equal(gold: Any, pred: Any) -> bool:
-    """Gold-first equality when either side is an :class:`AnswerForm` (see the module docstring); a form against
-    an ordinary answer is unequal, except a two-part ratio against the number ``a/b``.
+def forms_equal(gold: AnswerForm, pred: AnswerForm) -> bool:
+    """Gold-first equality of two :class:`AnswerForm` answers (see the module docstring): times and scores
+    equal iff the same parts, ratios iff proportional (all parts non-zero; else the same parts).
 
-    No arrays: parsed answers (AnswerForm, sympy object, str); returns a bool; never raises. Source: issue 36.
+    No arrays: two AnswerForms; returns a bool; never raises. Source: issue 36.
     """
-    if isinstance(gold, AnswerForm) and isinstance(pred, AnswerForm):
-        if gold.kind != pred.kind or len(gold.parts) != len(pred.parts):
-            return False
-        if gold.kind != "ratio":
-            return gold.parts == pred.parts
-        if 0 in gold.parts or 0 in pred.parts:
-            return gold.parts == pred.parts
-        scale = pred.parts[0] / gold.parts[0]
-        return all(p == g * scale for g, p in zip(gold.parts, pred.parts))
-    form, other = (gold, pred) if isinstance(gold, AnswerForm) else (pred, gold)
-    if form.kind != "ratio" or len(form.parts) != 2 or form.parts[1] == 0:
+    if gold.kind != pred.kind or len(gold.parts) != len(pred.parts):
         return False
-    from sympy import Rational
+    if gold.kind != "ratio" or 0 in gold.parts or 0 in pred.parts:
+        return gold.parts == pred.parts
+    scale = pred.parts[0] / gold.parts[0]
+    return all(p == g * scale for g, p in zip(gold.parts, pred.parts))
 
-    value = form.parts[0] / form.parts[1]
-    try:
-        return bool(getattr(other, "is_number", False)) and bool(other == Rational(value.numerator, value.denominator))
-    except Exception:
-        return False
+
+def ratio_value(form: AnswerForm) -> Optional[Fraction]:
+    """``a/b`` of a two-part ratio ``a:b`` with ``b != 0`` (it also equals that number), else None (times,
+    scores and longer ratios never equal a number).
+
+    No arrays: an AnswerForm; returns a Fraction or None; never raises. Source: issue 36.
+    """
+    if form.kind == "ratio" and len(form.parts) == 2 and form.parts[1] != 0:
+        return form.parts[0] / form.parts[1]
+    return None
 
 
 def is_unsafe(expr: Any) -> bool:

@@ -31,7 +31,8 @@ import re
 from typing import Any, Optional
 
 from stapo_jax.rewards.answer import Normalized, final_answer, normalize, unicode_to_latex
-from stapo_jax.rewards.forms import AnswerForm, forms_equal, has_infinity, is_unsafe, rounded_entries_match, special_form
+from stapo_jax.rewards.forms import (AnswerForm, forms_equal, has_infinity, is_unsafe, ratio_value, rounded_entries_match,
+                                     special_form)
 
 DEFAULT_REL_TOL = 1e-9
 
@@ -272,8 +273,15 @@ def exprs_equal(gold: Any, pred: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     if isinstance(gold, Eq) and not isinstance(pred, Eq) and len(gold.lhs.free_symbols) == 1 \
             and gold.lhs.is_Symbol and not gold.rhs.free_symbols:
         gold = gold.rhs
-    if isinstance(gold, AnswerForm) or isinstance(pred, AnswerForm):
+    if isinstance(gold, AnswerForm) and isinstance(pred, AnswerForm):
         return forms_equal(gold, pred)
+    if isinstance(gold, AnswerForm) or isinstance(pred, AnswerForm):  # a ratio a:b also equals a/b
+        from sympy import Rational
+
+        form, other = (gold, pred) if isinstance(gold, AnswerForm) else (pred, gold)
+        value = ratio_value(form)
+        return value is not None and _is_number(other) and not has_infinity(other) and numbers_equal(
+            Rational(value.numerator, value.denominator), other, rel_tol)
     intervals = (Interval, Union)
     if isinstance(gold, intervals) and not isinstance(pred, intervals + (Tuple,)):
         # "(a, b)" may be a point, but an answer "a < x < b" only makes sense for the interval (issue 36)
