@@ -155,7 +155,8 @@ def test_special_form(text, form):
     ("\\boxed{9:6}", "3:2", True, False), ("\\boxed{6:9}", "3:2", False, False), ("\\boxed{1.5}", "3:2", True, False),
     ("\\boxed{2}", "3-1", False, False), ("\\boxed{3-2}", "2-1", False, False), ("\\boxed{3 - 1}", "3-1", True, False),
     ("\\boxed{\\frac{2}{0}}", "\\frac{1}{0}", False, True),   # a division by zero is never compared
-    ("\\boxed{\\frac{1}{0}}", "\\frac{1}{0}", False, True),   # not even against the same text
+    ("\\boxed{\\frac{1}{0}}", "\\frac{1}{0}", True, False),   # only the identical text matches, as a text answer
+    ("\\boxed{1:4:9:\\ldots}", "1:2:3:\\ldots", False, False),  # a text answer (huggingface/Math-Verify#14)
     ("\\boxed{\\frac{0}{0}}", "5", False, True),
     ("\\boxed{5}", "", False, True),                  # an empty gold
     ("no answer here", "5", False, False),            # a missing answer is wrong, not unparsed
@@ -169,11 +170,11 @@ def test_times_ratios_scores_and_unsafe_parses(response, gold, accepted, unparse
 def test_unsafe_and_rounded_entries():
     assert is_unsafe(sympy.zoo) and is_unsafe(sympy.nan) and is_unsafe(sympy.Matrix([1, sympy.zoo]))
     assert not is_unsafe(sympy.oo) and not is_unsafe(sympy.Interval(0, sympy.oo)) and not is_unsafe("11:00")
-    gold, _ = parse_answer("(0.29, 0.196)")
+    gold = parse_answer("(0.29, 0.196)")[0]
     for pred, ok in (("(0.2902, 0.19601)", True), ("(0.2951, 0.196)", False), ("(\\frac{29}{100}, 0.196)", True),
                      ("(0.2902, 0.19601, 1.25)", False)):
         assert rounded_entries_match(gold, "(0.29, 0.196)", parse_answer(pred)[0]) is ok, pred
-    one_place, _ = parse_answer("(0.5, 1.5)")  # golds with one decimal place compare exactly
+    one_place = parse_answer("(0.5, 1.5)")[0]  # golds with one decimal place compare exactly
     assert not rounded_entries_match(one_place, "(0.5, 1.5)", parse_answer("(0.54, 1.5)")[0])
 
 

@@ -95,15 +95,16 @@ def _plain_number(text: str) -> Any:
 
 
 @functools.lru_cache(maxsize=1024)
-def parse_answer(text: str) -> tuple[Any, Normalized]:
-    """Normalise and parse one answer string (no surrounding prose): ``(expr, normalized)``.
+def parse_answer(text: str) -> tuple[Any, Normalized, bool]:
+    """Normalise and parse one answer string (no surrounding prose): ``(expr, normalized, unsafe)``.
 
     ``expr`` is a sympy object, an :class:`~stapo_jax.rewards.forms.AnswerForm` (a time, ratio or score), or the
-    normalised string when math-verify cannot parse it (text answers), or None for an empty answer;
-    ``normalized`` is the :class:`~stapo_jax.rewards.answer.Normalized` text with its percent and degree flags.
-    Cached: the rollouts of a group often share their answer.
+    normalised string when math-verify cannot parse it (text answers) or its parse contains ``zoo`` / ``nan``
+    (``unsafe`` is then True: such a parse is never compared, the text only matches the identical text), or None
+    for an empty answer; ``normalized`` is the :class:`~stapo_jax.rewards.answer.Normalized` text with its
+    percent and degree flags. Cached: the rollouts of a group often share their answer.
 
-    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None. Never raises on a str (math-verify's
+    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None, ``unsafe`` a bool. Never raises on a str (math-verify's
     ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed ``LatexExtractionConfig`` (verl
     ``utils/reward_score/math_verify.py`` convention).
     """
@@ -111,42 +112,44 @@ def parse_answer(text: str) -> tuple[Any, Normalized]:
 
     norm = normalize(text)
     if not norm.text:
-        return None, norm
+        return None, norm, False
     form = special_form(norm.text)
     if form is not None:
-        return form, norm
+        return form, norm, False
     plain = _plain_number(norm.text)
     if plain is not None:
-        return plain, norm
+        return plain, norm, False
     boxed, _ = _configs()
     expr = _first_expr(parse("\\boxed{" + norm.text + "}", extraction_config=boxed, parsing_timeout=None))
     if expr is not None and not isinstance(expr, str) and _SUBSCRIPTED_RE.search(norm.text) \
             and not getattr(expr, "free_symbols", True):
         expr = None  # the parser dropped a subscripted symbol (``\\frac{1}{3} E_{1}`` -> 1/3): keep the text
-    return (norm.text if expr is None else expr), norm
+    unsafe = is_unsafe(expr)
+    return (norm.text if expr is None or unsafe else expr), norm, unsafe
 
 
-def parse_gold(gold: str) -> tuple[Any, Normalized]:
+def parse_gold(gold: str) -> tuple[Any, Normalized, bool]:
     """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold).
 
-    No arrays: str in, ``(sympy expr / AnswerForm / str / None, Normalized)`` out; never raises on a str. Source:
+    No arrays: str in, ``(sympy expr / AnswerForm / str / None, Normalized, bool)`` out; never raises on a str. Source:
     as :func:`parse_answer` (verl's gold-in-``\\boxed{}`` convention).
     """
     return parse_answer(gold)
 
 
-def parse_prediction(response: str, require_think_close: bool = False) -> tuple[Any, Normalized, str]:
-    """The graded answer of a response: ``(expr, normalized, reason)``; ``expr`` is None when the policy gives no
-    answer (``reason`` says why, see :class:`stapo_jax.rewards.answer.FinalAnswer`).
+def parse_prediction(response: str, require_think_close: bool = False) -> tuple[Any, Normalized, bool, str]:
+    """The graded answer of a response: ``(expr, normalized, unsafe, reason)`` (as :func:`parse_answer`);
+    ``expr`` is None when the policy gives no answer (``reason`` says why, see
+    :class:`stapo_jax.rewards.answer.FinalAnswer`).
 
-    No arrays: ``response`` a str, the result ``(sympy expr / AnswerForm / str / None, Normalized, str)``; never
+    No arrays: ``response`` a str, the result ``(sympy expr / AnswerForm / str / None, Normalized, bool, str)``; never
     raises on a str. Source: the final-answer policy of :mod:`stapo_jax.rewards.answer`, then math-verify's
     anchored ``ExprExtractionConfig`` / ``LatexExtractionConfig``.
     """
     fa = final_answer(response, require_think_close)
     if fa.text is None:
-        return None, Normalized("", False), fa.reason
-    expr, norm = parse_answer(fa.text)
+        return None, Normalized("", False), False, fa.reason
+    expr, norm, unsafe = parse_answer(fa.text)
     if expr is None or (isinstance(expr, str) and fa.reason == "anchored"):
         from math_verify import parse
 
@@ -154,8 +157,11 @@ def parse_prediction(response: str, require_think_close: bool = False) -> tuple[
         got = _first_expr(parse("answer: " + unicode_to_latex(fa.text), extraction_config=anchored,
                                 parsing_timeout=None))
         if got is not None and not isinstance(got, str):
-            expr = got
-    return expr, norm, fa.reason
+            if is_unsafe(got):
+                unsafe = True
+            else:
+                expr = got
+    return expr, norm, unsafe, fa.reason
 
 
 # --------------------------------------------------------------------------------------------- compare
@@ -329,8 +335,9 @@ def _end_equal(a, b, rel_tol) -> bool:
 def grade(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
           require_think_close: bool = False) -> tuple[bool, bool]:
     """``(accepted, unparsed)`` for one response: ``accepted`` as :func:`verify_strict`; ``unparsed`` is True
-    when the gold or the graded answer cannot be compared safely (an empty gold, or a parse containing ``zoo`` /
-    ``nan``: a division by zero, a clock time read as ``H/0``), which is never accepted.
+    when the gold or the graded answer cannot be compared safely and is not accepted (an empty gold, or a parse
+    containing ``zoo`` / ``nan``: a division by zero, a clock time read as ``H/0``; such an answer is never
+    compared, only its identical normalised text matches).
 
     No arrays: str response and gold, float ``rel_tol``, bool flag; returns two bools. Raises TypeError (a non-str
     argument) and ValueError (``rel_tol <= 0``). Source: issue 13's policy plus issue 36's safety rules
@@ -343,16 +350,16 @@ def grade(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
     fa = final_answer(response, require_think_close)
     if fa.text is None:
         return False, False
-    g, g_norm = parse_gold(gold)
-    if g is None or is_unsafe(g):
+    g, g_norm, g_unsafe = parse_gold(gold)
+    if g is None:
         return False, True
     if normalize(fa.text) == g_norm:
         return True, False  # the same normalised string: no comparison needed
-    p, p_norm, _ = parse_prediction(response, require_think_close)
+    p, p_norm, p_unsafe, _ = parse_prediction(response, require_think_close)
+    if g_unsafe or p_unsafe:
+        return False, True
     if p is None:
         return False, False
-    if is_unsafe(p):
-        return False, True
     return _equal_any_form(g, g_norm, p, p_norm, rel_tol), False
 
 
