@@ -29,8 +29,8 @@ OVERRIDE = "actor.clip_ratio_high=0.25"   # a command-line override, to be found
 REQUIRED_KEYS = (
     "reward/mean", "reward/score_mean", "acc/mean", "entropy", "s2t/masked_frac", "s2t/tau_h", "pg_clipfrac",
     "pg_clipfrac_lower", "ppo_kl", "grad_norm", "loss", "pg_loss", "response_length/mean",
-    "response_length/clip_frac", "advantages/mean", "reward/n_timeout", "reward/n_error", "time/rollout",
-    "time/reward", "time/update", "time/sync", "time/step", "perf/tokens_per_s",
+    "response_length/clip_frac", "advantages/mean", "reward/n_timeout", "reward/n_error", "reward/n_unparsed",
+    "time/rollout", "time/reward", "time/update", "time/sync", "time/step", "perf/tokens_per_s",
     "sampler_trainer/logp_diff_mean", "sampler_trainer/logp_diff_max")
 PLOTS = ("reward_mean.png", "entropy.png", "s2t_masked_frac.png", "response_length_mean.png", "acc_mean.png",
          "pg_clipfrac.png", "pg_clipfrac_lower.png", "val_acc.png", "curves.png")

@@ -1,4 +1,4 @@
-"""Hardened math-verify grading (``reward.kind: math_verify_strict``; issue 13).
+"""Hardened math-verify grading (``reward.kind: math_verify_strict``; issues 13 and 36).
 
 math-verify stays the engine: it parses both answers (``math_verify.parse`` with a ``LatexExtractionConfig``
 for boxed and normalised answers, its anchored ``ExprExtractionConfig``/``LatexExtractionConfig`` for unboxed
@@ -17,8 +17,16 @@ ones) and decides every comparison that is not purely numeric (``math_verify.ver
   (default 1e-9): ``|a - b| <= rel_tol * max(|a|, |b|)``. No absolute rounding anywhere;
 * percent: a prediction written as ``v%`` matches a gold ``v`` or ``v/100`` (and the other way round);
 * inequality vs interval in both directions: a one-variable inequality is turned into its solution set when
-  the other side is an interval or a union of intervals. A gold ``(a, b)`` of two finite numbers is
-  ambiguous (a point or an open interval) and is not matched by ``a < x < b``.
+  the other side is an interval or a union of intervals; a gold ``(a, b)`` is matched by ``a < x < b`` (the
+  answer only makes sense for the interval);
+* degrees: a prediction written with a degree mark matches a gold in radians (``30^\\circ`` for
+  ``\\frac{\\pi}{6}``), and the other way round; bare ``pi`` / ``sqrt(...)`` and Unicode math read as LaTeX;
+* unsafe parses, times, ratios, scores, entries rounded to the gold's places (:mod:`.forms`): a parse with
+  ``zoo`` / ``nan`` (a division by zero, a clock time read as ``H/0``) is never compared: it keeps its text
+  (only the identical text matches) and a refusal is counted as unparsed (:func:`grade`, ``reward/n_unparsed``);
+  ``oo`` compares only structurally;
+* radicals: two expressions with radicals also match when equal for positive symbols
+  (``\\sqrt{1/m}`` = ``\\frac{1}{\\sqrt{m}}``; huggingface/Math-Verify#64).
 
 Runs in a :class:`stapo_jax.rewards.VerifierPool` worker (math-verify's signal-based timeouts are off; the
 pool kills a worker that exceeds the per-item timeout). Model output is parsed, never evaluated as code.

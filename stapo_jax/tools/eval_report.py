@@ -32,8 +32,8 @@ class BenchmarkResult:
       mean_response_tokens, truncated_frac: over samples whose generator reported them (None otherwise).
       seconds: wall time of generation + grading.
       other_graders: ``{grader: avg@N}`` of additional graders, for the record.
-      grader_stats: ``{grader: {n_timeout, n_error, time_s}}`` where the grader reports them (a timed-out or
-        crashed verification scores 0).
+      grader_stats: ``{grader: {n_timeout, n_error, n_unparsed, time_s}}`` where the grader reports them (a
+        timed-out or crashed verification scores 0).
     """
 
     benchmark: str
