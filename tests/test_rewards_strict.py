@@ -130,8 +130,9 @@ def test_normalize(raw, text, percent):
 
 
 @pytest.mark.parametrize("raw,latex", [
-    ("\u22123\u03c0", "-3\\pi "), ("\u221a(a+b)", "\\sqrt{a+b}"), ("2\u221ax", "2\\sqrt{x}"), ("sqrt(2)/2", "\\sqrt{2}/2"),
-    ("pi/2", "\\pi /2"), ("\\pi", "\\pi"), ("spin", "spin"), ("x\u00b2 \u2264 4", "x^2 \\le  4"), ("\\sqrt{3}", "\\sqrt{3}"),
+    ("\u22123\u03c0", "-3\\pi "), ("\u221a(a+b)", "\\sqrt{a+b}"), ("2\u221ax", "2\\sqrt{x}"),
+    ("sqrt(2)/2", "\\sqrt{2}/2"), ("pi/2", "\\pi /2"), ("\\pi", "\\pi"), ("spin", "spin"),
+    ("x\u00b2 \u2264 4", "x^2 \\le  4"), ("\\sqrt{3}", "\\sqrt{3}"),
 ])
 def test_unicode_to_latex(raw, latex):
     assert unicode_to_latex(raw) == latex

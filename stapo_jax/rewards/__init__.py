@@ -208,7 +208,8 @@ class RewardScorer:
                     scores[i] = float(value)
                     correct[i] = float(value) >= 1.0
         stats = {"n": float(n), "n_correct": float(correct.sum()), "n_timeout": float(n_timeout),
-                 "n_error": float(n_error), "n_unparsed": float(n_unparsed), "accuracy": float(correct.mean()) if n else 0.0,
+                 "n_error": float(n_error), "n_unparsed": float(n_unparsed),
+                 "accuracy": float(correct.mean()) if n else 0.0,
                  "score_mean": float(scores.mean()) if n else 0.0, "time_s": time.perf_counter() - t0}
         return scores, stats
 

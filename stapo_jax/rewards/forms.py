@@ -6,9 +6,9 @@
   ``nan`` (a division by zero, ``0/0``) is never compared (:func:`is_unsafe`: the verdict is 0 and the item is
   counted as unparsed); ``oo`` compares only structurally (``oo == oo``), never numerically.
 * **Times, ratios, scores** get their own form (:func:`special_form`), parsed before math-verify:
-  ``H:MM[:SS] [am|pm]`` (hours 0-23, or 24:00) is a time (equal iff the same time of day), other colon lists of numbers ``a:b[:c]``
-  are ratios (equal iff proportional, all parts non-zero; a two-part ratio also equals the number ``a/b``), and
-  ``a-b`` of two non-negative integers is a score (equal iff the same pair; never the difference).
+  ``H:MM[:SS] [am|pm]`` (hours 0-23, or 24:00) is a time (equal iff the same time of day), other colon lists of
+  numbers ``a:b[:c]`` are ratios (equal iff proportional, all parts non-zero; a two-part ratio also equals the
+  number ``a/b``), and ``a-b`` of two non-negative integers is a score (equal iff the same pair; never the difference).
 * **Entries rounded to the gold's precision** (:func:`rounded_entries_match`): a tuple, interval or matrix gold
   whose entries are decimals with at least two decimal places (``(0.29, 0.196, -0.186)``) accepts a prediction
   whose entries round (half up) to them (``0.290243531...``; huggingface/Math-Verify#2, #3).

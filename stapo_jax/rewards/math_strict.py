@@ -39,8 +39,8 @@ import re
 from typing import Any, Optional
 
 from stapo_jax.rewards.answer import Normalized, final_answer, normalize, unicode_to_latex
-from stapo_jax.rewards.forms import (AnswerForm, forms_equal, has_infinity, is_unsafe, ratio_value, rounded_entries_match,
-                                     special_form)
+from stapo_jax.rewards.forms import (AnswerForm, forms_equal, has_infinity, is_unsafe, ratio_value,
+                                     rounded_entries_match, special_form)
 
 DEFAULT_REL_TOL = 1e-9
 
@@ -112,9 +112,9 @@ def parse_answer(text: str) -> tuple[Any, Normalized, bool]:
     for an empty answer; ``normalized`` is the :class:`~stapo_jax.rewards.answer.Normalized` text with its
     percent and degree flags. Cached: the rollouts of a group often share their answer.
 
-    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None, ``unsafe`` a bool. Never raises on a str (math-verify's
-    ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed ``LatexExtractionConfig`` (verl
-    ``utils/reward_score/math_verify.py`` convention).
+    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None, ``unsafe`` a bool. Never raises on a str
+    (math-verify's ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed
+    ``LatexExtractionConfig`` (verl ``utils/reward_score/math_verify.py`` convention).
     """
     from math_verify import parse
 

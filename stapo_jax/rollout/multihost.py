@@ -258,8 +258,8 @@ class MultiHostRollout:
 
 def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: int = 1) -> tuple[np.ndarray, dict]:
     """``scorer.score(texts, golds)`` with the rows split over processes (contiguous shares of whole groups of
-    ``group_size`` rows), scores all-gathered; stats (``n``, ``n_correct``, ``n_timeout``, ``n_error``, ``n_unparsed``) summed
-    and ``accuracy`` recomputed. One process: a direct call.
+    ``group_size`` rows), scores all-gathered; stats (``n``, ``n_correct``, ``n_timeout``, ``n_error``,
+    ``n_unparsed``) summed and ``accuracy`` recomputed. One process: a direct call.
 
     Returns:
       (scores float32 [N], stats: str -> float) identical on every process, ``N = len(texts)``.
