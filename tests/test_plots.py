@@ -100,7 +100,9 @@ def test_compare_config_pair_is_the_main_job_with_two_recipes():
 
 
 def _axes():
-    from stapo_jax.tools.plots import _pyplot  # noqa: F401 (Agg backend)
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
