@@ -26,8 +26,8 @@ from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
 from stapo_jax.rollout.multihost import coordination_seconds
 from stapo_jax.train.run_files import (DUMP_ENV, check_run_dir, check_same_model, dump_experience,
-                                       earlier_summary, load_val_examples, set_aside_earlier_run, sft_warmup, write_plots,
-                                       write_summary)
+                                       earlier_summary, load_val_examples, set_aside_earlier_run, sft_warmup,
+                                       write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
