@@ -69,7 +69,7 @@ def test_check_seq_mode_and_failure_beyond_tolerance(tmp_path, capsys):
 
 @pytest.mark.parametrize("drop,reshape,message", [
     ("old_log_probs", None, "missing field 'old_log_probs'"),
-    ("entropy", None, "missing field 'entropy'"),
+    ("log_probs", None, "missing field 'log_probs'"),
     (None, "response_mask", "field 'response_mask' has shape"),
     (None, "advantages", "field 'advantages' has shape"),
 ])
@@ -132,3 +132,33 @@ def test_check_rejects_bad_tolerances_fractional_group_ids_and_a_directory(tmp_p
     assert "field 'group_ids' must hold integer group indices" in capsys.readouterr().err
     assert main([str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "dapo", "entropy20", "justrl", "stapo"])
+def test_entropy_is_optional_in_every_recipe(tmp_path, capsys, recipe):
+    """A dump without ``entropy`` (an optional field) is checked under every recipe: a mask that reads entropy is
+    not applied, and the last line says so; no field is reported missing."""
+    d = torch_dump(dict(STAPO, token_mask="none"))  # a GRPO-like run: no token mask
+    d.pop("entropy")
+    path = str(tmp_path / "no_entropy.npz")
+    np.savez(path, **d)
+    assert main([path, "--recipe", recipe, "--clip-ratio-high", "0.28"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "PASS" in out and "pg_loss" in out and "advantages" in out
+    masked = recipe in ("entropy20", "stapo")
+    note = f"token_mask={'top_entropy' if recipe == 'entropy20' else 's2t'} not applied: the dump has no 'entropy'"
+    assert (out.strip().splitlines()[-1].startswith(note)) == masked, out
+
+
+def test_a_present_field_is_never_reported_missing(tmp_path, capsys):
+    """Only the four required fields: nothing to compare (advantages need rewards + group_ids to be recomputed);
+    the error names what is missing for a comparison and lists the fields the dump holds."""
+    d = {k: v for k, v in torch_dump(STAPO).items() if k in ("old_log_probs", "log_probs", "advantages",
+                                                                "response_mask")}
+    path = str(tmp_path / "inputs_only.npz")
+    np.savez(path, **d)
+    assert main([path, "--recipe", "grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to compare" in err and "no 'rewards' + 'group_ids' to recompute its 'advantages'" in err
+    assert "(it holds: ['advantages', 'log_probs', 'old_log_probs', 'response_mask'])" in err
+    assert "missing" not in err

@@ -97,3 +97,48 @@ def test_compare_config_pair_is_the_main_job_with_two_recipes():
     assert main["algorithm"]["recipe"] == "stapo"
     grpo = load_config(repo / "configs" / "compare" / "tiny_grpo.yaml")
     assert not grpo.s2t.enabled and grpo.actor.clip_ratio_high == grpo.actor.clip_ratio_low
+
+
+def _axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    return plt, fig, ax
+
+
+def test_every_panel_has_a_y_unit_and_accuracy_marks_before_rl():
+    from stapo_jax.tools.plots import BEFORE_RL, Y_LABELS, draw_panel
+
+    assert set(Y_LABELS) == {k for k, _ in CURVES}
+    for key, title in CURVES:
+        plt, fig, ax = _axes()
+        draw_panel(ax, key, title, [(None, [0, 2, 4], [0.2, 0.3, 0.4])])
+        assert ax.get_ylabel() == Y_LABELS[key] and "(" in ax.get_ylabel(), key   # a unit in brackets
+        marks = [t.get_text() for t in ax.texts]
+        assert marks == ([BEFORE_RL] if key == "val/acc" else []), key
+        if key == "val/acc":
+            assert ax.texts[0].xy == (0, 0.2) and "0: before RL" in ax.get_xlabel()
+        plt.close(fig)
+    plt, fig, ax = _axes()
+    draw_panel(ax, "val/acc", "acc", [(None, [2, 4], [0.3, 0.4])])  # no before-RL point: no mark
+    assert not ax.texts
+    plt.close(fig)
+
+
+def test_a_comparison_keeps_every_run_visible():
+    """Two runs with equal values (one line used to hide the other): distinct markers and line styles, hollow
+    markers of decreasing size, the later run drawn on top, and a legend naming both."""
+    from stapo_jax.tools.plots import draw_panel
+
+    plt, fig, ax = _axes()
+    same = ([0, 1, 2], [0.2, 0.3, 0.4])
+    draw_panel(ax, "val/acc", "acc", [("a (stapo)", *same), ("b (grpo)", *same), ("c (dapo)", *same)])
+    a, b, c = ax.get_lines()
+    assert len({ln.get_marker() for ln in (a, b, c)}) == 3 and len({ln.get_linestyle() for ln in (a, b, c)}) == 3
+    assert a.get_markersize() > b.get_markersize() > c.get_markersize() and a.get_markerfacecolor() == "none"
+    assert a.get_zorder() < b.get_zorder() < c.get_zorder()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (stapo)", "b (grpo)", "c (dapo)"]
+    plt.close(fig)

@@ -27,7 +27,8 @@ COMPARED = ("reward/mean", "acc/mean", "response_length/mean", "entropy", "loss"
 
 def _run(tmp, name):
     run_dir = tmp / name
-    gym = dict(TINY_CONFIG["data"]["gym"], val_size=0)             # no held-out evaluation: faster
+    # no held-out evaluation (faster), except in T: its resumed run prints the accuracy before and after RL
+    gym = dict(TINY_CONFIG["data"]["gym"], val_size=4 if name == "T" else 0)
     cfg = write_config(tmp / f"{name}.yaml", run_dir, trainer={"total_steps": TOTAL, "save_every": 1,
                                                                 "keep_checkpoints": TOTAL + 1},
                        data=dict(TINY_CONFIG["data"], gym=gym))
@@ -129,6 +130,15 @@ def test_sigkill_then_resume_equals_uninterrupted(runs):
     assert du == dk and mu == mk                                   # iterator position, dataset fingerprint
     assert max_abs_diff(load_safetensors_dir(u["run_dir"] / "hf"), load_safetensors_dir(k["run_dir"] / "hf")) <= TOL
 
+    # metrics.jsonl and TensorBoard hold each step once: the resume dropped the killed run's rows after the
+    # restored step (it wrote them again)
+    assert [r["step"] for r in metric_rows(k["run_dir"])] == list(range(1, TOTAL + 1))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(k["run_dir"] / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, TOTAL + 1))
+
     # the same samples: every step's rollout statistics and losses equal the uninterrupted run's
     ru, rk = metrics_by_step(u["run_dir"]), metrics_by_step(k["run_dir"])
     assert sorted(rk) == sorted(ru) == list(range(1, TOTAL + 1))
@@ -164,6 +174,21 @@ def test_sigterm_saves_exits_zero_and_resumes(runs):
         assert deterministic_part(rt[s]).keys() == deterministic_part(ru[s]).keys()
         for key in COMPARED:
             assert np.isclose(rt[s][key], ru[s][key], rtol=1e-5, atol=1e-6), (s, key, rt[s][key], ru[s][key])
+
+
+def test_a_resumed_run_prints_the_accuracy_before_and_after_rl(runs):
+    """The accuracy before RL is measured once, by the run's first start (before its SIGTERM), and printed again
+    by the resumed run, which measures the accuracy after RL."""
+    t = runs["T"]
+    first = re.search(r"held-out accuracy before RL: ([\d.]+) \((\d+) problems", t["log_first"])
+    assert first, t["log_first"][-3000:]
+    assert t["summary_first"]["heldout_acc_before"] == pytest.approx(float(first.group(1)), abs=5e-5)
+    resumed = t["log_resumed_text"]
+    assert f"held-out accuracy before RL: {first.group(1)} (measured by the run's first start)" in resumed
+    assert re.search(rf"held-out accuracy after RL:\s+[\d.]+ \({first.group(2)} problems, greedy\)", resumed)
+    summary = json.loads((t["run_dir"] / "summary.json").read_text())
+    assert f"heldout_acc_before: {summary['heldout_acc_before']}\n" in resumed
+    assert f"heldout_acc_after: {summary['heldout_acc_after']}\n" in resumed
 
 
 def test_resume_false_starts_fresh_beside_the_earlier_run(runs, tmp_path):

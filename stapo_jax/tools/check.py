@@ -3,7 +3,8 @@
 The dump is a ``.safetensors`` (read with ``safetensors.numpy``) or ``.npz`` file with
 
 * required: ``old_log_probs`` [B, T], ``log_probs`` [B, T], ``advantages`` [B] or [B, T], ``response_mask`` [B, T];
-* optional inputs: ``entropy`` [B, T] (required by the ``s2t`` / ``top_entropy`` masks), ``ref_log_probs``
+* optional inputs: ``entropy`` [B, T] (read by the ``s2t`` / ``top_entropy`` masks: without it such a
+  recipe's token mask is not applied, and the output's last line says so), ``ref_log_probs``
   [B, T] (KL loss), ``rewards`` [B] + ``group_ids`` [B] (recomputes the GRPO advantages and compares them);
 * optional reported values (scalars), with or without verl's ``actor/`` prefix: ``loss``, ``pg_loss``,
   ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy_mean``, ``kl_loss``, ``s2t/masked_frac``,
@@ -34,7 +35,8 @@ from stapo_jax.algo.masks import masked_quantile
 from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe
 
-__all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "DumpError"]
+__all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "mask_without_entropy",
+           "DumpError"]
 
 REQUIRED = ("old_log_probs", "log_probs", "advantages", "response_mask")
 REPORTED = ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_mean", "kl_loss",
@@ -115,6 +117,21 @@ def load_dump_settings(path: str) -> dict:
         return {k: coerce(v, hints[k], f"{SETTINGS_METADATA_KEY}.{k}") for k, v in settings.items()}
     except ConfigError as e:
         raise DumpError(f"{path}: metadata {e}") from e
+
+
+def mask_without_entropy(recipe, d: dict):
+    """``(recipe, note)``: the recipe as ``check`` applies it to dump ``d``. A token mask that reads ``entropy``
+    (``s2t``, ``top_entropy``) is left out when the dump has no ``entropy`` (an optional field), and ``note`` says
+    so (None otherwise): the loss rows then compare the unmasked loss, which is the dumped run's loss for a run
+    without that mask (verl / TRL GRPO) or one that masked no token. No arrays (``d``: name -> np.ndarray); never
+    raises. Source: the mask registry's ``needs`` (``stapo_jax.algo.masks.register_token_mask``)."""
+    from stapo_jax.algo import masks
+
+    if recipe.token_mask == "none" or "entropy" in d or "entropy" not in masks.get_token_mask(recipe.token_mask).needs:
+        return recipe, None
+    note = (f"token_mask={recipe.token_mask} not applied: the dump has no 'entropy' (the loss rows are the "
+            f"unmasked loss)")
+    return recipe.replace(token_mask="none"), note
 
 
 def _validate(d: dict, need_entropy: bool, need_ref: bool) -> None:
@@ -250,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = get_recipe(args.recipe, loss=loss, s2t=s2t)
         dump = load_dump(args.dump)
+        recipe, note = mask_without_entropy(recipe, dump)
         ours = recompute(dump, recipe)
     except ValueError as e:
         origin = f" (loss settings from the dump's metadata: {from_dump})" if from_dump else ""
@@ -257,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, ok = compare(ours, dump, args.atol, args.rtol)
     if not rows:
-        print("stapo-jax check: error: the dump reports no comparable value "
-              f"(any of {('advantages',) + REPORTED})", file=sys.stderr)
+        print("stapo-jax check: error: nothing to compare: the dump holds none of the reported values "
+              f"{REPORTED} (with or without 'actor/'), and no 'rewards' + 'group_ids' to recompute its "
+              f"'advantages' from (it holds: {sorted(dump)})", file=sys.stderr)
         return 2
     print(f"{'name':<20} {'ours':>16} {'theirs':>16} {'abs diff':>11} {'rel diff':>11}  ok")
     for name, a, b, ad, rd, good in rows:
@@ -268,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
           f"clip_ratio_high={c.clip_ratio_high} clip_ratio_c={c.clip_ratio_c} "
           f"(from the dump: {sorted(from_dump) or 'none'}) atol={args.atol} rtol={args.rtol}: "
           f"{'PASS' if ok else 'FAIL'}")
+    if note:
+        print(note)
     return 0 if ok else 1
 
 

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code.
 
     No arrays: ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
-    / FileNotFoundError / NotADirectoryError / IsADirectoryError / ``stapo_jax.runtime.checkpoint.CheckpointError``
+    / FileNotFoundError / NotADirectoryError / IsADirectoryError / PermissionError (EACCES / EPERM; the message
+    names the path) / ``stapo_jax.runtime.checkpoint.CheckpointError``
     (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other
     errors propagate. Called as the process entry point (``argv`` None), it first re-executes
     the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint): one line.
         # The checkpoint module is looked up, not imported: `check` (PyTorch jobs) imports no JAX.
         ckpt = sys.modules.get("stapo_jax.runtime.checkpoint")
-        bad_input = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+        bad_input = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
         if not isinstance(e, bad_input + ((ckpt.CheckpointError,) if ckpt else ())):
             raise
         print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)

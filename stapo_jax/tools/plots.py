@@ -26,6 +26,17 @@ CURVES = (("reward/mean", "reward"), ("val/acc", "held-out accuracy (greedy)"), 
           ("acc/mean", "rollout accuracy"), ("pg_clipfrac", "clip fraction (ratio clipped)"),
           ("pg_clipfrac_lower", "clip fraction (dual-clip, A < 0)"))
 HELDOUT = "val/acc"
+# the y axis of each curve: what is measured, in which unit
+Y_LABELS = {"reward/mean": "mean reward per response (verifier score)",
+            "val/acc": "accuracy (fraction of problems, 0-1)", "entropy": "mean entropy (nats per token)",
+            "s2t/masked_frac": "silenced tokens (fraction of response tokens)",
+            "response_length/mean": "mean length (tokens)", "acc/mean": "accuracy (fraction of responses, 0-1)",
+            "pg_clipfrac": "clipped tokens (fraction of response tokens)",
+            "pg_clipfrac_lower": "dual-clipped tokens (fraction of response tokens)"}
+BEFORE_RL = "before RL"
+# one style per run of a comparison, so that a run drawn over another with the same values stays visible
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def run_label(run_dir: str) -> str:
@@ -97,10 +108,36 @@ def _out_dir(out_dir: str) -> str:
     return out_dir
 
 
+def draw_panel(ax, key: str, title: str, lines: Sequence[tuple[Optional[str], Sequence[int], Sequence[float]]]):
+    """Draw one curve panel on the matplotlib ``ax``: each ``(label, steps, values)`` line (int steps, float
+    values) with its own marker and line style (runs with equal values stay visible: hollow markers of
+    decreasing size over each other), a legend when labelled, the y label with its unit (:data:`Y_LABELS`), and
+    for held-out accuracy a "before RL" mark at step 0 (the accuracy measured before the first RL step).
+
+    No arrays (lists of int / float); returns ``ax``. Raises KeyError for a key outside :data:`CURVES`.
+    Source: the paper's training-curve figures; matplotlib's ``Axes.plot`` / ``annotate``."""
+    many = len(lines) > 1
+    for i, (label, xs, ys) in enumerate(lines):
+        style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)]) if many else \
+            dict(marker=".", linestyle="-")
+        if many:
+            style.update(markersize=8 - 5 * i / max(len(lines) - 1, 1), markerfacecolor="none", alpha=0.9)
+        ax.plot(list(xs), list(ys), label=label, zorder=3 + i, **style)
+        if key == HELDOUT and len(xs) and xs[0] == 0 and i == 0:
+            ax.annotate(BEFORE_RL, (0, ys[0]), xytext=(6, -12), textcoords="offset points", fontsize=8)
+    ax.set_xlabel("RL step" + (" (0: before RL)" if key == HELDOUT else ""))
+    ax.set_ylabel(Y_LABELS[key], fontsize=8)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if any(label for label, _, _ in lines):
+        ax.legend(fontsize=8)
+    return ax
+
+
 def _draw(panels: Sequence[tuple[str, str]], lines: Mapping[str, Sequence[tuple[Optional[str], tuple, tuple]]],
           out_dir: str, all_name: str, grid: tuple[int, int]) -> list[str]:
     """One PNG per panel ``(key, title)`` (``<key with / as _>.png``) holding its ``(label, steps, values)``
-    lines (a legend when labelled), and ``all_name`` with every panel on a ``grid`` (rows, columns)."""
+    lines (:func:`draw_panel`), and ``all_name`` with every panel on a ``grid`` (rows, columns)."""
     plt = _pyplot()
     rows, cols = grid
     fig_all, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
@@ -109,15 +146,8 @@ def _draw(panels: Sequence[tuple[str, str]], lines: Mapping[str, Sequence[tuple[
     written = []
     for ax_all, (key, title) in zip(axes.flat, panels):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, xs, ys in lines[key]:
-            for a in (ax, ax_all):
-                a.plot(xs, ys, marker=".", label=label)
         for a in (ax, ax_all):
-            a.set_xlabel("step")
-            a.set_title(title)
-            a.grid(alpha=0.3)
-            if any(label for label, _, _ in lines[key]):
-                a.legend(fontsize=8)
+            draw_panel(a, key, title, lines[key])
         path = os.path.join(out_dir, key.replace("/", "_") + ".png")
         fig.tight_layout()
         fig.savefig(path, dpi=90)

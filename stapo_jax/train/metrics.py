@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Mapping, Optional
 
 import numpy as np
@@ -68,10 +69,9 @@ class MetricsLogger:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         _drop_partial_last_line(self.path)
         self._file = open(self.path, "a", buffering=1)
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self._tb = None  # created on first use, so that a resumed run opens it with its purge step
+        self._tb_dir = os.path.join(run_dir, "tb") if tensorboard else None
+        self._tb_purge_step: Optional[int] = None
         self._wandb = _start_wandb(run_dir, wandb) if wandb is not None else None
         self._bar = None  # created at the first step, so warm-up phases do not count towards its rate
         self._bar_args = dict(total=total_steps, desc=desc, dynamic_ncols=True) if progress else None
@@ -88,10 +88,11 @@ class MetricsLogger:
         row = {"step": int(step)}
         row.update({k: to_python(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
-        if self._tb is not None:
+        tb = self._writer()
+        if tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, int(step))
+                    tb.add_scalar(k, v, int(step))
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(step))
         bar = self._ensure_bar(initial=int(step) - 1)
@@ -113,8 +114,30 @@ class MetricsLogger:
             self._bar.close()
         self._bar, self._bar_args = None, None
 
+    def _writer(self):
+        if self._tb is None and self._tb_dir is not None:
+            from tensorboardX import SummaryWriter
+            # a file of its own (the name holds whole seconds: a resume within the same second would overwrite)
+            self._tb = SummaryWriter(self._tb_dir, purge_step=self._tb_purge_step,
+                                     filename_suffix=f".{time.time_ns()}")
+        return self._tb
+
     def skip_to(self, step: int) -> None:
-        """Start the progress bar at ``step`` (a resumed run)."""
+        """A run resumed from the checkpoint of ``step`` (int): drop the rows of later steps from
+        ``metrics.jsonl`` (the interrupted run wrote them, the resumed run writes them again), open TensorBoard
+        with ``purge_step = step + 1`` (TensorBoard then hides the earlier events of those steps) and start the
+        progress bar at ``step``. No arrays. Raises: OSError when the metrics file cannot be rewritten. Source:
+        TensorBoard's ``purge_step`` (``SummaryWriter``) for resumed runs."""
+        self._file.close()
+        dropped = truncate_rows(self.path, step)
+        if dropped:
+            log.info("%s: dropped %d row(s) after the restored step %d (the resumed run writes them again)",
+                     self.path, dropped, step)
+        self._file = open(self.path, "a", buffering=1)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._tb_purge_step = int(step) + 1
         self._ensure_bar(initial=step)
 
     def write(self, text: str) -> None:
@@ -129,6 +152,7 @@ class MetricsLogger:
         self.close_progress()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -181,6 +205,32 @@ def _drop_partial_last_line(path: str) -> None:
         keep = f.read().rfind(b"\n") + 1
         f.truncate(keep)
     log.warning("%s: dropped a half-written last line (%d bytes) before appending", path, size - keep)
+
+
+def truncate_rows(path: str, step: int) -> int:
+    """Rewrite the metrics file ``path`` without the rows of steps after ``step`` (int); lines that are not such
+    rows are kept as they are. Returns how many rows were dropped (0 for a missing file). No arrays. Raises:
+    OSError when the file cannot be rewritten (written to ``path + ".tmp"``, then renamed over it). Source: the
+    metrics.jsonl the trainer writes (one JSON object with an integer ``"step"`` per line)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+
+    def later(raw: bytes) -> bool:
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            return False
+        return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+
+    keep = [raw for raw in lines if not later(raw)]
+    if len(keep) == len(lines):
+        return 0
+    with open(path + ".tmp", "wb") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return len(lines) - len(keep)
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -32,6 +32,33 @@ def dump_experience(directory: str, step: int, exp) -> None:
     np.savez(os.path.join(directory, f"step_{step}.npz"), rewards=exp.rewards, **exp.arrays)
 
 
+def check_run_dir(run_dir: str, create: bool = False) -> None:
+    """``trainer.run_dir`` can be written: the folder, or where it is missing the nearest existing folder above
+    it, is a writable directory (``os.access``; nothing is written unless ``create``). With ``create`` the
+    folder is also made (``os.makedirs``), and a PermissionError of that (EACCES, or EPERM which ``os.access``
+    cannot foresee) is turned into the same one-line error.
+
+    Takes no arrays (a str path). Raises: ConfigError naming ``trainer.run_dir``, the path and the folder that
+    refused it (the CLI prints it as one line, exit 2, like every other path error). Source: the run directory
+    layout (README, Quickstart)."""
+    def refuse(folder: str, why: str):
+        raise ConfigError(f"trainer.run_dir={run_dir}: cannot write there ({folder}: {why}); choose a writable "
+                          f"trainer.run_dir")
+
+    folder = os.path.abspath(run_dir)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        refuse(folder, "not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        refuse(folder, "permission denied")
+    if create:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except PermissionError as e:
+            refuse(e.filename or run_dir, e.strerror or "permission denied")
+
+
 # model keys that change how the weights are computed with, not which weights a checkpoint holds (the attention
 # kernel and the remat policy give the same parameter tree: a resume may switch them)
 RUNTIME_MODEL_KEYS = ("use_remove_padding", "attention", "remat", "scan_unroll")
@@ -154,14 +181,21 @@ def write_plots(run_dir: str, summary: dict) -> None:
         log.warning("no plots: %s", e)
 
 
+def earlier_summary(run_dir: str) -> dict:
+    """What ``summary.json`` of ``run_dir`` holds (e.g. ``heldout_acc_before``, written as soon as it is measured,
+    so a run killed later still has it), or {} when there is none. No arrays (JSON values). Raises:
+    json.JSONDecodeError for a corrupt summary.json. Source: the run directory layout (README)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_summary(run_dir: str, summary: dict) -> None:
     """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL).
     Takes no arrays (JSON-able values). Raises: OSError / json.JSONDecodeError for an unwritable dir or a corrupt
     summary.json. Source: the run directory layout (README)."""
-    path = os.path.join(run_dir, "summary.json")
-    previous = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            previous = json.load(f)
-    with open(path, "w") as f:
+    previous = earlier_summary(run_dir)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({**previous, **summary}, f, indent=2, default=str)

@@ -25,8 +25,9 @@ from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rollout import build_rollout
 from stapo_jax.rollout.multihost import coordination_seconds
-from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples,
-                                       set_aside_earlier_run, sft_warmup, write_plots, write_summary)
+from stapo_jax.train.run_files import (DUMP_ENV, check_run_dir, check_same_model, dump_experience,
+                                       earlier_summary, load_val_examples, set_aside_earlier_run, sft_warmup,
+                                       write_plots, write_summary)
 from stapo_jax.algo.s2t import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
@@ -55,6 +56,7 @@ def train(cfg: Config) -> dict[str, Any]:
     run_dir = os.path.abspath(t.run_dir)
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
     check_same_config(cfg)  # all processes started with the same settings (names the differing keys)
+    check_run_dir(run_dir)  # a folder this user cannot write: one line naming trainer.run_dir, before any work
     mesh = build.build_mesh(cfg)
     G = cfg.rollout.n
     mini_rows = cfg.actor.ppo_mini_batch_size * G  # global rows per mini-batch (the same on every process)
@@ -81,7 +83,7 @@ def train(cfg: Config) -> dict[str, Any]:
                       what="training data", fix="every process must read the same data files (the same contents "
                       "on every host) with the same tokenizer")
     scorer = make_scorer(cfg)
-    os.makedirs(run_dir, exist_ok=True)
+    check_run_dir(run_dir, create=True)
     if not t.resume:
         set_aside_earlier_run(run_dir, main_process)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
@@ -109,6 +111,11 @@ def train(cfg: Config) -> dict[str, Any]:
                                    progress=logger.progress, desc="held-out (before RL)")
             summary["heldout_acc_before"] = acc
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
+            if main_process:  # kept for a resumed run, which does not measure it again
+                write_summary(run_dir, {"heldout_acc_before": acc})
+        elif val_examples and earlier_summary(run_dir).get("heldout_acc_before") is not None:
+            summary["heldout_acc_before"] = acc = earlier_summary(run_dir)["heldout_acc_before"]
+            logger.write(f"held-out accuracy before RL: {acc:.4f} (measured by the run's first start)")
         optimizer = build.build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
