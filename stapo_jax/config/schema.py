@@ -213,6 +213,11 @@ class ActorConfig(PolicyLossConfig):
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0
     kl_loss_coef: float = 0.0
+    # a registered policy loss (verl policy_loss.loss_mode; stapo_jax.algo.objectives.POLICY_LOSSES)
+    policy_loss: str = "vanilla"
+    # a registered token mask (stapo_jax.algo.masks.TOKEN_MASKS) or "none"; null: from s2t.enabled /
+    # top_entropy.enabled (the older spelling, still accepted; token_mask_name)
+    token_mask: Optional[str] = None
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1
@@ -258,8 +263,7 @@ class RewardConfig(OverlongConfig):
     strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the answer is taken from a
     response for reasoning-gym scoring. Raises: ConfigError naming ``reward.<key>`` for an invalid value."""
 
-    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
-                  "gym"] = "boxed_exact_pm1"
+    kind: str = "boxed_exact_pm1"  # a registered reward kind (stapo_jax.rewards.registry.REWARD_KINDS)
     timeout_s: float = 10.0
     num_workers: int = 4
     boxed_normalize: bool = False
@@ -396,6 +400,39 @@ RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
              "reward.overlong_penalty": 1.0},
     "stapo": {"s2t.enabled": True},
 }
+# the masks the older yes/no flags name: ``<section>.enabled: true`` is ``actor.token_mask: <mask>``
+TOKEN_MASK_FLAGS = {"s2t": "s2t.enabled", "top_entropy": "top_entropy.enabled"}
+
+
+def token_mask_name(cfg: "Config") -> str:
+    """The run's token mask: ``actor.token_mask`` when set, else the mask whose ``<section>.enabled`` flag is on
+    (:data:`TOKEN_MASK_FLAGS`), else ``"none"``. Takes no arrays; returns a str. Never raises (the flags and the
+    key are checked for agreement by :func:`validate`). Source: verl-style one key naming the extension."""
+    if cfg.actor.token_mask is not None:
+        return cfg.actor.token_mask
+    on = [mask for mask, flag in TOKEN_MASK_FLAGS.items() if getattr(cfg, flag.split(".")[0]).enabled]
+    return on[0] if on else "none"
+
+
+def check_registered_names(cfg: "Config", source: Optional[str] = None) -> None:
+    """Check the names that select an extension against their live registries: ``actor.policy_loss``,
+    ``actor.token_mask``, ``algorithm.adv_estimator`` and ``reward.kind`` (imports the registries, hence jax).
+
+    Raises: ConfigError ``"<source>: <key>: 'x' is not a registered <kind>; did you mean 'y'? (registered: [...])"``.
+    Takes no arrays. Source: verl ``get_policy_loss_fn`` / ``get_adv_estimator_fn`` (lookup by name).
+    """
+    from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first check
+    from stapo_jax.algo.masks import TOKEN_MASKS
+    from stapo_jax.algo.objectives import POLICY_LOSSES
+    from stapo_jax.rewards.registry import REWARD_KINDS
+
+    try:
+        POLICY_LOSSES.lookup(cfg.actor.policy_loss)
+        TOKEN_MASKS.lookup(token_mask_name(cfg), extra=("none",))
+        ADVANTAGE_ESTIMATORS.lookup(cfg.algorithm.adv_estimator)
+        REWARD_KINDS.lookup(cfg.reward.kind)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -438,17 +475,24 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    return from_dict(raw)
+    source = f"{path}" + (" with overrides" if overrides else "") if path is not None else None
+    return from_dict(raw, source=source or ("overrides" if overrides else None))
 
 
-def from_dict(raw: Mapping[str, Any]) -> Config:
+def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     """Build and validate a Config from a nested mapping (as :func:`load_config`, without file I/O).
+    ``source``: where the mapping came from (a file name), named by the registry errors.
 
     Raises:
       ConfigError: see :func:`load_config`.
     Takes no arrays (YAML scalars, lists, mappings). Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
+    mask = raw.get("actor", {}).get("token_mask") if isinstance(raw.get("actor"), dict) else None
+    if isinstance(mask, str):  # actor.token_mask sets the older flags it implies, unless the file sets them itself
+        for name, flag in TOKEN_MASK_FLAGS.items():
+            if isinstance(raw.get(flag.split(".")[0], {}), dict) and not has_dotted(raw, flag):
+                set_dotted(raw, flag, mask == name)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
     if isinstance(recipe, str) and recipe in RECIPE_DEFAULTS:  # a non-str recipe is reported by its Literal
@@ -464,6 +508,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
     cfg = build_dataclass(Config, raw, "")
     validate(cfg)
+    check_registered_names(cfg, source)
     return cfg
 
 
@@ -548,6 +593,11 @@ def validate(cfg: Config) -> None:
     s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
+    if a.token_mask is not None:
+        for mask, flag in TOKEN_MASK_FLAGS.items():
+            on = getattr(cfg, flag.split(".")[0]).enabled
+            need(on == (a.token_mask == mask), f"actor.token_mask={a.token_mask} contradicts {flag}={str(on).lower()} "
+                 f"(set one of them)")
 
     rw = cfg.reward  # its own ranges are checked by the section itself
     need(rw.overlong_buffer_len <= r.max_new_tokens,

@@ -31,6 +31,7 @@ import re
 from typing import Any, Optional
 
 from stapo_jax.rewards.answer import final_answer, normalize
+from stapo_jax.rewards.registry import register_reward
 
 DEFAULT_REL_TOL = 1e-9
 
@@ -348,6 +349,8 @@ def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
     return False
 
 
+@register_reward("math_verify_strict", pooled=True,
+                 options={"rel_tol": "rel_tol", "require_think_close": "require_think_close"})
 def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, require_think_close: bool = False) -> float:
     """Pool entry point: 1.0 if :func:`verify_strict` accepts, else 0.0.
 
