@@ -295,7 +295,8 @@ def finish_policy_loss(
     ``fold_kl`` it enters ``loss_sum`` as ``kl_loss_coef * kl_sum * den / kl_den``, so that
     ``safe_divide(loss_sum, den)`` is ``pg + kl_loss_coef * KL`` exactly for a call on the whole mini-batch (and
     for any split into micro-batches unless :func:`kl_has_own_denominator`, where both denominators are equal).
-    ``fold_kl=False`` leaves it out (a train step that differentiates the KL term apart).
+    ``fold_kl=False`` leaves it out (a train step that differentiates the KL term apart). When no token is kept
+    (``den = 0``) the folded form cannot carry the KL term; the train step's separate KL gradient still applies.
 
     Args: x: :class:`LossInputs`; pg: ``[B, T]`` float; config; metrics: ``{name: (sum, weight)}`` so far (the
       loss's own: clip fractions, ``ppo_kl``, ...); per_token: ``{name: [B, T]}`` so far (``log_ratio``,

@@ -29,6 +29,8 @@ from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of th
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
+    apply_token_mask_key, check_registered_names, recipe_violations, token_mask_name, token_mask_violations)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -400,41 +402,6 @@ RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
              "reward.overlong_penalty": 1.0},
     "stapo": {"s2t.enabled": True},
 }
-# the masks the older yes/no flags name: ``<section>.enabled: true`` is ``actor.token_mask: <mask>``
-TOKEN_MASK_FLAGS = {"s2t": "s2t.enabled", "top_entropy": "top_entropy.enabled"}
-
-
-def token_mask_name(cfg: "Config") -> str:
-    """The run's token mask: ``actor.token_mask`` when set, else the mask whose ``<section>.enabled`` flag is on
-    (:data:`TOKEN_MASK_FLAGS`), else ``"none"``. Takes no arrays; returns a str. Never raises (the flags and the
-    key are checked for agreement by :func:`validate`). Source: verl-style one key naming the extension."""
-    if cfg.actor.token_mask is not None:
-        return cfg.actor.token_mask
-    on = [mask for mask, flag in TOKEN_MASK_FLAGS.items() if getattr(cfg, flag.split(".")[0]).enabled]
-    return on[0] if on else "none"
-
-
-def check_registered_names(cfg: "Config", source: Optional[str] = None) -> None:
-    """Check the names that select an extension against their live registries: ``actor.policy_loss``,
-    ``actor.token_mask``, ``algorithm.adv_estimator`` and ``reward.kind`` (imports the registries, hence jax).
-
-    Raises: ConfigError ``"<source>: <key>: 'x' is not a registered <kind>; did you mean 'y'? (registered: [...])"``.
-    Takes no arrays. Source: verl ``get_policy_loss_fn`` / ``get_adv_estimator_fn`` (lookup by name).
-    """
-    from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first check
-    from stapo_jax.algo.masks import TOKEN_MASKS
-    from stapo_jax.algo.objectives import POLICY_LOSSES
-    from stapo_jax.rewards.registry import REWARD_KINDS
-
-    try:
-        POLICY_LOSSES.lookup(cfg.actor.policy_loss)
-        TOKEN_MASKS.lookup(token_mask_name(cfg), extra=("none",))
-        ADVANTAGE_ESTIMATORS.lookup(cfg.algorithm.adv_estimator)
-        REWARD_KINDS.lookup(cfg.reward.kind)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
-
-
 # --------------------------------------------------------------------------------------- loading
 
 
@@ -488,11 +455,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     Takes no arrays (YAML scalars, lists, mappings). Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
-    mask = raw.get("actor", {}).get("token_mask") if isinstance(raw.get("actor"), dict) else None
-    if isinstance(mask, str):  # actor.token_mask sets the older flags it implies, unless the file sets them itself
-        for name, flag in TOKEN_MASK_FLAGS.items():
-            if isinstance(raw.get(flag.split(".")[0], {}), dict) and not has_dotted(raw, flag):
-                set_dotted(raw, flag, mask == name)
+    apply_token_mask_key(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
     if isinstance(recipe, str) and recipe in RECIPE_DEFAULTS:  # a non-str recipe is reported by its Literal
@@ -593,11 +556,7 @@ def validate(cfg: Config) -> None:
     s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
-    if a.token_mask is not None:
-        for mask, flag in TOKEN_MASK_FLAGS.items():
-            on = getattr(cfg, flag.split(".")[0]).enabled
-            need(on == (a.token_mask == mask), f"actor.token_mask={a.token_mask} contradicts {flag}={str(on).lower()} "
-                 f"(set one of them)")
+    errors.extend(token_mask_violations(cfg))
 
     rw = cfg.reward  # its own ranges are checked by the section itself
     need(rw.overlong_buffer_len <= r.max_new_tokens,
@@ -625,26 +584,6 @@ def validate(cfg: Config) -> None:
     need(all(v >= 1 for v in (ns.values() if isinstance(ns, dict) else [ns])), f"eval.n_samples={ns} must be >= 1")
 
     if al.strict_recipe:
-        errors.extend(_recipe_violations(cfg))
+        errors.extend(recipe_violations(cfg))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def _recipe_violations(cfg: Config) -> list[str]:
-    """Invariants of each recipe (stapo_spec §4-5; conventions.md §9: STAPO/JustRL/DAPO run with KL = 0
-    and no entropy bonus). Lifted with ``algorithm.strict_recipe=false``."""
-    recipe, a, out = cfg.algorithm.recipe, cfg.actor, []
-    hint = " (set algorithm.strict_recipe=false to deviate from the recipe)"
-    if recipe in ("stapo", "justrl", "dapo"):
-        if a.use_kl_loss and a.kl_loss_coef != 0:
-            out.append(f"algorithm.recipe={recipe} has no KL term: actor.use_kl_loss=true with "
-                       f"actor.kl_loss_coef={a.kl_loss_coef}{hint}")
-        if a.entropy_coeff != 0:
-            out.append(f"algorithm.recipe={recipe} has no entropy bonus: actor.entropy_coeff={a.entropy_coeff}{hint}")
-    if recipe == "stapo" and not cfg.s2t.enabled:
-        out.append(f"algorithm.recipe=stapo needs s2t.enabled=true{hint}")
-    if recipe == "entropy20" and not cfg.top_entropy.enabled:
-        out.append(f"algorithm.recipe=entropy20 needs top_entropy.enabled=true{hint}")
-    if recipe != "stapo" and cfg.s2t.enabled:
-        out.append(f"s2t.enabled=true belongs to algorithm.recipe=stapo (got {recipe}){hint}")
-    return out

@@ -62,5 +62,6 @@ def register_reward(name: str, **spec) -> Callable:
 
 def get_reward_kind(name: str) -> RewardKind:
     """The registered reward kind ``name``. Takes no arrays.
-    Raises: ConfigError (a ValueError) naming ``reward.kind``, the closest registered kind and all of them."""
+    Raises: ConfigError (a ValueError) naming ``reward.kind``, the closest registered kind and all of them.
+    Source: verl ``get_policy_loss_fn`` (lookup by name)."""
     return REWARD_KINDS.lookup(name)
