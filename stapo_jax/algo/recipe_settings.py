@@ -7,6 +7,7 @@ jax. Every invalid value is a :class:`~stapo_jax.config.loading.ConfigError` nam
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from stapo_jax.config.loading import ConfigError, check_field_types
 
 __all__ = ["AdvantageConfig", "SamplingConfig", "OverlongConfig"]

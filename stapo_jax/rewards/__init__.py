@@ -1,6 +1,7 @@
 """Verifiable rewards: one scalar per response, verifiers in a process pool with a per-item timeout.
 
-Kinds (``reward.kind``, stapo_spec §2 and §10.13):
+Kinds (``reward.kind``, stapo_spec §2 and §10.13), each registered by its own module in
+:data:`stapo_jax.rewards.registry.REWARD_KINDS` (a new kind is one new module here: DESIGN.md "Add a reward"):
 
 * ``boxed_exact_pm1`` - JustRL/DAPO strict-box string match, +1 / -1 (:mod:`.string_match`);
 * ``boxed_exact_01``  - the same match, 1 / 0;
@@ -8,7 +9,9 @@ Kinds (``reward.kind``, stapo_spec §2 and §10.13):
 * ``math_verify_strict`` - math-verify behind a final-answer policy (last complete box, the text after
   ``</think>``; unfinished reasoning, an unterminated final box or a hedge earn nothing), normalisation and a
   magnitude-safe numeric comparison, 1 / 0 (:mod:`.math_strict`, :mod:`.answer`; issue 13);
-* ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`).
+* ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`);
+* ``think_format``    - 1 / 0 for a ``<think>...</think>`` block at the start (TRL's format reward,
+  :mod:`.think_format`).
 
 The string match is pure Python over at most 300 characters and runs inline. math-verify and reasoning-gym
 run in a :class:`VerifierPool`: a ``pebble.ProcessPool`` (forkserver context where available, else spawn;
