@@ -72,3 +72,18 @@ def test_token_mask_key_and_the_older_flags():
     with pytest.raises(ConfigError, match=r"actor.token_mask=kl_cov contradicts top_entropy.enabled=true"):
         from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "kl_cov"},
                    "top_entropy": {"enabled": True}})
+
+
+def test_a_newly_registered_estimator_is_accepted_from_yaml():
+    """algorithm.adv_estimator is a name checked against the live registry, not a fixed list."""
+    from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, register_adv_est
+    from stapo_jax.algo.recipes import recipe_from_config
+
+    with pytest.raises(ConfigError, match="'sign_of_reward' is not a registered advantage estimator"):
+        from_dict({"algorithm": {"adv_estimator": "sign_of_reward"}})
+    register_adv_est("sign_of_reward")(lambda rewards, group_ids, **kw: rewards)
+    try:
+        cfg = from_dict({"algorithm": {"adv_estimator": "sign_of_reward"}})
+        assert recipe_from_config(cfg).advantage.adv_estimator == "sign_of_reward"
+    finally:
+        ADVANTAGE_ESTIMATORS.pop("sign_of_reward")
