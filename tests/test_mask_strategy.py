@@ -79,5 +79,5 @@ def test_the_train_steps_surrogate_is_the_recipes_registered_policy_loss():
         assert float(vanilla) != 0 and float(custom) == pytest.approx(2 * float(vanilla), rel=1e-6)
     finally:
         POLICY_LOSSES.pop("doubled_for_test")
-    with pytest.raises(ValueError, match="policy_loss must be one of"):
+    with pytest.raises(ValueError, match="actor.policy_loss: 'doubled_for_test' is not a registered policy loss"):
         get_recipe("grpo", policy_loss="doubled_for_test")

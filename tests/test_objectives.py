@@ -259,7 +259,9 @@ def test_all_masked_gives_zero_loss_and_zero_grad(mode, b, t, seed, empty):
     adv = jnp.asarray(rng.normal(size=b), jnp.float32)
     resp = jnp.zeros((b, t)) if empty == "response" else jnp.ones((b, t))
     keep = jnp.zeros((b, t), bool)
-    cfg = PolicyLossConfig(loss_agg_mode=mode, use_kl_loss=True, entropy_coeff=0.1)
+    # the KL term covers every valid token whatever the token mask (test_kl_term_ignores_the_token_mask), so it
+    # is part of this all-zero claim only when no token is valid
+    cfg = PolicyLossConfig(loss_agg_mode=mode, use_kl_loss=empty == "response", entropy_coeff=0.1)
 
     def f(x):
         s, d, _ = compute_policy_loss(x, old, adv, resp, keep, cfg, entropy=-x, ref_log_probs=old)
@@ -347,3 +349,27 @@ def test_truncated_sampler_importance_weight_by_hand():
     assert float(s) / float(d) == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="rollout_log_probs"):
         compute_policy_loss(lp, old, adv, resp, None, cfg)
+
+
+def test_kl_term_ignores_the_token_mask():
+    """The token mask selects policy-gradient tokens only: the KL term is the token-mean over every valid token
+    (its own denominator), by hand; ``kl_loss`` alone gives the same value."""
+    lp = jnp.array([[-1.0, -0.5, -2.0, 0.0], [-0.3, -1.0, -1.0, -1.0]])
+    old = jnp.array([[-1.1, -0.4, -2.2, 0.0], [-0.2, -1.3, -1.0, -1.0]])
+    ref_lp = jnp.array([[-1.2, -0.7, -1.0, 0.0], [-0.1, -1.1, -1.0, -1.0]])
+    adv = jnp.array([1.0, -2.0])
+    resp = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    keep = jnp.array([[True, False, True, False], [False, True, False, False]])
+    cfg = PolicyLossConfig(clip_ratio_c=None, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1")
+    s, d, m, pt = compute_policy_loss(lp, old, adv, resp, keep, cfg, ref_log_probs=ref_lp, return_per_token=True)
+    kl_tokens = np.array([0.2, 0.2, -1.0, 0.0, -0.2, 0.1])  # log_probs - ref_log_probs on the 5 valid tokens (+pad)
+    assert float(d) == 3.0 and float(m["kl_loss"][1]) == 5.0  # kept tokens vs valid tokens
+    assert float(safe_divide(*m["kl_loss"])) == pytest.approx((0.2 + 0.2 - 1.0 - 0.2 + 0.1) / 5)
+    pg = float(safe_divide(*m["pg_loss"]))
+    assert float(safe_divide(s, d)) == pytest.approx(pg + 0.5 * kl_tokens[[0, 1, 2, 4, 5]].sum() / 5, rel=1e-5)
+    # the token masked out of the policy gradient (row 0, token 1) keeps its KL gradient: 0.5 / 5 for k1
+    g = jax.grad(lambda x: safe_divide(*compute_policy_loss(x, old, adv, resp, keep, cfg, ref_log_probs=ref_lp)[:2]))(lp)
+    assert float(g[0, 1]) == pytest.approx(0.5 / 5, rel=1e-6)
+    ks, kd = kl_loss(lp, ref_lp, resp, kl_loss_type="k1")
+    assert (float(ks), float(kd)) == pytest.approx((float(m["kl_loss"][0]), 5.0))
+    assert float(jnp.sum(pt["loss"])) == pytest.approx(float(s), rel=1e-5)

@@ -315,3 +315,45 @@ def test_a_user_chain_with_a_transformation_before_the_clip_gets_no_norm(model):
     for x, y in zip(jax.tree.leaves(deltas[0]), jax.tree.leaves(deltas[1]), strict=True):
         np.testing.assert_array_equal(x, y)
     assert float(optax.tree.norm(deltas[0])) == pytest.approx(1.0, rel=1e-5)  # sgd(1) of the clipped gradient
+
+
+@pytest.mark.parametrize("name,old_entropy", [("stapo", True), ("entropy20", False)])
+def test_kl_term_over_valid_tokens_in_the_update(model, name, old_entropy):
+    """KL under a token mask (verl's actor): the update is the gradient of pg / N_keep + beta * KL / N_valid on the
+    whole mini-batch, for any number of micro-batches and with S2T's correction pass (the KL term is
+    differentiated apart there: its denominator is not the kept-token count)."""
+    from stapo_jax.algo.objectives import compute_policy_loss, safe_divide
+    from stapo_jax.algo.recipes import compute_token_mask
+    from stapo_jax.train.mask_strategy import kl_apart
+    from stapo_jax.train.policy import response_log_probs_and_entropy
+
+    batch = make_batch(model, seed=6)
+    batch = batch.replace(ref_log_probs=batch.old_log_probs + 0.3)
+    if old_entropy:  # the correction strategy, with a provisional threshold that is off
+        batch = with_old_entropy(model, batch, noise=1.0)
+    recipe = get_recipe(name, loss={"use_kl_loss": True, "kl_loss_coef": 0.5}, s2t={"tau_p": 0.05},
+                        top_entropy={"ratio": 0.5})
+    assert kl_apart(recipe)
+    graphdef, params = nnx.split(model)
+
+    def whole(p):
+        lp, ent = response_log_probs_and_entropy(nnx.merge(graphdef, p), batch.input_ids, batch.attention_mask, 6,
+                                                 seq_chunk=4)
+        keep, _ = compute_token_mask(recipe, log_probs=jax.lax.stop_gradient(lp),
+                                     entropy=jax.lax.stop_gradient(ent), advantages=batch.advantages,
+                                     response_mask=batch.response_mask.astype(jnp.float32))
+        s, d, m = compute_policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask, keep,
+                                      recipe.loss, entropy=ent, ref_log_probs=batch.ref_log_probs)
+        return safe_divide(s, d), (keep, m)
+
+    (want_loss, (keep, m)), want_grad = jax.value_and_grad(whole, has_aux=True)(params)
+    assert 0 < int(keep.sum()) < int(batch.response_mask.sum())  # the mask drops tokens: N_keep != N_valid
+    kl_value = float(safe_divide(*m["kl_loss"]))
+    assert float(m["kl_loss"][1]) == float(batch.response_mask.sum()) and kl_value > 0
+    d, got = run(model, recipe, batch, 2)  # two micro-batches (test_micro_batches_equal_full_batch: any K)
+    assert got["loss"] == pytest.approx(float(want_loss), rel=1e-5)
+    assert got["kl_loss"] == pytest.approx(kl_value, rel=1e-5)
+    if old_entropy:
+        assert got["s2t/correction_passes"] >= 1
+    for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(a, -np.asarray(b), atol=1e-5, rtol=1e-4)

@@ -173,7 +173,8 @@ def recipe_loss(logits, token_ids, old_log_prob, advantages, response_mask, *, t
                 clip_ratio_high, clip_ratio_c, loss_agg_mode, token_mask="none", tau_p=0.002, entropy_quantile=0.8,
                 quantile_method="linear", top_ratio=0.2, renormalize=True, entropy_coeff=0.0, ref_log_prob=None,
                 kl_loss_coef=0.0, kl_loss_type="low_var_kl", loss_scale_factor=None):
-    """The full loss of one mini-batch from logits, verl style: pg - entropy_coeff * H + kl_coef * KL.
+    """The full loss of one mini-batch from logits, verl style: pg - entropy_coeff * H + kl_coef * KL (KL over every
+    valid token, as verl's actor ``agg_loss(kld, response_mask)``).
 
     advantages [B] are broadcast over tokens (verl's ``scores.unsqueeze(-1) * response_mask``).
     Returns (loss, keep_mask, metrics).
@@ -198,10 +199,9 @@ def recipe_loss(logits, token_ids, old_log_prob, advantages, response_mask, *, t
     if entropy_coeff:
         loss = loss - entropy_coeff * agg_loss(entropy * (k if not renormalize else 1), mask, loss_agg_mode,
                                                loss_scale_factor)
-    if kl_loss_coef:
+    if kl_loss_coef:  # verl's actor: the KL term over every valid token, its own aggregation (the mask is pg-only)
         kl = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
-        loss = loss + kl_loss_coef * agg_loss(kl * (k if not renormalize else 1), mask, loss_agg_mode,
-                                              loss_scale_factor)
+        loss = loss + kl_loss_coef * agg_loss(kl, response_mask, loss_agg_mode, loss_scale_factor)
     return loss, keep, metrics
 
 

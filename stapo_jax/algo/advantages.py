@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stapo_jax.algo.registry import register_into
+from stapo_jax.algo.registry import Registry
 
 __all__ = [
     "register_adv_est",
@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 
-ADVANTAGE_ESTIMATORS: dict = {}
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_estimator",
+                                         homes=("stapo_jax.algo.advantages",))
 
 
 def register_adv_est(name: str):
@@ -43,7 +44,7 @@ def register_adv_est(name: str):
     ``name`` (the recipe's ``adv_estimator``). Raises ValueError if the name is taken.
     Source: verl ``core_algos.register_adv_est``.
     rewards float32, group_ids any integer dtype; the estimate is float32."""
-    return register_into(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def _check(rewards: jax.Array, group_ids: jax.Array) -> None:
@@ -206,11 +207,9 @@ def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:
     Source: verl ``core_algos.get_adv_estimator_fn`` (estimators registered by name).
 
     Raises:
-      ValueError: unknown ``name`` (lists the known ones).
+      ValueError: unknown ``name`` (a ConfigError naming ``algorithm.adv_estimator``, with did-you-mean).
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
+    return ADVANTAGE_ESTIMATORS.lookup(name)(rewards, group_ids, **kwargs)
 
 
 def recipe_advantages(settings, rewards, group_ids, **kwargs) -> jax.Array:

@@ -34,7 +34,7 @@ from stapo_jax.algo.mask_settings import (  # noqa: F401  (re-exported: part of 
     S2TConfig,
     TopEntropyConfig,
 )
-from stapo_jax.algo.registry import register_into
+from stapo_jax.algo.registry import Registry
 from stapo_jax.config.loading import check_one_of
 
 __all__ = [
@@ -79,7 +79,8 @@ class TokenMask:
     renormalize: bool | str = True
 
 
-TOKEN_MASKS: dict[str, TokenMask] = {}
+# every mask is registered in this module (a new mask module would be added to ``homes``)
+TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",))
 
 
 def register_token_mask(name: str, **spec) -> Callable:
@@ -87,16 +88,15 @@ def register_token_mask(name: str, **spec) -> Callable:
 
     Takes no arrays; returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
     Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
-    return register_into(TOKEN_MASKS, "token mask", name, lambda fn: TokenMask(name=name, fn=fn, **spec))
+    return TOKEN_MASKS.register(name, lambda fn: TokenMask(name=name, fn=fn, **spec))
 
 
 def get_token_mask(name: str) -> TokenMask:
     """The registered mask ``name`` (no arrays: a :class:`TokenMask` record).
 
-    Raises: ValueError naming the known masks. Source: verl ``core_algos.get_policy_loss_fn`` (lookup by name)."""
-    if name not in TOKEN_MASKS:
-        raise ValueError(f"unknown token mask {name!r}; known: {sorted(TOKEN_MASKS)}")
-    return TOKEN_MASKS[name]
+    Raises: ConfigError (a ValueError) naming ``actor.token_mask``, the closest registered name and all of them.
+    Source: verl ``core_algos.get_policy_loss_fn`` (lookup by name)."""
+    return TOKEN_MASKS.lookup(name)
 
 
 def _nan_if_empty(n, value):

@@ -13,13 +13,17 @@ Per-token loss (verl ``compute_policy_loss_vanilla``, conventions.md §1.2):
 ``l = min(l, -clip_ratio_c A)``; optionally times a truncated importance weight
 ``min(exp(old_log_probs - rollout_log_probs), rollout_is_threshold)``; plus ``kl_loss_coef * KL`` and minus
 ``entropy_coeff * entropy``. Numerator mask ``k = response_mask * token_mask``; denominator mask ``k`` (or
-``response_mask`` when ``renormalize=False``).
+``response_mask`` when ``renormalize=False``). The token mask selects policy-gradient tokens only: the KL term is
+aggregated over every valid token with its own denominator, as verl's actor and TRL do
+(:func:`finish_policy_loss`, :func:`kl_has_own_denominator`).
 
 Metrics are ``{name: (sum, weight)}`` pairs of scalars, so they also accumulate exactly by addition;
 :func:`finalize_metrics` turns them into means.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +34,7 @@ from stapo_jax.algo.loss_settings import (  # noqa: F401  (re-exported: part of 
     LOSS_AGG_MODES,
     PolicyLossConfig,
 )
-from stapo_jax.algo.registry import register_into
+from stapo_jax.algo.registry import Registry
 
 __all__ = [
     "PolicyLossConfig",
@@ -42,6 +46,11 @@ __all__ = [
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
+    "LossInputs",
+    "policy_loss_inputs",
+    "finish_policy_loss",
+    "kl_has_own_denominator",
+    "metric_pair",
     "POLICY_LOSSES",
     "register_policy_loss",
     "safe_divide",
@@ -174,57 +183,48 @@ def metric_pair(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (jnp.sum(x * w), jnp.sum(w))
 
 
-def compute_policy_loss(
+class LossInputs(NamedTuple):
+    """The checked inputs of a policy loss (:func:`policy_loss_inputs`): padding zeroed, constants stop-gradient,
+    all ``[B, T]`` in the dtype of ``log_probs`` (``adv`` ``[B, 1]`` or ``[B, T]``; the optional ones None when not
+    given). ``valid``: bool response tokens; ``k`` / ``d``: the policy-gradient numerator / denominator masks
+    (``d`` = ``k``, or ``v`` when masked tokens stay in the count); ``v``: float response mask."""
+
+    log_probs: jax.Array
+    old: jax.Array
+    adv: jax.Array
+    entropy: jax.Array | None
+    ref_log_probs: jax.Array | None
+    rollout_log_probs: jax.Array | None
+    kl_cov_selection: jax.Array | None
+    valid: jax.Array
+    k: jax.Array
+    d: jax.Array
+    v: jax.Array
+
+
+def policy_loss_inputs(
     log_probs: jax.Array,
     old_log_probs: jax.Array,
     advantages: jax.Array,
     response_mask: jax.Array,
-    token_mask: jax.Array | None = None,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    token_mask: jax.Array | None,
+    config: PolicyLossConfig,
     *,
     entropy: jax.Array | None = None,
     ref_log_probs: jax.Array | None = None,
     rollout_log_probs: jax.Array | None = None,
     kl_cov_selection: jax.Array | None = None,
     renormalize: bool = True,
-    return_per_token: bool = False,
-) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
-    """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``.
+) -> LossInputs:
+    """Check and clean the arguments every registered policy loss takes (those of :func:`compute_policy_loss`).
 
-    Args:
-      log_probs: ``[B, T]`` float, current policy (gradient flows through it), nats.
-      old_log_probs: ``[B, T]`` float, the policy that produced the rollouts (constant).
-      advantages: ``[B]`` or ``[B, T]`` float (constant).
-      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens (read as a boolean: any nonzero value is
-        one token, never a weight).
-      token_mask: ``[B, T]`` bool keep mask (S2T, top-entropy, ...) or None (keep all valid tokens).
-      config: :class:`PolicyLossConfig`.
-      entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
-        (token-mean over valid tokens).
-      ref_log_probs: ``[B, T]``; required if ``config.use_kl_loss``.
-      rollout_log_probs: ``[B, T]`` sampler log-probs; required with ``config.sampler_is='truncate'``.
-      kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.algo.masks.kl_cov_mask`; switches to verl's KL-Cov
-        loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
-      renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
-      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
-        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
-        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
-        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
-        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the total per-token loss that is
-        aggregated). Padding positions hold 0 / False.
-
-    Returns:
-      ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
-      and metrics ``{name: (sum, weight)}``: ``pg_loss`` (same aggregation as the loss), ``pg_clipfrac``,
-      ``pg_clipfrac_lower``, ``ppo_kl``, ``ratio_mean`` (over kept tokens), ``entropy`` (valid tokens),
-      ``kl_loss``, ``entropy_loss``, ``rollout_is_weight`` when those terms are active.
-
-    Raises:
-      ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
-        ``advantages``, or a required optional input missing.
-
-    Source: verl ``compute_policy_loss_vanilla`` + ``agg_loss`` + ``kl_penalty`` (conventions.md §1);
-    dual clip Ye et al. 1912.09729; STAPO objective stapo_spec.md §4.
+    Args: as :func:`compute_policy_loss` (``[B, T]`` arrays; advantages ``[B]`` or ``[B, T]``).
+    Returns: a :class:`LossInputs` (padding positions zeroed before any arithmetic, so neither a value nor a
+      gradient can see a NaN there: the "double where" rule).
+    Raises: ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
+      ``advantages``, or an input the config needs missing (``ref_log_probs`` with ``use_kl_loss``, ``entropy``
+      with ``entropy_coeff``, ``rollout_log_probs`` with ``sampler_is=truncate``).
+    Source: verl ``compute_policy_loss_vanilla`` argument conventions (conventions.md §1).
     """
     if log_probs.ndim != 2:
         raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
@@ -250,31 +250,161 @@ def compute_policy_loss(
         raise ValueError("config.entropy_coeff != 0 but entropy is None")
     if config.rollout_is_threshold is not None and rollout_log_probs is None:
         raise ValueError("config.sampler_is='truncate' needs rollout_log_probs (the sampler's [B, T] log-probs)")
-
-    sg = jax.lax.stop_gradient
-    dt = log_probs.dtype
-    # padding may hold anything (NaN included): zero it *before* any arithmetic, so that neither the value nor
-    # the gradient (0 * exp(NaN) = NaN in a backward pass) can see it (the "double where" rule)
+    sg, dt = jax.lax.stop_gradient, log_probs.dtype
     valid = response_mask.astype(bool)
 
     def clean(x):
         return None if x is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
 
-    log_probs, old_log_probs, entropy = clean(log_probs), clean(old_log_probs), clean(entropy)
-    ref_log_probs, rollout_log_probs = clean(ref_log_probs), clean(rollout_log_probs)
-    if advantages.ndim == 2:
-        advantages = clean(advantages)
-    old = sg(old_log_probs).astype(dt)
-    adv = sg(advantages).astype(dt)
+    advantages = clean(advantages)  # [B, 1] broadcasts to [B, T] here
     k, d = _masks(response_mask, token_mask, renormalize)
-    k, d = k.astype(dt), d.astype(dt)
-    v = valid.astype(dt)
+    ref, roll = clean(ref_log_probs), clean(rollout_log_probs)
+    return LossInputs(clean(log_probs), sg(clean(old_log_probs)).astype(dt), sg(advantages).astype(dt),
+                      clean(entropy), None if ref is None else sg(ref).astype(dt),
+                      None if roll is None else sg(roll).astype(dt),
+                      None if kl_cov_selection is None else kl_cov_selection.astype(dt), valid, k.astype(dt),
+                      d.astype(dt), valid.astype(dt))
 
-    delta = jnp.clip(log_probs - old, -config.log_ratio_clamp, config.log_ratio_clamp)
+
+def kl_has_own_denominator(config: PolicyLossConfig, has_token_mask: bool, renormalize: bool) -> bool:
+    """Whether the KL term's denominator (every valid token) can differ from the policy gradient's (the kept
+    tokens): a KL term with a token mask whose masked tokens leave the count, in a mode whose denominator is not a
+    constant. Then a sum over micro-batches needs the KL term apart (its own global denominator); otherwise
+    :func:`compute_policy_loss`'s ``loss_sum`` holds it exactly.
+    Takes no arrays; returns a Python bool. Never raises. Source: verl actor ``policy_loss = pg_loss +
+    kl_loss_coef * agg_loss(kld, response_mask)`` (two aggregations, two denominators)."""
+    return (config.use_kl_loss and config.kl_loss_coef != 0 and has_token_mask and renormalize
+            and config.loss_agg_mode not in CONSTANT_DENOMINATOR_MODES)
+
+
+def finish_policy_loss(
+    x: LossInputs,
+    pg: jax.Array,
+    config: PolicyLossConfig,
+    metrics: dict,
+    per_token: dict,
+    *,
+    fold_kl: bool = True,
+    return_per_token: bool = False,
+):
+    """The part every policy loss shares after its per-token surrogate ``pg`` ``[B, T]`` (float, before masks):
+    the truncated sampler importance weight, the aggregation over the kept tokens, the KL term over **every valid
+    token** (the token mask selects policy-gradient tokens only) and the entropy bonus.
+
+    The KL term is aggregated over the response mask with its own denominator (``metrics["kl_loss"]``); with
+    ``fold_kl`` it enters ``loss_sum`` as ``kl_loss_coef * kl_sum * den / kl_den``, so that
+    ``safe_divide(loss_sum, den)`` is ``pg + kl_loss_coef * KL`` exactly for a call on the whole mini-batch (and
+    for any split into micro-batches unless :func:`kl_has_own_denominator`, where both denominators are equal).
+    ``fold_kl=False`` leaves it out (a train step that differentiates the KL term apart). When no token is kept
+    (``den = 0``) the folded form cannot carry the KL term; the train step's separate KL gradient still applies.
+
+    Args: x: :class:`LossInputs`; pg: ``[B, T]`` float; config; metrics: ``{name: (sum, weight)}`` so far (the
+      loss's own: clip fractions, ``ppo_kl``, ...); per_token: ``{name: [B, T]}`` so far (``log_ratio``,
+      ``ratio``, ``clipped``, ``clipped_lower``); fold_kl; return_per_token: see :func:`compute_policy_loss`.
+    Returns: ``(loss_sum, loss_denominator, metrics)`` (+ ``per_token`` with ``return_per_token``).
+    Raises: ValueError as :func:`aggregate`. Source: verl actor ``ppo_loss`` (pg + kl_coef * agg_loss(kld,
+      response_mask) - entropy_coeff * H); stapo_spec.md §5 (``beta agg(KL)`` read over valid tokens).
+    """
+    sg, dt, k, d, v = jax.lax.stop_gradient, pg.dtype, x.k, x.d, x.v
+    if config.rollout_is_threshold is not None:
+        w = jnp.minimum(jnp.exp(x.old - x.rollout_log_probs), config.rollout_is_threshold)
+        pg = pg * w
+        metrics["rollout_is_weight"] = metric_pair(w, k)
+    mode, factor = config.loss_agg_mode, config.loss_scale_factor
+    pg_sum, den = aggregate(pg, k, d, mode, factor)
+    metrics["pg_loss"] = (pg_sum, den)
+    loss_sum, total, kl, kl_tok = pg_sum, pg, jnp.zeros_like(pg), jnp.zeros_like(pg)
+    if config.use_kl_loss:
+        kl = kl_penalty(x.log_probs, x.ref_log_probs, config.kl_loss_type)
+        kl_sum, kl_den = aggregate(kl, v, v, mode, factor)
+        metrics["kl_loss"] = (kl_sum, kl_den)
+        if fold_kl:
+            scale = safe_divide(sg(den), sg(kl_den))
+            loss_sum = loss_sum + config.kl_loss_coef * kl_sum * scale
+            kl_tok = config.kl_loss_coef * kl * scale
+    if x.entropy is not None:
+        metrics["entropy"] = metric_pair(sg(x.entropy), v)
+        if config.entropy_coeff != 0:
+            ent_sum = aggregate(x.entropy, k, d, mode, factor)[0]
+            loss_sum = loss_sum - config.entropy_coeff * ent_sum
+            total = total - config.entropy_coeff * x.entropy
+            metrics["entropy_loss"] = (ent_sum, den)
+    if return_per_token:
+        zero = jnp.zeros((), dt)
+        out = {name: (a if a.dtype == bool else jnp.where(x.valid, a, zero)) for name, a in per_token.items()}
+        out.update({"pg_losses": jnp.where(x.valid, pg, zero), "kl": jnp.where(x.valid, kl, zero),
+                    "loss": jnp.where(x.valid, total * k + kl_tok, zero)})
+        return loss_sum, den, metrics, out
+    return loss_sum, den, metrics
+
+
+def compute_policy_loss(
+    log_probs: jax.Array,
+    old_log_probs: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    token_mask: jax.Array | None = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    *,
+    entropy: jax.Array | None = None,
+    ref_log_probs: jax.Array | None = None,
+    rollout_log_probs: jax.Array | None = None,
+    kl_cov_selection: jax.Array | None = None,
+    renormalize: bool = True,
+    fold_kl: bool = True,
+    return_per_token: bool = False,
+) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
+    """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``: the ``vanilla``
+    policy loss (verl ``loss_mode``).
+
+    Args:
+      log_probs: ``[B, T]`` float, current policy (gradient flows through it), nats.
+      old_log_probs: ``[B, T]`` float, the policy that produced the rollouts (constant).
+      advantages: ``[B]`` or ``[B, T]`` float (constant).
+      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens (read as a boolean: any nonzero value is
+        one token, never a weight).
+      token_mask: ``[B, T]`` bool keep mask (S2T, top-entropy, ...) or None (keep all valid tokens). It selects
+        the policy-gradient tokens only: the KL term covers every valid token (verl, TRL).
+      config: :class:`PolicyLossConfig`.
+      entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
+        (token-mean over valid tokens).
+      ref_log_probs: ``[B, T]``; required if ``config.use_kl_loss``.
+      rollout_log_probs: ``[B, T]`` sampler log-probs; required with ``config.sampler_is='truncate'``.
+      kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.algo.masks.kl_cov_mask`; switches to verl's KL-Cov
+        loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
+      renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
+      fold_kl: see :func:`finish_policy_loss` (False: the KL term is left out of ``loss_sum``).
+      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
+        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
+        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
+        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
+        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the per-token numerator terms
+        ``(pg_losses - entropy_coeff * entropy) * keep + kl_loss_coef * kl * den / kl_den``). Padding positions
+        hold 0 / False.
+
+    Returns:
+      ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
+      and metrics ``{name: (sum, weight)}``: ``pg_loss`` (same aggregation as the loss), ``pg_clipfrac``,
+      ``pg_clipfrac_lower``, ``ppo_kl``, ``ratio_mean`` (over kept tokens), ``entropy`` (valid tokens),
+      ``kl_loss`` (over valid tokens, its own denominator), ``entropy_loss``, ``rollout_is_weight`` when those
+      terms are active.
+
+    Raises:
+      ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
+        ``advantages``, or a required optional input missing.
+
+    Source: verl ``compute_policy_loss_vanilla`` + ``agg_loss`` + ``kl_penalty`` (conventions.md §1);
+    dual clip Ye et al. 1912.09729; STAPO objective stapo_spec.md §4.
+    """
+    x = policy_loss_inputs(log_probs, old_log_probs, advantages, response_mask, token_mask, config, entropy=entropy,
+                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
+                           kl_cov_selection=kl_cov_selection, renormalize=renormalize)
+    dt, shape, adv, k, valid = x.log_probs.dtype, tuple(log_probs.shape), x.adv, x.k, x.valid
+    delta = jnp.clip(x.log_probs - x.old, -config.log_ratio_clamp, config.log_ratio_clamp)
     ratio = jnp.exp(delta)
     metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
     clipped = clipped_lower = jnp.zeros(shape, bool)
-    if kl_cov_selection is None:
+    if x.kl_cov_selection is None:
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
         lc = jnp.maximum(l1, l2)
@@ -288,38 +418,12 @@ def compute_policy_loss(
         else:
             pg = lc
     else:
-        sel = kl_cov_selection.astype(dt)
-        pg = -adv * ratio + sel * config.ppo_kl_coef * jnp.abs(delta)
-        metrics["kl_cov_selected_frac"] = metric_pair(sel, k)
-    if config.rollout_is_threshold is not None:
-        w = jnp.minimum(jnp.exp(old - sg(rollout_log_probs).astype(dt)), config.rollout_is_threshold)
-        pg = pg * w
-        metrics["rollout_is_weight"] = metric_pair(w, k)
+        pg = -adv * ratio + x.kl_cov_selection * config.ppo_kl_coef * jnp.abs(delta)
+        metrics["kl_cov_selected_frac"] = metric_pair(x.kl_cov_selection, k)
     metrics["ppo_kl"] = metric_pair(-delta, k)
     metrics["ratio_mean"] = metric_pair(ratio, k)
-
-    mode, factor = config.loss_agg_mode, config.loss_scale_factor
-    total = pg
-    pg_sum, den = aggregate(pg, k, d, mode, factor)
-    metrics["pg_loss"] = (pg_sum, den)
-    kl = jnp.zeros_like(pg)
-    if config.use_kl_loss:
-        kl = kl_penalty(log_probs, sg(ref_log_probs).astype(dt), config.kl_loss_type)
-        total = total + config.kl_loss_coef * kl
-        metrics["kl_loss"] = (aggregate(kl, k, d, mode, factor)[0], den)
-    if entropy is not None:
-        metrics["entropy"] = metric_pair(sg(entropy).astype(dt), v)
-        if config.entropy_coeff != 0:
-            total = total - config.entropy_coeff * entropy.astype(dt)
-            metrics["entropy_loss"] = (aggregate(entropy.astype(dt), k, d, mode, factor)[0], den)
-    loss_sum, _ = aggregate(total, k, d, mode, factor)
-    if return_per_token:
-        zero = jnp.zeros((), dt)
-        per_token = {"log_ratio": jnp.where(valid, delta, zero), "ratio": jnp.where(valid, ratio, zero),
-                     "pg_losses": jnp.where(valid, pg, zero), "clipped": clipped, "clipped_lower": clipped_lower,
-                     "kl": jnp.where(valid, kl, zero), "loss": jnp.where(valid, total, zero)}
-        return loss_sum, den, metrics, per_token
-    return loss_sum, den, metrics
+    per_token = {"log_ratio": delta, "ratio": ratio, "clipped": clipped, "clipped_lower": clipped_lower}
+    return finish_policy_loss(x, pg, config, metrics, per_token, fold_kl=fold_kl, return_per_token=return_per_token)
 
 
 def kl_loss(
@@ -330,40 +434,41 @@ def kl_loss(
     kl_loss_type: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
-    token_mask: jax.Array | None = None,
-    renormalize: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """The KL-to-reference term on its own: ``aggregate(kl_penalty(log_probs, ref_log_probs), ...)`` as
-    ``(kl_sum, denominator)`` (the value is ``safe_divide(kl_sum, denominator)``; the loss adds
-    ``kl_loss_coef`` times it). Equals the ``kl_loss`` metric of :func:`compute_policy_loss`.
+    """The KL-to-reference term on its own, over every valid token: ``aggregate(kl_penalty(log_probs,
+    ref_log_probs), response_mask, response_mask, ...)`` as ``(kl_sum, denominator)`` (the value is
+    ``safe_divide(kl_sum, denominator)``; the loss adds ``kl_loss_coef`` times it). Equals the ``kl_loss`` metric
+    of :func:`compute_policy_loss` (a token mask does not reach the KL term).
 
     Args: log_probs / ref_log_probs ``[B, T]`` float (nats; the gradient flows through ``log_probs``);
-      response_mask ``[B, T]`` 0/1 or bool; token_mask ``[B, T]`` bool or None; kl_loss_type in ``KL_TYPES``;
-      loss_agg_mode / loss_scale_factor / renormalize as :func:`compute_policy_loss`.
+      response_mask ``[B, T]`` 0/1 or bool; kl_loss_type in ``KL_TYPES``; loss_agg_mode / loss_scale_factor as
+      :func:`compute_policy_loss`.
     Returns: float scalars. Raises: ValueError for a shape mismatch, unknown type or mode.
-    Source: verl ``kl_penalty`` + ``agg_loss`` (``actor.use_kl_loss``).
+    Source: verl actor ``agg_loss(kl_penalty(log_prob, ref_log_prob), response_mask)`` (``actor.use_kl_loss``).
     """
     if tuple(response_mask.shape) != tuple(log_probs.shape):
         raise ValueError(f"response_mask shape {tuple(response_mask.shape)} must equal log_probs {log_probs.shape}")
     valid = response_mask.astype(bool)
     log_probs = jnp.where(valid, log_probs, jnp.zeros((), log_probs.dtype))
     ref = jax.lax.stop_gradient(jnp.where(valid, ref_log_probs, jnp.zeros((), ref_log_probs.dtype)))
-    k, d = _masks(response_mask, token_mask, renormalize)
     dt = log_probs.dtype
-    return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), k.astype(dt), d.astype(dt), loss_agg_mode,
-                     loss_scale_factor)
+    v = valid.astype(dt)
+    return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), v, v, loss_agg_mode, loss_scale_factor)
 
 
-# Policy losses by name, as verl's ``core_algos.register_policy_loss``: every loss has the signature and
-# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss`. One surrogate serves every recipe
-# (the mask and the KL-Cov selection are its arguments), so the registry holds ``vanilla`` only.
-POLICY_LOSSES: dict = {"vanilla": compute_policy_loss}
+# Policy losses by name (``actor.policy_loss``, verl's ``policy_loss.loss_mode``): every loss has the signature and
+# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss` (the mask and the KL-Cov selection
+# are its arguments). ``vanilla`` is registered here; every other loss is one module of
+# ``stapo_jax.algo.policy_losses`` (DESIGN.md "Add a policy loss"), found by the registry itself.
+POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss", homes=("stapo_jax.algo.objectives",),
+                                   packages=("stapo_jax.algo.policy_losses",))
+POLICY_LOSSES.register("vanilla")(compute_policy_loss)
 
 
 def register_policy_loss(name: str):
     """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
     Takes no arrays; returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
-    return register_into(POLICY_LOSSES, "policy loss", name)
+    return POLICY_LOSSES.register(name)
 
 
 def add_metrics(a: dict, b: dict) -> dict:
@@ -375,7 +480,8 @@ def add_metrics(a: dict, b: dict) -> dict:
     return jax.tree.map(jnp.add, a, b)
 
 
-LOSS_METRICS = ("pg_loss", "kl_loss", "entropy_loss")
+# the metrics aggregated like the loss (over the kept tokens, the loss's denominator); ``kl_loss`` has its own
+LOSS_METRICS = ("pg_loss", "entropy_loss")
 
 
 def finalize_metrics(metrics: dict, loss_denominator: jax.Array | None = None) -> dict[str, jax.Array]:

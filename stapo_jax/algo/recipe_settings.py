@@ -7,7 +7,6 @@ jax. Every invalid value is a :class:`~stapo_jax.config.loading.ConfigError` nam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from stapo_jax.config.loading import ConfigError, check_field_types
 
@@ -18,14 +17,15 @@ __all__ = ["AdvantageConfig", "SamplingConfig", "OverlongConfig"]
 class AdvantageConfig:
     """The outcome-advantage estimator (verl ``algorithm.*``; stapo_spec.md §2).
 
-    adv_estimator: a registered estimator (``stapo_jax.algo.advantages.ADVANTAGE_ESTIMATORS``: ``grpo``,
-    ``dr_grpo``, ``rloo``; the :class:`~stapo_jax.algo.recipes.Recipe` checks the live registry).
+    adv_estimator: a registered estimator's name (``stapo_jax.algo.advantages.ADVANTAGE_ESTIMATORS``: ``grpo``,
+    ``dr_grpo``, ``rloo`` and any registered later; the config loader and the
+    :class:`~stapo_jax.algo.recipes.Recipe` check the live registry).
     norm_adv_by_std_in_grpo: ``grpo`` divides by the group's std (verl's switch; False gives Dr.GRPO's
     ``R - mean``). std_ddof: 0 or 1, the std's degrees of freedom (verl: 1, ``torch.std``). adv_eps: the std's
     epsilon (> 0; verl 1e-6).
     """
 
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     std_ddof: int = 1
     adv_eps: float = 1e-6

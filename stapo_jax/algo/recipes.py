@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from stapo_jax.algo import masks
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
-from stapo_jax.config.schema import from_dict
+from stapo_jax.config.schema import from_dict, token_mask_name
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.config.loading import ConfigError
 
 __all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
            "recipe_from_config"]
@@ -66,14 +65,10 @@ class Recipe:
     drop_truncated: bool = False
 
     def __post_init__(self):
-        if self.token_mask != "none" and self.token_mask not in masks.TOKEN_MASKS:  # the live registry
-            known = ("none",) + tuple(masks.TOKEN_MASKS)
-            raise ValueError(f"token_mask must be one of {known}, got {self.token_mask!r}")
-        if self.policy_loss not in POLICY_LOSSES:  # the live registry
-            raise ValueError(f"policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
-        est = self.advantage.adv_estimator
-        if est not in ADVANTAGE_ESTIMATORS:  # the live registry (estimators registered later included)
-            raise ConfigError(f"algorithm.adv_estimator: {est!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        # the live registries (entries registered later included); ConfigError naming the key, with did-you-mean
+        masks.TOKEN_MASKS.lookup(self.token_mask, extra=("none",))
+        POLICY_LOSSES.lookup(self.policy_loss)
+        ADVANTAGE_ESTIMATORS.lookup(self.advantage.adv_estimator)
 
     @property
     def renormalize(self) -> bool:
@@ -102,18 +97,19 @@ class Recipe:
 def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
     loss/mask/advantage field comes from the config (verl key names): the ``actor`` section (a
-    :class:`PolicyLossConfig`) is the recipe's loss, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
+    :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
+    (or, when null, the ``s2t.enabled`` / ``top_entropy.enabled`` flags: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
     ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
     Takes no arrays; returns a frozen :class:`Recipe`.
-    Raises: ValueError (``ConfigError``) from the loss settings. Source: the config schema, configs/base.yaml.
+    Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
+    Source: the config schema, configs/base.yaml.
     """
-    s, t = cfg.s2t, cfg.top_entropy
-    mask = "s2t" if s.enabled else ("top_entropy" if t.enabled else "none")
     return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, s2t=s, top_entropy=t, advantage=cfg.algorithm,
-        sampling=cfg.sampling, overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated)
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=token_mask_name(cfg), policy_loss=cfg.actor.policy_loss,
+        s2t=cfg.s2t, top_entropy=cfg.top_entropy, advantage=cfg.algorithm, sampling=cfg.sampling, overlong=cfg.reward,
+        drop_truncated=cfg.data.drop_truncated)
 
 
 # The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``

@@ -10,12 +10,13 @@ The S2T entropy threshold ``tau_h`` is a quantile over the whole mini-batch *und
   entropies that pass returns, and redo forward + backward only for micro-batches whose mask changed
   (:func:`correction_pass`). The result equals the pre-pass update.
 * ``prepass``: one forward-only pass over the mini-batch first. On the first mini-batch of a step the old
-  policy's statistics are the current ones, so :func:`make_update_steps` gives a first-mini-batch step that reads
-  ``old_log_probs`` / ``old_entropy`` instead (``stats_policy=old``), saving that pass.
+  policy's statistics are the current ones, so ``stapo_jax.train.train_step.make_update_steps`` gives a
+  first-mini-batch step that reads ``old_log_probs`` / ``old_entropy`` instead (``stats_policy=old``), saving that
+  pass.
 * ``old`` (``s2t.stats_policy=old``): the old policy's statistics throughout.
 
-The train step is generic (``stapo_jax.train.train_step``); this module gives it S2T's ways through the mask
-strategy interface (``stapo_jax.train.mask_strategy``): :func:`s2t_strategy` is registered for ``s2t``.
+These are pure functions of the recipe and the arrays; the train step (``stapo_jax.train.train_step``) uses them
+through S2T's mask strategy, defined and registered with the others in ``stapo_jax.train.mask_strategy``.
 """
 from __future__ import annotations
 
@@ -23,11 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
-from stapo_jax.train.mask_strategy import (MaskStrategy, full_batch_strategy, micro_batch_outcome,
-                                           register_mask_strategy, split_micro_batches)
 
-__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass", "make_update_steps", "s2t_strategy",
-           "old_policy_stats", "correction_strategy"]
+__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass"]
 
 
 def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
@@ -97,71 +95,3 @@ def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_
                             lambda g: g, grad_sum)
     return grad_sum, {"s2t/correction_passes": jnp.sum(redo).astype(jnp.float32),
                       "s2t/corrected_tokens": jnp.sum(changed).astype(jnp.float32)}
-
-
-def old_policy_stats(ctx, params, batch):
-    """``(old_log_probs, old_entropy)`` ``[B, R]`` float32 of the batch: the statistics of ``stats_policy=old``.
-    Raises: ValueError when the batch has no ``old_entropy``. Source: stapo_spec.md §3 (``stats_policy=old``:
-    the rollout policy's statistics, as verl's ``old_log_probs``)."""
-    if batch.old_entropy is None:
-        raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
-    return batch.old_log_probs, batch.old_entropy
-
-
-def correction_strategy() -> MaskStrategy:
-    """``minibatch_method=correction``: the gradient pass masks each micro-batch with the provisional ``tau_h``
-    (:func:`provisional_tau_h`); ``finish`` takes the exact mini-batch ``tau_h`` from that pass's entropies and adds
-    :func:`correction_pass`. Metrics ``s2t/correction_passes``, ``s2t/corrected_tokens`` (float32 scalars);
-    the masks it builds are ``[B, R]`` bool over ``[B, R]`` float32 log-probs / entropies. Raises: ValueError as
-    :func:`stapo_jax.algo.recipes.compute_token_mask`. Source: stapo_spec.md §3."""
-
-    def prepare(ctx, params, batch):
-        resp = batch.response_mask.astype(jnp.float32)
-        return provisional_tau_h(ctx.recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp), None
-
-    def micro_mask(ctx, tau_guess, pm, lp, ent, mb, j):
-        keep, st = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=mb.advantages,
-                                      response_mask=mb.response_mask.astype(jnp.float32),
-                                      old_log_probs=mb.old_log_probs, key=jax.random.fold_in(ctx.key, j),
-                                      tau_h=tau_guess)
-        return keep, st["s2t/tau_h"]
-
-    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
-        keep, stats = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=batch.advantages,
-                                         response_mask=batch.response_mask.astype(jnp.float32))
-        grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, params, grad_sum, mbs, keeps,
-                                          split_micro_batches(keep, ctx.num_micro_batches), grad=ctx.grad)
-        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus, extra, keep=keep, tau_h=stats["s2t/tau_h"])
-
-    return MaskStrategy(prepare=prepare, micro_mask=micro_mask, finish=finish)
-
-
-@register_mask_strategy("s2t")
-def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
-    """The S2T update strategy by :func:`minibatch_stats_mode`: ``old`` -> the mask once from the old policy's
-    statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
-    strategy of ``stapo_jax.train.mask_strategy``) otherwise.
-
-    Takes no arrays (``has_old_entropy``: bool); returns a :class:`MaskStrategy` or None, whose masks are
-    ``[B, R]`` bool. Never raises here; the strategies raise ValueError as
-    :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
-    mode = minibatch_stats_mode(recipe, has_old_entropy)
-    return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
-
-
-def make_update_steps(recipe: Recipe, optimizer, **step_kw):
-    """``(first_step, step)``: the jitted update (``stapo_jax.train.train_step.make_train_step(recipe, optimizer,
-    **step_kw)``) and the one to use on the first mini-batch of a training step. They differ only for S2T with
-    the ``prepass`` mode, where the first mini-batch reads the rollout policy's statistics (θ = θ_old there),
-    saving the pre-pass; otherwise both are the same function.
-
-    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
-    (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
-    Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
-    """
-    from stapo_jax.train.train_step import make_train_step  # the generic step; it imports this module
-
-    step = make_train_step(recipe, optimizer, **step_kw)
-    if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
-        return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
-    return step, step

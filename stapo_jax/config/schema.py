@@ -29,6 +29,8 @@ from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of th
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
+    apply_token_mask_key, check_registered_names, recipe_violations, token_mask_name, token_mask_violations)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -213,6 +215,11 @@ class ActorConfig(PolicyLossConfig):
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0
     kl_loss_coef: float = 0.0
+    # a registered policy loss (verl policy_loss.loss_mode; stapo_jax.algo.objectives.POLICY_LOSSES)
+    policy_loss: str = "vanilla"
+    # a registered token mask (stapo_jax.algo.masks.TOKEN_MASKS) or "none"; null: from s2t.enabled /
+    # top_entropy.enabled (the older spelling, still accepted; token_mask_name)
+    token_mask: Optional[str] = None
     ppo_mini_batch_size: int = 64
     ppo_micro_batch_size: int = 4
     ppo_epochs: int = 1
@@ -258,8 +265,7 @@ class RewardConfig(OverlongConfig):
     strict-box verifier compares raw strings: false). ``gym_answer_format`` says how the answer is taken from a
     response for reasoning-gym scoring. Raises: ConfigError naming ``reward.<key>`` for an invalid value."""
 
-    kind: Literal["boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict",
-                  "gym"] = "boxed_exact_pm1"
+    kind: str = "boxed_exact_pm1"  # a registered reward kind (stapo_jax.rewards.registry.REWARD_KINDS)
     timeout_s: float = 10.0
     num_workers: int = 4
     boxed_normalize: bool = False
@@ -396,8 +402,6 @@ RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
              "reward.overlong_penalty": 1.0},
     "stapo": {"s2t.enabled": True},
 }
-
-
 # --------------------------------------------------------------------------------------- loading
 
 
@@ -438,17 +442,20 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    return from_dict(raw)
+    source = f"{path}" + (" with overrides" if overrides else "") if path is not None else None
+    return from_dict(raw, source=source or ("overrides" if overrides else None))
 
 
-def from_dict(raw: Mapping[str, Any]) -> Config:
+def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     """Build and validate a Config from a nested mapping (as :func:`load_config`, without file I/O).
+    ``source``: where the mapping came from (a file name), named by the registry errors.
 
     Raises:
       ConfigError: see :func:`load_config`.
     Takes no arrays (YAML scalars, lists, mappings). Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
+    apply_token_mask_key(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
     if isinstance(recipe, str) and recipe in RECIPE_DEFAULTS:  # a non-str recipe is reported by its Literal
@@ -464,6 +471,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
     cfg = build_dataclass(Config, raw, "")
     validate(cfg)
+    check_registered_names(cfg, source)
     return cfg
 
 
@@ -548,6 +556,7 @@ def validate(cfg: Config) -> None:
     s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
     need(not (s.enabled and cfg.top_entropy.enabled),
          "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
+    errors.extend(token_mask_violations(cfg))
 
     rw = cfg.reward  # its own ranges are checked by the section itself
     need(rw.overlong_buffer_len <= r.max_new_tokens,
@@ -575,26 +584,6 @@ def validate(cfg: Config) -> None:
     need(all(v >= 1 for v in (ns.values() if isinstance(ns, dict) else [ns])), f"eval.n_samples={ns} must be >= 1")
 
     if al.strict_recipe:
-        errors.extend(_recipe_violations(cfg))
+        errors.extend(recipe_violations(cfg))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-
-def _recipe_violations(cfg: Config) -> list[str]:
-    """Invariants of each recipe (stapo_spec §4-5; conventions.md §9: STAPO/JustRL/DAPO run with KL = 0
-    and no entropy bonus). Lifted with ``algorithm.strict_recipe=false``."""
-    recipe, a, out = cfg.algorithm.recipe, cfg.actor, []
-    hint = " (set algorithm.strict_recipe=false to deviate from the recipe)"
-    if recipe in ("stapo", "justrl", "dapo"):
-        if a.use_kl_loss and a.kl_loss_coef != 0:
-            out.append(f"algorithm.recipe={recipe} has no KL term: actor.use_kl_loss=true with "
-                       f"actor.kl_loss_coef={a.kl_loss_coef}{hint}")
-        if a.entropy_coeff != 0:
-            out.append(f"algorithm.recipe={recipe} has no entropy bonus: actor.entropy_coeff={a.entropy_coeff}{hint}")
-    if recipe == "stapo" and not cfg.s2t.enabled:
-        out.append(f"algorithm.recipe=stapo needs s2t.enabled=true{hint}")
-    if recipe == "entropy20" and not cfg.top_entropy.enabled:
-        out.append(f"algorithm.recipe=entropy20 needs top_entropy.enabled=true{hint}")
-    if recipe != "stapo" and cfg.s2t.enabled:
-        out.append(f"s2t.enabled=true belongs to algorithm.recipe=stapo (got {recipe}){hint}")
-    return out

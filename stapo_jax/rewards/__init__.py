@@ -1,6 +1,7 @@
 """Verifiable rewards: one scalar per response, verifiers in a process pool with a per-item timeout.
 
-Kinds (``reward.kind``, stapo_spec §2 and §10.13):
+Kinds (``reward.kind``, stapo_spec §2 and §10.13), each registered by its own module in
+:data:`stapo_jax.rewards.registry.REWARD_KINDS` (a new kind is one new module here: DESIGN.md "Add a reward"):
 
 * ``boxed_exact_pm1`` - JustRL/DAPO strict-box string match, +1 / -1 (:mod:`.string_match`);
 * ``boxed_exact_01``  - the same match, 1 / 0;
@@ -8,7 +9,9 @@ Kinds (``reward.kind``, stapo_spec §2 and §10.13):
 * ``math_verify_strict`` - math-verify behind a final-answer policy (last complete box, the text after
   ``</think>``; unfinished reasoning, an unterminated final box or a hedge earn nothing), normalisation and a
   magnitude-safe numeric comparison, 1 / 0 (:mod:`.math_strict`, :mod:`.answer`; issue 13);
-* ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`).
+* ``gym``             - reasoning-gym's ``score_answer`` for the entry, in [0, 1] (:mod:`.gym`);
+* ``think_format``    - 1 / 0 for a ``<think>...</think>`` block at the start (TRL's format reward,
+  :mod:`.think_format`).
 
 The string match is pure Python over at most 300 characters and runs inline. math-verify and reasoning-gym
 run in a :class:`VerifierPool`: a ``pebble.ProcessPool`` (forkserver context where available, else spawn;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import logging
 import multiprocessing
 import threading
@@ -30,13 +34,21 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from stapo_jax.rewards import string_match
+from stapo_jax.rewards.registry import REWARD_KINDS, get_reward_kind
 
 log = logging.getLogger(__name__)
 
-KINDS = ("boxed_exact_pm1", "boxed_exact_01", "math_verify_01", "math_verify_strict", "gym")
-_POOLED_KINDS = {"math_verify_01": "stapo_jax.rewards.math", "math_verify_strict": "stapo_jax.rewards.math_strict",
-                 "gym": "stapo_jax.rewards.gym"}
+# the reward kinds are looked up by name in stapo_jax.rewards.registry.REWARD_KINDS (each verifier module registers
+# its own); KINDS is that registry (reading it imports the verifier modules)
+KINDS = REWARD_KINDS
+
+
+def _run_inline(fn: Callable, response: str, gold: Any) -> tuple[str, Any]:
+    """``("ok", fn(response, gold))``, or ``("error", repr)`` if it raised (counted, never fatal)."""
+    try:
+        return "ok", fn(response, gold)
+    except Exception as e:  # defensive: the inline verifiers are total on inputs of the right type
+        return "error", repr(e)
 
 
 class VerifierPool:
@@ -109,7 +121,7 @@ class RewardScorer:
     """Scores batches of responses with one verifier kind; owns its :class:`VerifierPool` (if pooled).
 
     Args:
-      kind: one of :data:`KINDS`.
+      kind: a registered reward kind (:data:`stapo_jax.rewards.registry.REWARD_KINDS`).
       timeout_s: per-item wall-clock limit for pooled verifiers (seconds).
       num_workers: pool size for pooled verifiers.
       boxed_normalize: string match after DAPO's normalisation (``reward.boxed_normalize``).
@@ -123,10 +135,9 @@ class RewardScorer:
     def __init__(self, kind: str, *, timeout_s: float = 10.0, num_workers: int = 4, boxed_normalize: bool = False,
                  gym_task: Optional[str] = None, gym_answer_format: str = "boxed", rel_tol: float = 1e-9,
                  require_think_close: bool = False):
-        if kind not in KINDS:
-            raise ValueError(f"reward kind {kind!r}: expected one of {KINDS}")
-        if kind == "gym" and not gym_task:
-            raise ValueError("reward kind 'gym' needs gym_task (data.gym.task)")
+        self.entry = get_reward_kind(kind)  # ConfigError (a ValueError) for an unknown kind, with did-you-mean
+        if "gym_task" in self.entry.requires and not gym_task:
+            raise ValueError(f"reward kind {kind!r} needs gym_task (data.gym.task)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         if not rel_tol > 0:
@@ -134,10 +145,13 @@ class RewardScorer:
         self.rel_tol, self.require_think_close = float(rel_tol), bool(require_think_close)
         self.kind, self.timeout_s, self.boxed_normalize = kind, float(timeout_s), boxed_normalize
         self.gym_task, self.gym_answer_format = gym_task, gym_answer_format
+        self._keywords = self.entry.keywords({"boxed_normalize": boxed_normalize, "rel_tol": self.rel_tol,
+                                              "require_think_close": self.require_think_close,
+                                              "gym_task": gym_task, "gym_answer_format": gym_answer_format})
         self._pool: Optional[VerifierPool] = None
-        if kind in _POOLED_KINDS:
-            module = _POOLED_KINDS[kind]
-            init = __import__(module, fromlist=["init_worker"]).init_worker
+        if self.entry.pooled:
+            module = self.entry.module
+            init = getattr(__import__(module, fromlist=["init_worker"]), "init_worker", None)
             self._pool = VerifierPool(num_workers, preload=[module], initializer=init)
 
     def score(self, responses: Sequence[str], golds: Sequence[Any]) -> tuple[np.ndarray, dict[str, float]]:
@@ -160,7 +174,7 @@ class RewardScorer:
         """
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
-        gold_type = dict if self.kind == "gym" else str
+        gold_type = self.entry.gold_type
         for i, (r, g) in enumerate(zip(responses, golds)):
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}, expected str")
@@ -171,42 +185,24 @@ class RewardScorer:
         scores = np.zeros(n, dtype=np.float32)
         correct = np.zeros(n, dtype=bool)
         n_timeout = n_error = n_unparsed = 0
-        if self.kind.startswith("boxed_exact"):
-            wrong = -1.0 if self.kind == "boxed_exact_pm1" else 0.0
-            for i, (r, g) in enumerate(zip(responses, golds)):
-                try:
-                    ok, _ = string_match.is_correct(r, g, self.boxed_normalize)
-                except Exception:  # defensive: the matcher is total on str inputs
-                    log.exception("string-match verifier failed on item %d", i)
-                    n_error += 1
-                    continue
-                correct[i] = ok
-                scores[i] = 1.0 if ok else wrong
+        fn = functools.partial(self.entry.fn, **self._keywords)
+        args = list(zip(responses, golds))
+        if self._pool is not None:
+            results = self._pool.run(fn, args, self.timeout_s)
         else:
-            if self.kind == "math_verify_01":
-                from stapo_jax.rewards.math import verify_one as fn
-
-                args = [(r, g) for r, g in zip(responses, golds)]
-            elif self.kind == "math_verify_strict":
-                from stapo_jax.rewards.math_strict import score_one as fn
-
-                args = [(r, g, self.rel_tol, self.require_think_close) for r, g in zip(responses, golds)]
+            results = [_run_inline(fn, r, g) for r, g in args]
+        for i, (status, value) in enumerate(results):
+            if status == "timeout":
+                n_timeout += 1
+            elif status == "error":
+                n_error += 1
+                log.warning("verifier error on item %d: %s", i, value)
             else:
-                from stapo_jax.rewards.gym import score_one as fn
-
-                args = [(r, g, self.gym_task, self.gym_answer_format) for r, g in zip(responses, golds)]
-            for i, (status, value) in enumerate(self._pool.run(fn, args, self.timeout_s)):
-                if status == "timeout":
-                    n_timeout += 1
-                elif status == "error":
-                    n_error += 1
-                    log.warning("verifier error on item %d: %s", i, value)
-                else:
-                    if isinstance(value, tuple):  # math_verify_strict: (score, unparsed)
-                        value, unparsed = value
-                        n_unparsed += bool(unparsed)
-                    scores[i] = float(value)
-                    correct[i] = float(value) >= 1.0
+                if isinstance(value, tuple):  # (score, unparsed): math_verify_strict's score_one
+                    value, unparsed = value
+                    n_unparsed += bool(unparsed)
+                scores[i] = float(value)
+                correct[i] = float(value) >= 1.0
         stats = {"n": float(n), "n_correct": float(correct.sum()), "n_timeout": float(n_timeout),
                  "n_error": float(n_error), "n_unparsed": float(n_unparsed),
                  "accuracy": float(correct.mean()) if n else 0.0,

@@ -13,6 +13,7 @@ import functools
 from typing import Any, Literal, Optional
 
 from stapo_jax.rewards.boxed import extract_last_boxed
+from stapo_jax.rewards.registry import register_reward
 
 AnswerFormat = Literal["boxed", "answer_tag", "raw"]
 
@@ -84,6 +85,8 @@ def _score_fn(task: str):
     return reasoning_gym.get_score_answer_fn(task)
 
 
+@register_reward("gym", gold_type=dict, pooled=True, options={"task": "gym_task", "answer_format": "gym_answer_format"},
+                 requires=("gym_task",))
 def score_one(response: str, entry: dict[str, Any], task: str, answer_format: AnswerFormat = "boxed") -> float:
     """reasoning-gym's score of ``response`` for ``entry`` of ``task`` (float in [0, 1]).
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from stapo_jax.rewards.registry import register_reward
+
 
 def _configs():
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
@@ -45,6 +47,7 @@ def parse_gold(gold: str) -> list:
     return parse("\\boxed{" + gold + "}", extraction_config=gold_cfg, parsing_timeout=None)
 
 
+@register_reward("math_verify_01", pooled=True)
 def verify_one(response: str, gold: str) -> bool:
     """True iff math-verify judges the answer in ``response`` equal to ``gold``.
 

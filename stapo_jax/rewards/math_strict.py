@@ -41,6 +41,7 @@ from typing import Any, Optional
 from stapo_jax.rewards.answer import Normalized, final_answer, normalize, unicode_to_latex
 from stapo_jax.rewards.forms import (AnswerForm, forms_equal, has_infinity, is_unsafe, ratio_value,
                                      rounded_entries_match, special_form)
+from stapo_jax.rewards.registry import register_reward
 
 DEFAULT_REL_TOL = 1e-9
 
@@ -439,6 +440,8 @@ def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, requi
     return 1.0 if verify_strict(response, gold, rel_tol, require_think_close) else 0.0
 
 
+@register_reward("math_verify_strict", pooled=True,
+                 options={"rel_tol": "rel_tol", "require_think_close": "require_think_close"})
 def score_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
               require_think_close: bool = False) -> tuple[float, bool]:
     """Pool entry point: ``(score, unparsed)`` from :func:`grade` (score 1.0 / 0.0; ``unparsed`` counted as

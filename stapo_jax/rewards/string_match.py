@@ -18,6 +18,7 @@ import re
 from typing import Optional
 
 from stapo_jax.rewards.boxed import extract_last_boxed
+from stapo_jax.rewards.registry import register_reward
 
 RESPONSE_WINDOW = 300  # DAPO: "The longest answer in MATH-500 has 159 characters"
 BOX_WINDOW = 100       # strict-box verify: the box must lie in the final 100 characters
@@ -83,6 +84,8 @@ def is_correct(response: str, gold: str, normalize: bool = False) -> tuple[bool,
     return pred == gold, pred
 
 
+@register_reward("boxed_exact_pm1", fixed={"plus_minus": True}, options={"normalize": "boxed_normalize"})
+@register_reward("boxed_exact_01", fixed={"plus_minus": False}, options={"normalize": "boxed_normalize"})
 def score_one(response: str, gold: str, normalize: bool = False, plus_minus: bool = True) -> float:
     """Reward of one response: +1 correct / -1 wrong (``plus_minus``, JustRL) or 1 / 0.
 

@@ -20,8 +20,9 @@ This module holds the interface, the strategy lookup (:func:`mask_strategy`) and
 every registered mask (``stapo_jax.algo.masks.TOKEN_MASKS``) can use: :func:`per_micro_batch_strategy` (each
 micro-batch is its own population: ``microbatch`` scope, or no mask) and :func:`full_batch_strategy` (the mask
 computed once on the whole mini-batch from a forward-only pre-pass: ``minibatch`` scope). A mask may register
-its own strategies (:func:`register_mask_strategy`); S2T does (``stapo_jax.algo.s2t``: old-policy statistics
-and the correction pass). Source: stapo_spec.md §3 (population of the threshold), conventions.md §2.
+its own strategies (:func:`register_mask_strategy`); S2T's (old-policy statistics and the correction pass, from
+the pure pieces of ``stapo_jax.algo.s2t``) are defined and registered at the end of this module.
+Source: stapo_spec.md §3 (population of the threshold), conventions.md §2.
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
-from stapo_jax.algo.objectives import POLICY_LOSSES
+from stapo_jax.algo.objectives import POLICY_LOSSES, kl_has_own_denominator
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
-from stapo_jax.algo.registry import register_into
+from stapo_jax.algo.registry import Registry
+from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES",
-           "register_mask_strategy", "mask_strategy", "mask_selects", "masked_policy_loss", "mask_metrics",
+           "register_mask_strategy", "mask_strategy", "mask_selects", "masked_policy_loss", "kl_apart", "mask_metrics",
            "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy", "prepass_stats",
-           "split_micro_batches", "join_micro_batches"]
+           "split_micro_batches", "join_micro_batches", "s2t_strategy", "old_policy_stats", "correction_strategy"]
 
 # the mask's and diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and
 # the mini-batches of a step, not as means
@@ -108,15 +110,16 @@ class MaskStrategy:
     finish: Callable
 
 
-# mask name -> factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` (None: use the generic strategy)
-MASK_STRATEGIES: dict[str, Callable] = {}
+# mask name -> factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` (None: use the generic strategy); every
+# factory is defined and registered in this module (S2T's at its end)
+MASK_STRATEGIES: Registry = Registry("mask strategy", "actor.token_mask", homes=("stapo_jax.train.mask_strategy",))
 
 
 def register_mask_strategy(name: str) -> Callable:
     """Decorator registering a strategy factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` for the
     token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``.
     Takes no arrays (``name``: str)."""
-    return register_into(MASK_STRATEGIES, "mask strategy", name)
+    return MASK_STRATEGIES.register(name)
 
 
 def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
@@ -140,23 +143,33 @@ def mask_selects(recipe: Recipe) -> bool:
     return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
 
 
-def masked_policy_loss(recipe: Recipe) -> Callable:
+def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
-    policy loss (``objectives.POLICY_LOSSES[recipe.policy_loss]``, signature of ``compute_policy_loss``) on a
-    (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None) applied
-    the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the ``kl_cov_selection``.
-    log_probs / entropy: ``[N, R]`` float32 of the current policy.
+    policy loss (``objectives.POLICY_LOSSES.lookup(recipe.policy_loss)``, signature of ``compute_policy_loss``) on
+    a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None)
+    applied the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the
+    ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy. fold_kl: False leaves the
+    KL term out of ``loss_sum`` (:func:`kl_apart`).
     Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
     ``compute_policy_loss_kl_cov`` (selection)."""
-    selects, policy_loss = mask_selects(recipe), POLICY_LOSSES[recipe.policy_loss]
+    selects, policy_loss = mask_selects(recipe), POLICY_LOSSES.lookup(recipe.policy_loss)
 
     def surrogate(lp, ent, mb, keep):
         return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
                            None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
                            rollout_log_probs=mb.rollout_log_probs, kl_cov_selection=keep if selects else None,
-                           renormalize=recipe.renormalize)
+                           renormalize=recipe.renormalize, fold_kl=fold_kl)
 
     return surrogate
+
+
+def kl_apart(recipe: Recipe) -> bool:
+    """Whether the update differentiates the KL term apart from the policy gradient: its denominator (every valid
+    token) can differ from the policy gradient's (the kept tokens), and the kept-token count of the mini-batch is
+    known only after the gradient pass (``objectives.kl_has_own_denominator``). Takes no arrays; returns a bool.
+    Never raises. Source: verl actor (``pg_loss + kl_loss_coef * agg_loss(kld, response_mask)``)."""
+    has_mask = recipe.token_mask != "none" and not mask_selects(recipe)
+    return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
 
 
 def mask_metrics(recipe: Recipe, out: "MaskOutcome", batch, vocab_size: Optional[int] = None) -> dict:
@@ -255,6 +268,54 @@ def full_batch_strategy(stats_fn: Callable) -> MaskStrategy:
                         finish=finish)
 
 
-# the S2T module registers S2T's strategies (old-policy statistics, the correction pass) here; imported last
-# because it builds on the definitions above
-import stapo_jax.algo.s2t  # noqa: E402,F401
+# ---------------------------------------------------------------- S2T's strategies (stapo_spec.md §3)
+
+
+def old_policy_stats(ctx, params, batch):
+    """``(old_log_probs, old_entropy)`` ``[B, R]`` float32 of the batch: the statistics of ``stats_policy=old``.
+    Raises: ValueError when the batch has no ``old_entropy``. Source: stapo_spec.md §3 (``stats_policy=old``:
+    the rollout policy's statistics, as verl's ``old_log_probs``)."""
+    if batch.old_entropy is None:
+        raise ValueError("s2t.stats_policy='old' needs batch.old_entropy")
+    return batch.old_log_probs, batch.old_entropy
+
+
+def correction_strategy() -> MaskStrategy:
+    """``minibatch_method=correction``: the gradient pass masks each micro-batch with the provisional ``tau_h``
+    (:func:`provisional_tau_h`); ``finish`` takes the exact mini-batch ``tau_h`` from that pass's entropies and adds
+    :func:`correction_pass`. Metrics ``s2t/correction_passes``, ``s2t/corrected_tokens`` (float32 scalars);
+    the masks it builds are ``[B, R]`` bool over ``[B, R]`` float32 log-probs / entropies. Raises: ValueError as
+    :func:`stapo_jax.algo.recipes.compute_token_mask`. Source: stapo_spec.md §3."""
+
+    def prepare(ctx, params, batch):
+        resp = batch.response_mask.astype(jnp.float32)
+        return provisional_tau_h(ctx.recipe, batch.old_log_probs, batch.old_entropy, batch.advantages, resp), None
+
+    def micro_mask(ctx, tau_guess, pm, lp, ent, mb, j):
+        keep, st = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=mb.advantages,
+                                      response_mask=mb.response_mask.astype(jnp.float32),
+                                      old_log_probs=mb.old_log_probs, key=jax.random.fold_in(ctx.key, j),
+                                      tau_h=tau_guess)
+        return keep, st["s2t/tau_h"]
+
+    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
+        keep, stats = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=batch.advantages,
+                                         response_mask=batch.response_mask.astype(jnp.float32))
+        grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, params, grad_sum, mbs, keeps,
+                                          split_micro_batches(keep, ctx.num_micro_batches), grad=ctx.grad)
+        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus, extra, keep=keep, tau_h=stats["s2t/tau_h"])
+
+    return MaskStrategy(prepare=prepare, micro_mask=micro_mask, finish=finish)
+
+
+@register_mask_strategy("s2t")
+def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
+    """The S2T update strategy by :func:`minibatch_stats_mode`: ``old`` -> the mask once from the old policy's
+    statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
+    strategy of this module) otherwise.
+
+    Takes no arrays (``has_old_entropy``: bool); returns a :class:`MaskStrategy` or None, whose masks are
+    ``[B, R]`` bool. Never raises here; the strategies raise ValueError as
+    :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
+    mode = minibatch_stats_mode(recipe, has_old_entropy)
+    return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)

@@ -6,7 +6,7 @@ Data flow (stapo_spec.md §3-4, conventions.md §2):
 1. ``strategy.prepare``: the recipe's mask strategy (``stapo_jax.train.mask_strategy.mask_strategy``) does what
    its mask needs before the gradient pass: nothing (per-micro-batch masks), the mask on the whole mini-batch
    from a forward-only pre-pass or from the old policy's statistics, or S2T's provisional threshold
-   (``stapo_jax.algo.s2t``).
+   (``stapo_jax.algo.s2t``, through ``stapo_jax.train.mask_strategy.s2t_strategy``).
 2. **Gradient pass**: ``lax.scan`` over the K micro-batches (micro-batch ``j`` = rows ``j, j + K, ...``, so a
    batch sharded over rows stays local); each computes log-probs + entropy (``forward`` below:
    ``stapo_jax.train.policy``), asks ``strategy.micro_mask`` for its mask, and accumulates
@@ -32,15 +32,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stapo_jax.algo.objectives import finalize_metrics, safe_divide
+from stapo_jax.algo.objectives import finalize_metrics, kl_loss, safe_divide
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, mask_metrics,
-                                           mask_strategy, masked_policy_loss, split_micro_batches)
+from stapo_jax.algo.s2t import minibatch_stats_mode
+from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, kl_apart,
+                                           mask_metrics, mask_strategy, masked_policy_loss, split_micro_batches)
 from stapo_jax.train.optim import update_with_norm
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
-__all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
+__all__ = ["TrainState", "Batch", "make_train_step", "make_update_steps", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
            "optimizer_state_shardings"]
 
 DATA_AXES = ("data", "fsdp")
@@ -217,7 +218,15 @@ def make_train_step(
       ValueError (at call time): batch fields missing or misshaped, K not dividing B, S2T ``stats_policy=old``
       without ``old_entropy``.
     """
-    k, surrogate = num_micro_batches, masked_policy_loss(recipe)
+    k, apart = num_micro_batches, kl_apart(recipe)
+    # the KL term over every valid token has its own denominator; where it can differ from the kept-token count
+    # (known only after the gradient pass) the pass differentiates it apart (``kl_sum``) into a second gradient sum
+    surrogate = masked_policy_loss(recipe, fold_kl=not apart)
+    loss = recipe.loss
+
+    def kl_sum(lp, mb):
+        return kl_loss(lp, mb.ref_log_probs, mb.response_mask, kl_loss_type=loss.kl_loss_type,
+                       loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor)[0]
     lp_fn = make_log_prob_fn(temperature=temperature, seq_chunk=seq_chunk, vocab_chunk=vocab_chunk,
                              num_micro_batches=k)
 
@@ -249,13 +258,30 @@ def make_train_step(
             g, out = _grad(loss_fn, params)
             return jax.tree.map(jnp.add, grad_acc, g), out
 
+        def micro_kl_apart(accs, xs):  # one forward, two backward passes: the policy gradient's and the KL term's
+            mb, pm, j = xs
+            (lp, ent), pull = jax.vjp(lambda p: forward(p, mb), params)
+            sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
+            keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
+            cot = jax.grad(lambda a, b: surrogate(a, b, mb, keep)[0], argnums=(0, 1))(lp, ent)
+            cot_kl = (jax.grad(kl_sum)(lp, mb), jnp.zeros_like(ent))
+            g, g_kl = pull(cot)[0], pull(cot_kl)[0]
+            return jax.tree.map(jnp.add, accs, (g, g_kl)), (sg_lp, sg_ent, keep, tau)
+
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, per_micro, jnp.arange(k)))
+        if apart:
+            (grad_sum, kl_grad_sum), (lps, ents, keeps, taus) = jax.lax.scan(
+                micro_kl_apart, (zeros, zeros), (mbs, per_micro, jnp.arange(k)))
+        else:
+            grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, per_micro, jnp.arange(k)))
         lp_all, ent_all = join_micro_batches(lps), join_micro_batches(ents)
         out = strategy.finish(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs, batch)
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
         # and the token diagnostics from the statistics that defined the mask
         loss_sum, den, m = surrogate(lp_all, ent_all, batch, out.keep)
+        loss_value = safe_divide(loss_sum, den)
+        if apart:  # the KL term's value over its own denominator (also when no token is kept)
+            loss_value = loss_value + loss.kl_loss_coef * safe_divide(*m["kl_loss"])
         m = {**m, **mask_metrics(recipe, out, batch, vocab_size)}
         # the gradient of the mean is grad_sum / den: one scalar reciprocal and a multiply (a per-element divide
         # was a pass of its own on XLA:CPU). The product stays materialised: it is an operand of the branch below
@@ -267,6 +293,9 @@ def make_train_step(
         # as optax defines it (its clip, wherever it sits, computes its own norm): ``optim.update_with_norm``.
         inv_den = safe_divide(jnp.ones((), jnp.float32), den)
         grads = jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # float32, as g / den was for bf16 gradients
+        if apart:  # + kl_loss_coef * grad(KL sum) / (the KL term's own global denominator)
+            kl_scale = loss.kl_loss_coef * safe_divide(jnp.ones((), jnp.float32), m["kl_loss"][1])
+            grads = jax.tree.map(lambda g, gk: g + gk * kl_scale, grads, kl_grad_sum)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
 
@@ -287,7 +316,7 @@ def make_train_step(
         metrics = finalize_metrics(m, den)
         metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
         metrics.update(out.metrics)
-        metrics.update({"loss": safe_divide(loss_sum, den), "loss_denominator": den, "grad_norm": grad_norm,
+        metrics.update({"loss": loss_value, "loss_denominator": den, "grad_norm": grad_norm,
                         "nonfinite_grad": (~finite).astype(jnp.float32)})
         return new_state, metrics
 
@@ -298,6 +327,21 @@ def make_train_step(
     bs, rep = batch_sharding(mesh), NamedSharding(mesh, P())
     return jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, rep),
                    donate_argnums=(0,) if donate else ())
+
+
+def make_update_steps(recipe: Recipe, optimizer, **step_kw):
+    """``(first_step, step)``: the jitted update (:func:`make_train_step` ``(recipe, optimizer, **step_kw)``) and the one to use on the first mini-batch of a training step. They differ only for S2T with
+    the ``prepass`` mode, where the first mini-batch reads the rollout policy's statistics (θ = θ_old there),
+    saving the pre-pass; otherwise both are the same function.
+
+    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`Batch` arrays
+    (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
+    Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
+    """
+    step = make_train_step(recipe, optimizer, **step_kw)
+    if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
+        return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
+    return step, step
 
 
 def _grad(fn, params):

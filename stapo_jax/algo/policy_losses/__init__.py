@@ -1,0 +1,3 @@
+"""Policy losses beyond ``vanilla``, one module each: a module here registers its loss with
+``stapo_jax.algo.objectives.register_policy_loss`` and ``objectives.POLICY_LOSSES`` finds it (it imports every
+module of this package before a lookup), so ``actor.policy_loss: <name>`` selects it from YAML."""

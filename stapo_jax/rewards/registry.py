@@ -1,0 +1,68 @@
+"""The reward kinds by name (``reward.kind``): each verifier registers itself in its own module with
+:func:`register_reward`, saying how it is called (the scorer options it takes, whether it runs in the process pool,
+the type of its gold answer); :data:`REWARD_KINDS` imports every module of ``stapo_jax.rewards`` before a lookup,
+so a new reward is one new file there (DESIGN.md "Add a reward").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from stapo_jax.algo.registry import Registry
+
+__all__ = ["RewardKind", "REWARD_KINDS", "register_reward", "get_reward_kind"]
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """A registered verifier.
+
+    name: the ``reward.kind`` value. fn: ``fn(response, gold, **keywords) -> float`` score, or ``(score, unparsed)`` where the verifier counts answers
+    it could not compare safely (``reward/n_unparsed``) (a module-level function,
+    so a pooled kind can be sent to a worker process). gold_type: the type of a gold answer (``str``; ``dict`` for a
+    reasoning-gym entry). pooled: run in the :class:`~stapo_jax.rewards.VerifierPool` (a process per item with a
+    hard timeout; the module's ``init_worker`` runs in each worker if it has one); False runs it inline.
+    options: ``{fn keyword: scorer option}`` read from the :class:`~stapo_jax.rewards.RewardScorer`'s options
+    (``boxed_normalize``, ``rel_tol``, ``require_think_close``, ``gym_task``, ``gym_answer_format``). fixed: constant
+    keywords. requires: scorer options that must be set (``gym_task``).
+    """
+
+    name: str
+    fn: Callable
+    gold_type: type = str
+    pooled: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
+    fixed: Mapping = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        """The dotted module that defines ``fn`` (the pool preloads it)."""
+        return self.fn.__module__
+
+    def keywords(self, scorer_options: Mapping) -> dict:
+        """The keyword arguments of ``fn`` for a scorer with ``scorer_options`` (``fixed`` plus the ``options`` it
+        reads). Takes no arrays. Raises: ValueError naming a required option that is unset (None / "")."""
+        missing = [o for o in self.requires if not scorer_options.get(o)]
+        if missing:
+            raise ValueError(f"reward kind {self.name!r} needs {missing}")
+        return {**self.fixed, **{kw: scorer_options[opt] for kw, opt in self.options.items()}}
+
+
+REWARD_KINDS: Registry = Registry("reward kind", "reward.kind", packages=("stapo_jax.rewards",))
+
+
+def register_reward(name: str, **spec) -> Callable:
+    """Decorator registering a verifier ``fn(response, gold, **keywords) -> float`` as reward kind ``name``
+    (fields of :class:`RewardKind`). Stack it to register one function under several names (e.g. with different
+    ``fixed`` keywords). Takes no arrays; returns the decorator.
+    Raises: ValueError if ``name`` is taken. Source: verl ``register_policy_loss`` pattern; verl ``compute_score``
+    (one float per response)."""
+    return REWARD_KINDS.register(name, lambda fn: RewardKind(name=name, fn=fn, **spec))
+
+
+def get_reward_kind(name: str) -> RewardKind:
+    """The registered reward kind ``name``. Takes no arrays.
+    Raises: ConfigError (a ValueError) naming ``reward.kind``, the closest registered kind and all of them.
+    Source: verl ``get_policy_loss_fn`` (lookup by name)."""
+    return REWARD_KINDS.lookup(name)
