@@ -343,7 +343,7 @@ def test_settings_built_in_python_check_types_naming_the_key(make, match):
 
 
 def test_settings_accept_numpy_scalars_and_registered_names():
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
 
     loss = PolicyLossConfig(clip_ratio_low=np.float32(0.25), clip_ratio_high=1)
     assert type(loss.clip_ratio_low) is float and loss.clip_ratio_low == pytest.approx(0.25)

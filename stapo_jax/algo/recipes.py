@@ -26,15 +26,12 @@ from dataclasses import dataclass, field
 
 from stapo_jax.algo import masks
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
-from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
-from stapo_jax.config.schema import from_dict
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.algo.settings_base import ConfigError
 
-__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
-           "recipe_from_config"]
+__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field", "recipe_from_config"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
@@ -114,25 +111,6 @@ def recipe_from_config(cfg) -> Recipe:
     return Recipe(
         cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, s2t=s, top_entropy=t, advantage=cfg.algorithm,
         sampling=cfg.sampling, overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated)
-
-
-# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``
-# (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
-RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
-                              for name in CONFIG_RECIPES}
-
-
-def get_recipe(name: str, **changes) -> Recipe:
-    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`). No arrays: returns a
-    :class:`Recipe`.
-
-    Raises: ValueError for an unknown name (lists the known ones) or an invalid changed value.
-    Source: stapo_spec.md §4-5, §10; JustRL ``run_scaling_ssh_distill.sh``; DAPO 2503.14476.
-    """
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
-    recipe = RECIPES[name]
-    return recipe.replace(**changes) if changes else recipe
 
 
 def recipe_field(recipe: Recipe, dotted: str):
