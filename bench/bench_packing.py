@@ -60,7 +60,7 @@ import benchutil  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.config.recipes import get_recipe  # noqa: E402
-from stapo_jax.algo.s2t import make_update_steps  # noqa: E402
+from stapo_jax.train.train_step import make_update_steps  # noqa: E402
 from stapo_jax.config.schema import MAX_SEQUENCES_FACTOR  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402

@@ -10,7 +10,7 @@ from flax import nnx
 
 from models.qwen3 import Qwen3, Qwen3Config
 from stapo_jax.config.recipes import get_recipe
-from stapo_jax.algo.s2t import make_update_steps
+from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
 from stapo_jax.train.update import update_policy

@@ -10,8 +10,9 @@ The S2T entropy threshold ``tau_h`` is a quantile over the whole mini-batch *und
   entropies that pass returns, and redo forward + backward only for micro-batches whose mask changed
   (:func:`correction_pass`). The result equals the pre-pass update.
 * ``prepass``: one forward-only pass over the mini-batch first. On the first mini-batch of a step the old
-  policy's statistics are the current ones, so :func:`make_update_steps` gives a first-mini-batch step that reads
-  ``old_log_probs`` / ``old_entropy`` instead (``stats_policy=old``), saving that pass.
+  policy's statistics are the current ones, so ``stapo_jax.train.train_step.make_update_steps`` gives a
+  first-mini-batch step that reads ``old_log_probs`` / ``old_entropy`` instead (``stats_policy=old``), saving
+  that pass.
 * ``old`` (``s2t.stats_policy=old``): the old policy's statistics throughout.
 
 The train step is generic (``stapo_jax.train.train_step``); this module gives it S2T's ways through the mask
@@ -26,7 +27,7 @@ from stapo_jax.algo.recipes import Recipe, compute_token_mask
 from stapo_jax.train.mask_strategy import (MaskStrategy, full_batch_strategy, micro_batch_outcome,
                                            register_mask_strategy, split_micro_batches)
 
-__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass", "make_update_steps", "s2t_strategy",
+__all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass", "s2t_strategy",
            "old_policy_stats", "correction_strategy"]
 
 
@@ -147,21 +148,3 @@ def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
     mode = minibatch_stats_mode(recipe, has_old_entropy)
     return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
-
-
-def make_update_steps(recipe: Recipe, optimizer, **step_kw):
-    """``(first_step, step)``: the jitted update (``stapo_jax.train.train_step.make_train_step(recipe, optimizer,
-    **step_kw)``) and the one to use on the first mini-batch of a training step. They differ only for S2T with
-    the ``prepass`` mode, where the first mini-batch reads the rollout policy's statistics (θ = θ_old there),
-    saving the pre-pass; otherwise both are the same function.
-
-    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
-    (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
-    Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
-    """
-    from stapo_jax.train.train_step import make_train_step  # the generic step; it imports this module
-
-    step = make_train_step(recipe, optimizer, **step_kw)
-    if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
-        return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
-    return step, step

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from stapo_jax.algo.objectives import finalize_metrics, safe_divide
 from stapo_jax.algo.recipes import Recipe
+from stapo_jax.algo.s2t import minibatch_stats_mode
 from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, mask_metrics,
                                            mask_strategy, masked_policy_loss, split_micro_batches)
 from stapo_jax.train.optim import update_with_norm
@@ -41,7 +42,7 @@ from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
 __all__ = ["TrainState", "Batch", "make_train_step", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
-           "optimizer_state_shardings"]
+           "optimizer_state_shardings", "make_update_steps"]
 
 DATA_AXES = ("data", "fsdp")
 
@@ -304,3 +305,19 @@ def _grad(fn, params):
     """``(grad of fn's first output w.r.t. params, fn's second output)``: every gradient of the update goes
     through here (the micro-batch pass and the S2T correction)."""
     return jax.grad(fn, has_aux=True)(params)
+
+
+def make_update_steps(recipe: Recipe, optimizer, **step_kw):
+    """``(first_step, step)``: the jitted update (:func:`make_train_step` ``(recipe, optimizer, **step_kw)``) and
+    the one to use on the first mini-batch of a training step. They differ only for S2T with the ``prepass`` mode,
+    where the first mini-batch reads the rollout policy's statistics (θ = θ_old there), saving the pre-pass;
+    otherwise both are the same function.
+
+    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
+    (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
+    Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
+    """
+    step = make_train_step(recipe, optimizer, **step_kw)
+    if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
+        return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
+    return step, step

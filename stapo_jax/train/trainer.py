@@ -27,7 +27,7 @@ from stapo_jax.rollout import build_rollout
 from stapo_jax.rollout.multihost import coordination_seconds
 from stapo_jax.train.run_files import (DUMP_ENV, check_same_model, dump_experience, load_val_examples,
                                        set_aside_earlier_run, sft_warmup, write_plots, write_summary)
-from stapo_jax.algo.s2t import make_update_steps
+from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
 from stapo_jax.train.packing import packing_long_rows
