@@ -89,7 +89,7 @@ class ModelConfig:
 MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
                    "max_position_embeddings", "rms_norm_eps")
-# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.config.build)
+# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.runtime.build)
 _REQUIRED_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
