@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
-                              valid_keys)
+from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, dataclass_keys, load_config,
+                              parse_override)
 from stapo_jax.algo.loss_settings import PolicyLossConfig
 from stapo_jax.algo.mask_settings import S2TConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
@@ -219,10 +219,10 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 def test_base_yaml_documents_every_key_with_its_default():
     base = REPO / "configs" / "base.yaml"
     raw = yaml.safe_load(base.read_text())
-    assert set(_leaves(raw)) == set(valid_keys())
+    assert set(_leaves(raw)) == set(dataclass_keys(Config))
     assert load_config(base) == Config()
     text = base.read_text()
-    for key in valid_keys():  # every key carries a comment
+    for key in dataclass_keys(Config):  # every key carries a comment
         leaf = key.rsplit(".", 1)[-1]
         lines = [ln for ln in text.splitlines() if ln.startswith(" ") and ln.strip().startswith(f"{leaf}:")]
         assert lines and all("#" in ln for ln in lines), key

@@ -21,18 +21,8 @@ from stapo_jax.algo.settings_base import (  # noqa: F401  (re-exported: part of 
 )
 
 __all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
-           "has_dotted", "set_dotted", "plain_copy", "valid_keys", "parse_override", "safe_load_unique",
+           "has_dotted", "set_dotted", "plain_copy", "dataclass_keys", "parse_override", "safe_load_unique",
            "check_field_types", "check_one_of"]
-
-
-def valid_keys(cls: type | None = None, prefix: str = "") -> list[str]:
-    """All dotted leaf keys of a schema dataclass (dict-valued fields are leaves); None: the run ``Config``.
-    Takes no arrays; returns str keys. Never raises. Source: the schema dataclasses (verl-style dotted keys)."""
-    if cls is None:
-        from stapo_jax.config.schema import Config  # the schema (imported lazily: config imports this module)
-
-        cls = Config
-    return dataclass_keys(cls, prefix)
 
 
 def has_dotted(raw: Mapping[str, Any], key: str) -> bool:

@@ -29,17 +29,17 @@ from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of th
 from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
+from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
     ConfigError,
     build_dataclass,
     check_field_types,
+    dataclass_keys,
     has_dotted,
     parse_override,
     plain_copy,
     safe_load_unique,
     set_dotted,
     unknown_keys,
-    valid_keys,
 )
 
 CONFIG_FILENAME = "config.yaml"
