@@ -95,6 +95,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 def build_optimizer(cfg: Config):
     """AdamW with warm-up and clipping from ``actor.optim`` (:func:`make_optimizer`).
     Takes no arrays (Python floats); the optimizer keeps the parameters' dtypes. Raises: ValueError as
-    ``make_optimizer``."""
+    ``make_optimizer``. Source: ``stapo_jax.train.optim.make_optimizer`` (verl's ``actor.optim`` keys)."""
     o = cfg.actor.optim
     return make_optimizer(o.lr, o.warmup_steps, o.weight_decay, o.clip_grad, o.betas, o.eps)
