@@ -16,7 +16,8 @@ stapo      0.2 / 0.28   S2T            token-mean  0     0     no           no
 ========== ============ ============== =========== ===== ===== ============ =========
 
 All use dual clip ``clip_ratio_c = 10`` (JustRL script; stapo_spec.md §10 item 7; verl's default is 3) and
-GRPO advantages (ddof 1, epsilon 1e-6).
+GRPO advantages (ddof 1, epsilon 1e-6). The presets as objects (``RECIPES``, ``get_recipe``) are built from the
+config schema in :mod:`stapo_jax.config.recipes`.
 """
 
 from __future__ import annotations
