@@ -186,3 +186,18 @@ def test_the_checks_see_lazy_type_checking_and_relative_imports(tmp_path):
     assert graph["stapo_jax.train.t"] == {"stapo_jax.train.u": 3}
     assert layer_violations(graph) == ["stapo_jax.algo.a (layer 1) -> stapo_jax.train.t (layer 7), line 2"]
     assert find_cycle(graph) == ["stapo_jax.train.t", "stapo_jax.train.u", "stapo_jax.train.t"]
+
+
+def test_no_package_defines_a_name_of_one_of_its_modules():
+    """Importing ``pkg.x`` sets ``pkg.x`` to the module, replacing a function ``x`` that ``pkg/__init__.py``
+    defines (``stapo_jax.rollout.engine_config`` once did), so a module name must not be a package-level name."""
+    mods = module_files()
+    clashes = []
+    for mod, (path, is_pkg) in mods.items():
+        if not is_pkg:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            clashes += [f"{mod}.{n}" for n in names if f"{mod}.{n}" in mods]
+    assert clashes == []

@@ -28,7 +28,7 @@ from models import decode as model_decode  # noqa: E402
 from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
 from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
 from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
-from stapo_jax.rollout.engine_config import EngineConfig  # noqa: E402
+from stapo_jax.rollout.engine_settings import EngineConfig  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
 
 __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fit_axes", "decode_param_shardings",

@@ -66,7 +66,7 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
     step_fn,
 )
 from stapo_jax.rollout.jetstream_tokenizer import NO_BOS_ID, HFTokenizer, load_tokenizer  # noqa: E402,F401
-from stapo_jax.rollout.engine_config import CACHE_DTYPES, EngineConfig, EngineConfigError  # noqa: E402,F401
+from stapo_jax.rollout.engine_settings import CACHE_DTYPES, EngineConfig, EngineConfigError  # noqa: E402,F401
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
 from stapo_jax.data.tokenizer import QWEN3_STOP_IDS  # noqa: E402
 
