@@ -35,7 +35,8 @@ from benchutil import (interleaved, load_line, machine_line, pick_torch_threads,
 
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
 from stapo_jax.algo.objectives import compute_policy_loss, safe_divide  # noqa: E402
-from stapo_jax.algo.recipes import compute_token_mask, get_recipe  # noqa: E402
+from stapo_jax.algo.recipes import compute_token_mask  # noqa: E402
+from stapo_jax.config.recipes import get_recipe  # noqa: E402
 
 
 def torch_pg_loss(z, ids, old, adv, resp, c, with_entropy: bool):

@@ -59,7 +59,7 @@ from flax import nnx  # noqa: E402
 import benchutil  # noqa: E402
 from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
-from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.train_step import make_update_steps  # noqa: E402
 from stapo_jax.config.schema import MAX_SEQUENCES_FACTOR  # noqa: E402
 from stapo_jax.train.batching import round_up  # noqa: E402

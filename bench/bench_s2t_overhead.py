@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary, use_cli_allocator  # noqa: E402
 
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 

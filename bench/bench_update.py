@@ -73,7 +73,7 @@ from benchutil import (interleaved, load_line, machine_line, median, pick_torch_
 from models.layer_scan import resolve_scan_unroll  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
-from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
 

@@ -57,7 +57,7 @@ from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
 import stapo_jax.algo.logprobs as logprobs  # noqa: E402
 from stapo_jax.algo.logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
-from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
 
 

@@ -43,7 +43,7 @@ def child(out: str, mode: str) -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from stapo_jax.config import build
+    from stapo_jax.runtime import build
     from stapo_jax.config.schema import load_config
     from stapo_jax.data.prompts import load_prompt_dataset
     from stapo_jax.data.tokenizer import pad_token_id

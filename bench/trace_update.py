@@ -45,7 +45,7 @@ from bench_update import OPTIM, make_batch  # noqa: E402
 from benchutil import load_line, machine_line, use_cli_allocator  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
-from stapo_jax.algo.recipes import get_recipe  # noqa: E402
+from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.optim import make_optimizer  # noqa: E402
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
 

@@ -32,6 +32,7 @@ _EXPORTS_FROM = (
     "stapo_jax.algo.objectives",
     "stapo_jax.algo.recipes",
     "stapo_jax.algo.s2t",
+    "stapo_jax.config.recipes",
 )
 
 

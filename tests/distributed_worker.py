@@ -31,7 +31,7 @@ def main(out_path: str) -> int:
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
     from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
     from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
     mesh = make_mesh(data=2, fsdp=-1, tensor=1)  # all devices of all processes

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from models.qwen3 import Qwen3, Qwen3Config
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.packing import balanced_row_order, pack_micro_batches

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, load_config, parse_override,
-                              valid_keys)
+from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, dataclass_keys, load_config,
+                              parse_override)
 from stapo_jax.algo.loss_settings import PolicyLossConfig
 from stapo_jax.algo.mask_settings import S2TConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
@@ -219,10 +219,10 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 def test_base_yaml_documents_every_key_with_its_default():
     base = REPO / "configs" / "base.yaml"
     raw = yaml.safe_load(base.read_text())
-    assert set(_leaves(raw)) == set(valid_keys())
+    assert set(_leaves(raw)) == set(dataclass_keys(Config))
     assert load_config(base) == Config()
     text = base.read_text()
-    for key in valid_keys():  # every key carries a comment
+    for key in dataclass_keys(Config):  # every key carries a comment
         leaf = key.rsplit(".", 1)[-1]
         lines = [ln for ln in text.splitlines() if ln.startswith(" ") and ln.strip().startswith(f"{leaf}:")]
         assert lines and all("#" in ln for ln in lines), key
@@ -237,7 +237,7 @@ def test_the_actor_section_is_the_recipes_loss():
     """The actor section is a PolicyLossConfig (one dataclass: its keys, validation and meaning), used by the
     recipe as its loss as it is (no copy); every loss field is set by its own key."""
     from stapo_jax.algo.objectives import PolicyLossConfig
-    from stapo_jax.algo.recipes import recipe_from_config
+    from stapo_jax.config.recipes import recipe_from_config
 
     values = {"clip_ratio_low": 0.11, "clip_ratio_high": 0.33, "clip_ratio_c": 4.5, "loss_agg_mode": "token-sum",
               "loss_scale_factor": 7.0, "log_ratio_clamp": 9.0, "entropy_coeff": 0.01, "use_kl_loss": True,
@@ -257,7 +257,7 @@ def test_the_recipe_uses_the_config_sections_themselves():
     import jax.numpy as jnp
 
     from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, recipe_advantages
-    from stapo_jax.algo.recipes import recipe_from_config
+    from stapo_jax.config.recipes import recipe_from_config
 
     cfg = load_config(None, ["algorithm.recipe=dapo", "algorithm.norm_adv_by_std_in_grpo=false",
                              "sampling.max_gen_batches=3", "reward.overlong_buffer_len=7"])
@@ -344,7 +344,7 @@ def test_settings_built_in_python_check_types_naming_the_key(make, match):
 
 
 def test_settings_accept_numpy_scalars_and_registered_names():
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
 
     loss = PolicyLossConfig(clip_ratio_low=np.float32(0.25), clip_ratio_high=1)
     assert type(loss.clip_ratio_low) is float and loss.clip_ratio_low == pytest.approx(0.25)

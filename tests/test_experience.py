@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stapo_jax.train.experience import collect_experience
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.config.recipes import get_recipe
 from stapo_jax.rollout.driver import RolloutBatch
 
 

@@ -14,7 +14,7 @@ from verl.workers.config.actor import ActorConfig
 
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig, safe_divide
 from stapo_jax.algo.policy_losses.gspo import compute_policy_loss_gspo
-from stapo_jax.algo.recipes import recipe_from_config
+from stapo_jax.config.recipes import recipe_from_config
 from stapo_jax.config.schema import ConfigError, from_dict
 
 B, T = 6, 7

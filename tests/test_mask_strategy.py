@@ -13,7 +13,7 @@ from test_train_step import CFG, SGD, make_batch
 
 from models.qwen3 import Qwen3
 from stapo_jax.algo import masks
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train import mask_strategy as ms
 from stapo_jax.train.train_step import TrainState, make_train_step
 
@@ -60,7 +60,7 @@ def test_the_train_steps_surrogate_is_the_recipes_registered_policy_loss():
     """masked_policy_loss looks the loss up by the recipe's ``policy_loss`` name (objectives.POLICY_LOSSES, as
     verl's register_policy_loss): a registered loss is what the step differentiates; an unknown name is refused."""
     from stapo_jax.algo.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
     from stapo_jax.train.mask_strategy import masked_policy_loss
     from stapo_jax.train.train_step import Batch
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stapo_jax.train.metrics import MetricsLogger, read_metrics
-from stapo_jax.tools.plots import main as plot_main
+from stapo_jax.train.plots import main as plot_main
 
 
 def test_logger_writes_jsonl_tb_and_plots(tmp_path):

@@ -34,7 +34,8 @@ from stapo_jax.algo.objectives import (  # noqa: E402
     kl_penalty,
     safe_divide,
 )
-from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe  # noqa: E402
+from stapo_jax.algo.recipes import compute_token_mask  # noqa: E402
+from stapo_jax.config.recipes import RECIPES, get_recipe  # noqa: E402
 
 B, T, V, G = 6, 9, 11, 3
 TEMP = 0.9

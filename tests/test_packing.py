@@ -18,7 +18,7 @@ from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_re
                                     micro_batch_rows, pack_micro_batches, pack_sequences, packing_long_rows,
                                     token_budget_slots, tokens_bucket)
 from stapo_jax.train.policy import response_log_probs_and_entropy
-from stapo_jax.algo.recipes import RECIPES, get_recipe
+from stapo_jax.config.recipes import RECIPES, get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

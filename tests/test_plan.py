@@ -55,7 +55,7 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state, layout):
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
     from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
     from stapo_jax.rollout import engine as eng
     from stapo_jax.rollout.decode_fns import step_fn
     from stapo_jax.rollout.sampling import SamplingParams

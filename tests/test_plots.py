@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from stapo_jax.tools.cli import main as cli_main
-from stapo_jax.tools.plots import CURVES, compare_runs, plot_run, run_series
+from stapo_jax.train.plots import CURVES, compare_runs, plot_run, run_series
 
 
 def make_run(path, recipe, rows, summary=None):

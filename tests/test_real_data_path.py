@@ -44,7 +44,7 @@ def run(tmp_path_factory):
 
 
 def test_config_is_the_real_setup(cfg):
-    from stapo_jax.config.build import model_config
+    from stapo_jax.runtime.build import model_config
     from stapo_jax.data.tokenizer import load_tokenizer
 
     assert cfg.data.train_files == [GSM8K] and (REPO / GSM8K).is_file()

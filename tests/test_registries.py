@@ -58,7 +58,7 @@ def test_yaml_names_are_checked_against_the_registries(overrides, match):
 def test_token_mask_key_and_the_older_flags():
     """actor.token_mask names any registered mask; null falls back to s2t.enabled / top_entropy.enabled (the paper
     configs' spelling), which the key sets when the file does not; a contradiction is an error naming both."""
-    from stapo_jax.algo.recipes import RECIPES, recipe_from_config
+    from stapo_jax.config.recipes import RECIPES, recipe_from_config
 
     for name in ("stapo", "entropy20", "grpo"):  # the presets: the flags alone, as before
         cfg = from_dict({"algorithm": {"recipe": name}})
@@ -77,7 +77,7 @@ def test_token_mask_key_and_the_older_flags():
 def test_a_newly_registered_estimator_is_accepted_from_yaml():
     """algorithm.adv_estimator is a name checked against the live registry, not a fixed list."""
     from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, register_adv_est
-    from stapo_jax.algo.recipes import recipe_from_config
+    from stapo_jax.config.recipes import recipe_from_config
 
     with pytest.raises(ConfigError, match="'sign_of_reward' is not a registered advantage estimator"):
         from_dict({"algorithm": {"adv_estimator": "sign_of_reward"}})

@@ -16,7 +16,7 @@ from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import make_mesh
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
-from stapo_jax.algo.recipes import get_recipe
+from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -168,7 +168,7 @@ def test_plots_written_at_end(run):
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert img[..., :3].std() > 0.01                    # not a blank canvas
     # held-out accuracy: the before-RL point at step 0, the after-RL point at the final step
-    from stapo_jax.tools.plots import run_series
+    from stapo_jax.train.plots import run_series
 
     assert run_series(str(run["run_dir"]))["val/acc"] == [(0, summary["heldout_acc_before"]),
                                                           (summary["final_step"], summary["heldout_acc_after"])]
@@ -202,7 +202,7 @@ def test_sft_command_writes_loadable_model(runs):
 
     from models.hf import load_hf_checkpoint
     from models.qwen3 import Qwen3
-    from stapo_jax.config import build
+    from stapo_jax.runtime import build
     from stapo_jax.train.batching import pack_prompt_response
     from stapo_jax.config.schema import load_config
     from stapo_jax.data.prompts import load_prompt_dataset

@@ -35,7 +35,7 @@ from stapo_jax.algo.mask_settings import (  # noqa: F401  (re-exported: part of 
     TopEntropyConfig,
 )
 from stapo_jax.algo.registry import Registry
-from stapo_jax.config.loading import check_one_of
+from stapo_jax.algo.settings_base import check_one_of
 
 __all__ = [
     "TokenMask",

@@ -16,7 +16,8 @@ stapo      0.2 / 0.28   S2T            token-mean  0     0     no           no
 ========== ============ ============== =========== ===== ===== ============ =========
 
 All use dual clip ``clip_ratio_c = 10`` (JustRL script; stapo_spec.md §10 item 7; verl's default is 3) and
-GRPO advantages (ddof 1, epsilon 1e-6).
+GRPO advantages (ddof 1, epsilon 1e-6). The presets as objects (``RECIPES``, ``get_recipe``) are built from the
+config schema in :mod:`stapo_jax.config.recipes`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,12 @@ from dataclasses import dataclass, field
 
 from stapo_jax.algo import masks
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
-from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
-from stapo_jax.config.schema import from_dict, token_mask_name
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.algo.settings_base import ConfigError
 
-__all__ = ["Recipe", "RECIPES", "TOKEN_MASKS", "get_recipe", "compute_token_mask", "recipe_field",
-           "recipe_from_config"]
+__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
@@ -92,43 +91,6 @@ class Recipe:
             if isinstance(changes.get(section), dict):
                 changes[section] = dataclasses.replace(getattr(self, section), **changes[section])
         return dataclasses.replace(self, **changes)
-
-
-def recipe_from_config(cfg) -> Recipe:
-    """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
-    loss/mask/advantage field comes from the config (verl key names): the ``actor`` section (a
-    :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
-    (or, when null, the ``s2t.enabled`` / ``top_entropy.enabled`` flags: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
-    ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
-    overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
-
-    Takes no arrays; returns a frozen :class:`Recipe`.
-    Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
-    Source: the config schema, configs/base.yaml.
-    """
-    return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=token_mask_name(cfg), policy_loss=cfg.actor.policy_loss,
-        s2t=cfg.s2t, top_entropy=cfg.top_entropy, advantage=cfg.algorithm, sampling=cfg.sampling, overlong=cfg.reward,
-        drop_truncated=cfg.data.drop_truncated)
-
-
-# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``
-# (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
-RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
-                              for name in CONFIG_RECIPES}
-
-
-def get_recipe(name: str, **changes) -> Recipe:
-    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`). No arrays: returns a
-    :class:`Recipe`.
-
-    Raises: ValueError for an unknown name (lists the known ones) or an invalid changed value.
-    Source: stapo_spec.md §4-5, §10; JustRL ``run_scaling_ssh_distill.sh``; DAPO 2503.14476.
-    """
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
-    recipe = RECIPES[name]
-    return recipe.replace(**changes) if changes else recipe
 
 
 def recipe_field(recipe: Recipe, dotted: str):

@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 from typing import Callable, Iterable
 
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.algo.settings_base import ConfigError
 
 __all__ = ["Registry", "register_into", "did_you_mean"]
 

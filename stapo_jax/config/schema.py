@@ -31,17 +31,17 @@ from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t 
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
     apply_token_mask_key, check_registered_names, recipe_violations, token_mask_name, token_mask_violations)
-from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
+from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
     ConfigError,
     build_dataclass,
     check_field_types,
+    dataclass_keys,
     has_dotted,
     parse_override,
     plain_copy,
     safe_load_unique,
     set_dotted,
     unknown_keys,
-    valid_keys,
 )
 
 CONFIG_FILENAME = "config.yaml"
@@ -91,7 +91,7 @@ class ModelConfig:
 MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
                    "max_position_embeddings", "rms_norm_eps")
-# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.config.build)
+# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.runtime.build)
 _REQUIRED_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -28,10 +28,8 @@ from models import decode as model_decode  # noqa: E402
 from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
 from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
 from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
+from stapo_jax.rollout.engine_settings import EngineConfig  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
-
-if TYPE_CHECKING:
-    from stapo_jax.rollout.engine import EngineConfig
 
 __all__ = ["Prefix", "DecodeState", "StepOutput", "DecodeSpec", "DecodeJit", "fit_axes", "decode_param_shardings",
            "decode_state_shardings", "resolve_kernel_layout", "abstract_decode_spec", "prefill_fn", "insert_fn",

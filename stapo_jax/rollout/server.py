@@ -122,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         host = args.host or default_host or compat.DEFAULT_HOST
         port = args.port if args.port is not None else int(default_port)
         seed = cfg.trainer.seed if args.seed is None else args.seed
-        from stapo_jax.config.build import build_mesh, build_model, build_tokenizer
+        from stapo_jax.runtime.build import build_mesh, build_model, build_tokenizer
 
         tokenizer = build_tokenizer(cfg)
         mesh = build_mesh(cfg)

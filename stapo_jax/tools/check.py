@@ -33,7 +33,8 @@ from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import masked_quantile
 from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, finalize_metrics, safe_divide
-from stapo_jax.algo.recipes import RECIPES, compute_token_mask, get_recipe
+from stapo_jax.algo.recipes import compute_token_mask
+from stapo_jax.config.recipes import RECIPES, get_recipe
 
 __all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "mask_without_entropy",
            "DumpError"]

@@ -419,7 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import jax
 
-    from stapo_jax.config.build import build_mesh, build_model, build_tokenizer
+    from stapo_jax.runtime.build import build_mesh, build_model, build_tokenizer
     from stapo_jax.runtime.distributed import check_same_config, initialize
     from stapo_jax.rollout import engine_config, inprocess_rollout
 

@@ -64,7 +64,7 @@ def plan_model_config(cfg) -> Any:
 
     from models.layer_scan import resolve_scan_unroll
     from models.presets import canonical_name, preset
-    from stapo_jax.config.build import model_config
+    from stapo_jax.runtime.build import model_config
 
     m = cfg.model
     # the plan compiles on CPU: auto resolves to blockwise there; the TPU/GPU kernels (splash, cudnn) are

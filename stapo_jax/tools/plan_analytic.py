@@ -11,9 +11,9 @@ __all__ = ["spec_recipe", "packed_slot_bound", "analytic"]
 def spec_recipe(spec: dict):
     """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the S2T / 20-Entropy scopes
     and the S2T mini-batch method). No arrays (a dict of int / str in, a Recipe out); raises KeyError for a spec
-    not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.algo.recipes.get_recipe``."""
+    not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
     from stapo_jax.algo.mask_settings import QUANTILE_SCOPES
-    from stapo_jax.algo.recipes import get_recipe
+    from stapo_jax.config.recipes import get_recipe
 
     changes = {}
     if spec["s2t_scope"] in QUANTILE_SCOPES:

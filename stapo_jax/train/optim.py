@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stapo_jax.config.schema import Config
+
 
 def make_optimizer(lr: float, warmup_steps: int = 0, weight_decay: float = 0.0, clip_grad: Optional[float] = None,
                    betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> optax.GradientTransformation:
@@ -88,3 +90,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def build_optimizer(cfg: Config):
+    """AdamW with warm-up and clipping from ``actor.optim`` (:func:`make_optimizer`).
+    Takes no arrays (Python floats); the optimizer keeps the parameters' dtypes. Raises: ValueError as
+    ``make_optimizer``. Source: ``stapo_jax.train.optim.make_optimizer`` (verl's ``actor.optim`` keys)."""
+    o = cfg.actor.optim
+    return make_optimizer(o.lr, o.warmup_steps, o.weight_decay, o.clip_grad, o.betas, o.eps)

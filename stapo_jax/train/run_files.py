@@ -173,8 +173,8 @@ def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: Metric
 def write_plots(run_dir: str, summary: dict) -> None:
     """The run's plots (``plots.plot_run``) into ``run_dir``; their paths go to ``summary['plots']``.
     Never raises for an empty run (logs a warning); OSError when ``run_dir`` cannot be written. Source:
-    ``stapo_jax.tools.plots``. summary: a dict of JSON-able values (float, int, str)."""
-    from stapo_jax.tools.plots import plot_run
+    ``stapo_jax.train.plots``. summary: a dict of JSON-able values (float, int, str)."""
+    from stapo_jax.train.plots import plot_run
     try:
         summary["plots"] = plot_run(run_dir, summary=summary)   # held-out accuracy from the before-RL point
     except ValueError as e:  # no metrics rows (e.g. preempted before the first step)

@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     different configs. Source: verl ``trainer/sft_trainer.py``'s CLI entry."""
     import logging
 
-    from stapo_jax.config import build
+    from stapo_jax.runtime import build
     from stapo_jax.runtime.checkpoint import export_hf
     from stapo_jax.runtime.distributed import check_same_config, initialize
     from stapo_jax.config.schema import load_config

@@ -329,12 +329,19 @@ def make_train_step(
                    donate_argnums=(0,) if donate else ())
 
 
-def make_update_steps(recipe: Recipe, optimizer, **step_kw):
-    """``(first_step, step)``: the jitted update (:func:`make_train_step` ``(recipe, optimizer, **step_kw)``) and the one to use on the first mini-batch of a training step. They differ only for S2T with
-    the ``prepass`` mode, where the first mini-batch reads the rollout policy's statistics (θ = θ_old there),
-    saving the pre-pass; otherwise both are the same function.
+def _grad(fn, params):
+    """``(grad of fn's first output w.r.t. params, fn's second output)``: every gradient of the update goes
+    through here (the micro-batch pass and the S2T correction)."""
+    return jax.grad(fn, has_aux=True)(params)
 
-    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`Batch` arrays
+
+def make_update_steps(recipe: Recipe, optimizer, **step_kw):
+    """``(first_step, step)``: the jitted update (:func:`make_train_step` ``(recipe, optimizer, **step_kw)``) and
+    the one to use on the first mini-batch of a training step. They differ only for S2T with the ``prepass`` mode,
+    where the first mini-batch reads the rollout policy's statistics (θ = θ_old there), saving the pre-pass;
+    otherwise both are the same function.
+
+    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
     (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
     Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
     """
@@ -342,9 +349,3 @@ def make_update_steps(recipe: Recipe, optimizer, **step_kw):
     if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
         return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
     return step, step
-
-
-def _grad(fn, params):
-    """``(grad of fn's first output w.r.t. params, fn's second output)``: every gradient of the update goes
-    through here (the micro-batch pass and the S2T correction)."""
-    return jax.grad(fn, has_aux=True)(params)

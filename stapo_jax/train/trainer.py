@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stapo_jax.config import build
+from stapo_jax.runtime import build
 from stapo_jax.runtime.checkpoint import Checkpointer, export_hf
 from stapo_jax.runtime.allocator import ENV_ALLOCATOR, allocator_mode, loaded_allocator
 from stapo_jax.config.schema import Config, ConfigError, load_config
@@ -29,6 +29,7 @@ from stapo_jax.train.run_files import (DUMP_ENV, check_run_dir, check_same_model
                                        earlier_summary, load_val_examples, set_aside_earlier_run, sft_warmup,
                                        write_plots, write_summary)
 from stapo_jax.train.train_step import make_update_steps
+from stapo_jax.train.optim import build_optimizer
 from stapo_jax.data.tokenizer import pad_token_id
 from models.attention import resolve_implementation
 from stapo_jax.train.packing import packing_long_rows
@@ -116,7 +117,7 @@ def train(cfg: Config) -> dict[str, Any]:
         elif val_examples and earlier_summary(run_dir).get("heldout_acc_before") is not None:
             summary["heldout_acc_before"] = acc = earlier_summary(run_dir)["heldout_acc_before"]
             logger.write(f"held-out accuracy before RL: {acc:.4f} (measured by the run's first start)")
-        optimizer = build.build_optimizer(cfg)
+        optimizer = build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)

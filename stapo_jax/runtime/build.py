@@ -1,6 +1,7 @@
-"""From a run config to the objects every command needs: mesh, tokenizer, model (sharded on the mesh).
+"""From a run config to the objects every command needs: mesh, tokenizer, model (sharded on the mesh), recipe.
 
-Shared by ``train``, ``sft``, ``eval`` and ``serve`` so that all of them build the policy the same way.
+Shared by ``train``, ``sft``, ``eval`` and ``serve`` so that all of them build the policy the same way (the
+optimizer: ``stapo_jax.train.optim.build_optimizer``).
 """
 from __future__ import annotations
 
@@ -101,18 +102,8 @@ def build_tokenizer(cfg: Config):
 
 def build_recipe(cfg: Config):
     """The :class:`stapo_jax.algo.recipes.Recipe` the resolved config describes (recipe defaults were applied by
-    ``load_config``); see :func:`stapo_jax.algo.recipes.recipe_from_config`.
+    ``load_config``); see :func:`stapo_jax.config.recipes.recipe_from_config`.
     Takes no arrays. Raises: ConfigError for an invalid recipe setting."""
-    from stapo_jax.algo.recipes import recipe_from_config
+    from stapo_jax.config.recipes import recipe_from_config
 
     return recipe_from_config(cfg)
-
-
-def build_optimizer(cfg: Config):
-    """AdamW with warm-up and clipping from ``actor.optim`` (``stapo_jax.train.optim.make_optimizer``).
-    Takes no arrays (Python floats); the optimizer keeps the parameters' dtypes. Raises: ValueError as
-    ``make_optimizer``."""
-    from stapo_jax.train.optim import make_optimizer
-
-    o = cfg.actor.optim
-    return make_optimizer(o.lr, o.warmup_steps, o.weight_decay, o.clip_grad, o.betas, o.eps)
