@@ -18,8 +18,8 @@ LAYERS: dict[str, int] = {
     "stapo_jax.assets": 0,   # shipped data files (importlib.resources)
     "models": 1,             # the Qwen3 port
     "stapo_jax.algo": 1,     # the pure algorithm, its settings dataclasses and their validation (settings_base)
-    "stapo_jax.config": 2,   # run schema, YAML loading, named recipe presets
-    "stapo_jax.rewards": 3,
+    "stapo_jax.rewards": 2,  # verifiers and their registry (algo's Registry)
+    "stapo_jax.config": 3,   # run schema, YAML loading (checks registered names), named recipe presets
     "stapo_jax.data": 4,
     "stapo_jax.runtime": 5,  # config -> mesh / tokenizer / model (build), multi-controller, checkpoints, launch
     "stapo_jax.rollout": 6,
