@@ -10,7 +10,9 @@
 * all slots decode together with one jitted step per token; after every step the host reads the step's
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
   refilled with the next pending sample **before the next step** (continuous batching; with
-  ``steps_per_sync=k`` the host syncs, and refills, every k steps);
+  ``steps_per_sync=k`` the host syncs, and refills, every k steps); the refill waits for the device after every
+  ``DISPATCH_WINDOW`` dispatched programs (XLA:CPU deadlocks past 32 in-flight multi-device programs with gloo
+  collectives: DESIGN.md "Multi-process runs");
 * prefill, insert and step are jitted; parameters are ordinary arguments, so :meth:`RolloutDriver.sync_weights`
   swaps in new weights of the same shapes/shardings without recompiling.
 
