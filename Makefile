@@ -2,13 +2,14 @@
 #   make run        - the main job (configs/tiny_cpu.yaml); installs the runtime packages only
 #   make test       - the whole test suite (what CI runs); adds the test extras and torch
 #   make test-quick - a small, fast subset of the tests (losses, masks, config, model), verbose; not what CI runs
+#   make soak       - the randomized multi-process soak (tests/soak.py: 8 configs x 2x2, 4x1 vs 1x4; README)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 QUICK_TESTS := tests/test_advantages.py tests/test_masks.py tests/test_objectives.py tests/test_logprobs.py \
 	tests/test_diagnostics.py tests/test_passk.py tests/test_config.py tests/test_qwen3.py
 
-.PHONY: run test test-quick setup setup-test
+.PHONY: run test test-quick soak setup setup-test
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
@@ -33,3 +34,7 @@ test: setup-test
 
 test-quick: setup-test
 	$(BIN)/python -m pytest -v $(QUICK_TESTS)
+
+SOAK_ARGS ?= --configs 8 --seed 0
+soak: setup-test
+	$(BIN)/python tests/soak.py $(SOAK_ARGS)

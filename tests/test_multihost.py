@@ -419,3 +419,57 @@ def test_batch_that_does_not_split_names_the_keys(tmp_path):
                                           r"multiple of 8"):
         train(cfg)
     assert not run_dir.exists()
+
+
+SAMPLER_ALONE = """
+import sys, numpy as np
+from stapo_jax.runtime import distributed as d
+d.initialize()
+import jax
+from flax import nnx
+from models.qwen3 import Qwen3, Qwen3Config
+from stapo_jax.rollout.driver import RolloutDriver
+from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
+from stapo_jax.rollout.multihost import MultiHostRollout, allgather_max, local_mesh
+cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=0, initializer_range=0.5, tie_word_embeddings=False)
+mesh = local_mesh()
+engine = Qwen3Engine(Qwen3(cfg, rngs=nnx.Rngs(0)), EngineConfig(max_concurrent_decodes=128, max_prefill_length=32,
+                     max_decode_length=16, eos_token_ids=(7,)), mesh=mesh)
+assert set(engine.mesh.devices.flat) == set(jax.local_devices()), engine.mesh
+drv = RolloutDriver(engine, steps_per_sync=4)
+prompts = [[1 + i, 2, 3 + i % 5, 9][: 2 + i % 3] for i in range(12)]
+kw = dict(num_samples=8, max_new_tokens=6, seed=3)
+if jax.process_index() == 0:  # 96 rows, 12 prefills + 96 inserts before the first step, the peer in a gather
+    solo = drv.generate(prompts, **kw)
+allgather_max(1.0)
+both = MultiHostRollout(drv, mesh).generate(prompts, **kw)
+if jax.process_index() == 0:
+    np.testing.assert_array_equal(both.responses, solo.responses)
+    np.testing.assert_allclose(both.rollout_log_probs, solo.rollout_log_probs, rtol=0, atol=1e-5)
+    print("ROWS", len(both.responses), "EOS", int((both.responses == 7).any(1).sum()))
+"""
+
+
+def test_sampler_programs_need_no_peer():
+    """Every device program of the sampler (prefill, insert, cache resize, decode step) runs on this process's
+    devices and needs no peer: 2 processes x 2 devices, process 0 samples 96 rows at 128 slots (the tiny
+    config's ``rollout.max_concurrent_decodes``, which deadlocked before issue 34: 108 programs dispatched
+    before the first step, XLA:CPU admits 32 per device) while process 1 waits in a cross-process all-gather;
+    then both sample the batch together (``MultiHostRollout``) and process 0 gets its solo tokens. Each process
+    is killed (SIGKILL, as a deadlocked ``jax.distributed`` process ignores SIGTERM) after 240 s."""
+    port = portpicker.pick_unused_port()
+    procs = [subprocess.Popen([sys.executable, "-c", SAMPLER_ALONE], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              env=process_env(i, 2, port, 2, _base_env())) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.communicate(timeout=240)[0], p.returncode))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            pytest.fail("the sampler deadlocked (killed after 240 s)")
+    assert [rc for _, rc in outs] == [0, 0], outs
+    assert "ROWS 96 EOS" in outs[0][0], outs[0][0][-2000:]
