@@ -2,7 +2,7 @@
 #   make run        - the main job (configs/tiny_cpu.yaml); installs the runtime packages only
 #   make test       - the whole test suite (what CI runs); adds the test extras and torch
 #   make test-quick - a small, fast subset of the tests (losses, masks, config, model), verbose; not what CI runs
-#   make soak       - the randomized multi-process soak (tests/soak.py: 8 configs x 2x2, 4x1 vs 1x4; README)
+#   make soak       - the randomized multi-process soak (tests/soak.py: 8 configs x 2x2, 4x1 vs 1x4; docs/multiprocess.md)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -15,7 +15,7 @@
 #   4. issue 14: bf16 forward + backward tokens/s and MFU at Qwen3-0.6B and Qwen3-1.7B shapes (full depth,
 #      2 x 4,096 tokens, two packed sequences per row) with cudnn vs blockwise vs xla attention, plus cuDNN-vs-XLA
 #      attention parity in bf16 (bench/bench_model_attention.py), one process per model.
-# The last lines printed (and $OUT/summary.log) are the figures for the issue's note and the README.
+# The last lines printed (and $OUT/summary.log) are the figures for the issue's note and docs/benchmarks.md ("Accelerator check").
 #
 # Prepare once, here (google-jetstream 0.2.2 is pure Python; the rollout engine imports it, its seqio import is
 # stubbed by stapo_jax.rollout.compat and its other imports are on the machine):

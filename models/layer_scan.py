@@ -7,7 +7,7 @@ faster: every rolled iteration copies its layer's slice of the stacked weights o
 remat backward) and writes its gradient back into the stack, and unrolling lets XLA fuse or skip some of those
 copies. Measured with ``bench/bench_scan_layers.py --layers 28 --unrolls 2,4,7,14,28`` (Qwen3-0.6B widths,
 1 x 512 tokens, loss + gradient, remat ``dots_no_batch``) on an AMD EPYC Zen 5 (AVX-512, 2 cores): see
-``CPU_SCAN_UNROLL`` and README, Benchmarks. On GPU / TPU XLA fuses such dynamic slices into their consumers, so
+``CPU_SCAN_UNROLL`` and docs/benchmarks.md. On GPU / TPU XLA fuses such dynamic slices into their consumers, so
 ``auto`` keeps the rolled loop there (not measured here: no accelerator was lent).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import jax
 
-CPU_SCAN_UNROLL = 4  # layers per scan iteration that ``auto`` picks on CPU (bench_scan_layers.py; README)
+CPU_SCAN_UNROLL = 4  # layers per scan iteration that ``auto`` picks on CPU (bench_scan_layers.py; docs/benchmarks.md)
 
 
 def resolve_scan_unroll(value: Union[int, str], platform: Optional[str] = None) -> int:

@@ -1,4 +1,4 @@
-"""``bench/benchutil.py``'s machine line tells CPUs apart that a VM names alike (the figures of README's Benchmarks
+"""``bench/benchutil.py``'s machine line tells CPUs apart that a VM names alike (the figures of docs/benchmarks.md's
 table are quoted per machine)."""
 import sys
 from pathlib import Path

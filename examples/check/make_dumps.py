@@ -12,7 +12,7 @@
 
 The policy is a fixed random one over a 50-token vocabulary: 2 prompts x 4 responses of at most 12 tokens,
 rewards 0/1. Run from the repository root (the files are committed; ``tests/test_readme_outputs.py`` checks the
-README's ``check`` output on them)::
+the ``check`` output docs/check.md quotes on them)::
 
     .venv/bin/python examples/check/make_dumps.py
 """
