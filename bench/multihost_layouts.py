@@ -1,6 +1,6 @@
 """Wall time of the tiny run as N processes x D devices against 1 process x N*D, and the seconds per RL step
 spent on cross-process coordination (the trainer's ``time/coordination``: the all-gathers of rollout results,
-scores and the SIGTERM flag, and the weight-sync gathers; docs/multiprocess.md, "Rehearse a pod run on one machine").
+scores and the SIGTERM flag, and the weight-sync gathers; docs/benchmarks.md, "Multi-process layouts").
 
 ``python bench/multihost_layouts.py [--layouts 1x4,2x2] [--repeats 1] [--steps 3] [--sft-steps 40]`` runs
 ``stapo-jax launch --local N --devices-per-process D train`` on ``configs/tiny_cpu.yaml`` with the settings of

@@ -40,7 +40,7 @@ def check_run_dir(run_dir: str, create: bool = False) -> None:
 
     Takes no arrays (a str path). Raises: ConfigError naming ``trainer.run_dir``, the path and the folder that
     refused it (the CLI prints it as one line, exit 2, like every other path error). Source: the run directory
-    layout (README, Quickstart)."""
+    layout (README, "What ``make run`` shows")."""
     def refuse(folder: str, why: str):
         raise ConfigError(f"trainer.run_dir={run_dir}: cannot write there ({folder}: {why}); choose a writable "
                           f"trainer.run_dir")
@@ -90,7 +90,7 @@ def earlier_run_outputs(run_dir: str) -> list[str]:
     folders of other processes), sorted; [] unless the folder holds a run's ``metrics.jsonl`` or a non-empty
     ``checkpoints/`` (so a user's own ``config.yaml`` or ``plots/`` beside no run, e.g. ``trainer.run_dir=.``,
     stays put). No arrays; never raises (a missing ``run_dir`` has none). Source: the files the trainer writes
-    (README, Quickstart: what ``make run`` leaves in ``runs/tiny_cpu/``)."""
+    (README, "What ``make run`` shows": what it leaves in ``runs/tiny_cpu/``)."""
     try:
         names = set(os.listdir(run_dir))
         ckpt = os.path.join(run_dir, "checkpoints")
