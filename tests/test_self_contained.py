@@ -1,5 +1,5 @@
 """A clone works alone (issue 12): nothing in code, configs, tests, benchmarks, launch scripts, the Makefile or
-the README refers to a ``shared`` directory beside the repository, and the data the commands need is shipped
+the README and docs/ refer to a ``shared`` directory beside the repository, and the data the commands need is shipped
 as package data (``stapo_jax/assets``; DATA.md). CI keeps that sibling directory beside its clone, so only this
 check guarantees that a user's clone, which has nothing beside it, passes too."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from stapo_jax.assets import BENCHMARK_NAMES, asset_path, benchmark_dir, qwen3_c
 from stapo_jax.tools.evaluate import BENCHMARKS
 
 REPO = Path(__file__).resolve().parents[1]
-SCANNED = ("stapo_jax", "models", "configs", "tests", "bench", "launch", "scripts")
+SCANNED = ("stapo_jax", "models", "configs", "tests", "bench", "launch", "scripts", "docs", "examples")
 TOP_FILES = ("README.md", "Makefile", "pyproject.toml", "requirements.txt", "requirements-test.txt",
              "requirements-jetstream.txt")
 TEXT_SUFFIXES = {".py", ".yaml", ".yml", ".sh", ".sbatch", ".toml", ".txt", ".md", ".cfg", ".json", ""}

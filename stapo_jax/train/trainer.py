@@ -67,7 +67,7 @@ def train(cfg: Config) -> dict[str, Any]:
         check_sft_batch_size(cfg.sft.batch_size, mesh)
     attention = resolve_implementation(cfg.model.attention, cfg.model.dtype)
     long_rows = packing_long_rows(attention)
-    log.info("host allocator: %s (%s=%s; README, Host allocator)", loaded_allocator(), ENV_ALLOCATOR,
+    log.info("host allocator: %s (%s=%s; docs/runtime.md, Host allocator)", loaded_allocator(), ENV_ALLOCATOR,
              allocator_mode(os.environ))
     log.info("model.attention=%s: %s kernel (update, old-log-prob pass and prefill)", cfg.model.attention, attention)
     if cfg.model.use_remove_padding:
