@@ -131,7 +131,10 @@ def _bisect(pred, lo, hi, largest: bool):
             return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), step + 1
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi), step + 1
 
-    lo, hi, _ = jax.lax.while_loop(lambda c: jnp.any(c[0] < c[1]) & (c[2] < _STEPS), body, (lo, hi, 0))
+    # A fixed trip count, not ``while any(lo < hi)``: a loop whose count depends on data makes XLA:GPU copy the
+    # loop predicate to the host on every iteration (32 round trips per bisection and decode step); once
+    # ``lo == hi`` a further step leaves both unchanged, so the result is the same.
+    lo, hi, _ = jax.lax.fori_loop(0, _STEPS, lambda _, c: body(c), (lo, hi, 0))
     return lo if largest else hi
 
 
