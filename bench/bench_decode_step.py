@@ -13,11 +13,16 @@ its Python time per step, and the compiles a refilled slot triggers.
    that must be read: every weight once plus the whole live KV cache (``[B, Nkv, S, H]`` per layer for K and V:
    a step attends over every cache position). The biggest contributors are printed by kind.
    ``unbounded loops`` counts ``while`` loops without a known trip count: XLA:GPU copies such a loop's
-   predicate to the host on every iteration (a host round trip inside the step).
-2. **Host round trips.** The :class:`~stapo_jax.rollout.driver.RolloutDriver` samples ``--rows`` responses on
+   predicate to the host on every iteration (a host round trip inside the step). Loops with a known trip count
+   count their body once per trip; XLA:CPU's rolled threefry loop (jax's CPU lowering of the PRNG; GPU/TPU get
+   unrolled, fusible code) is counted as one write of its bits in the ratio, and per trip in the second figure.
+   The insert of one prefix row into a slot (``decode_fns.insert_fn``) is compiled too: its bytes against a copy
+   of the cache show whether the donated cache is updated in place.
+2. **Host round trips and host calls.** The :class:`~stapo_jax.rollout.driver.RolloutDriver` samples ``--rows`` responses on
    a concrete model under ``jax.transfer_guard_device_to_host("disallow")`` (an implicit device->host read,
    ``int(x)`` / ``np.asarray(x)``, would raise) with ``jax.device_get`` counted; round trips per decode step
-   and per generated token are printed (goal: at most ``1 / steps_per_sync`` per step).
+   and per generated token are printed (goal: at most ``1 / steps_per_sync`` per step), with the count and mean
+   wall time of each engine call the driver makes (insert, multi_step, prefill, resize: dispatch cost per call).
 3. **Python time.** Wall time of the driver per decode step, and its host share (wall minus the time spent
    waiting in ``device_get``), at the run's shape (a tiny model shows the per-step host cost).
 4. **Recompiles on refill.** A second ``generate`` (another seed and other prompt tokens, same prompt lengths,
@@ -28,7 +33,7 @@ its Python time per step, and the compiles a refilled slot triggers.
 Defaults are a tiny shape that runs on a CPU in well under a minute; ``--preset qwen3-0.6b`` takes the Qwen3-0.6B
 shape (bf16, 256 slots, 512-position cache: the issue's H200 rollout) for a GPU; ``--hlo-only`` skips parts 2-4
 (the 0.6B HLO on a CPU). ``--check`` exits 1 when a goal is missed (ratio <= ``--max-ratio``, round trips, 0
-recompiles, 0 unbounded loops).
+recompiles, 0 unbounded loops, KV cache donated, insert in place).
 
     PYTHONPATH=. python bench/bench_decode_step.py                         # tiny, CPU, < 1 min
     PYTHONPATH=. python bench/bench_decode_step.py --preset qwen3-0.6b --hlo-only --dtype float32   # CPU
@@ -50,12 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchutil import load_line, machine_line  # noqa: E402
 from models.presets import preset  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from models.qwen3 import Qwen3, Qwen3Config, init_cache  # noqa: E402
 from models.sharding import make_mesh, param_shardings  # noqa: E402
 from stapo_jax.rollout import decode_fns  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
@@ -198,10 +204,18 @@ def step_cost(cfg: Qwen3Config, batch: int, kv_length: int, sampling: SamplingPa
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     kv = sum(x.size * x.dtype.itemsize for x in dstate.cache.k + dstate.cache.v)
     res = hlo_bytes(compiled.as_text())
+    rows = ecfg.prefill_batch_size  # insert: one row of a batched prefix ([k, Nkv, 16, H]) into one slot
+    prefix = jax.eval_shape(lambda: decode_fns.Prefix(cache=init_cache(cfg, rows, 16), next_token=jnp.zeros(rows, jnp.int32),
+                                                      valid=jnp.zeros(rows, bool)))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    with jax.set_mesh(mesh):
+        insert_text = decode_fns.insert_fn.lower(spec, prefix, dstate, scalar, scalar, scalar, scalar).compile().as_text()
+    row = sum(x.size * x.dtype.itemsize for x in prefix.cache.k + prefix.cache.v) // rows
     kv_params = [n for n in parse_hlo(compiled.as_text())[3] | {"-"} if re.match(r"state_cache_[kv]_\d+_", n)]
     return dict(res, weights=weights, kv=kv, ratio=res["bytes"] / (weights + kv),
                 device_ratio=res["device_bytes"] / (weights + kv), compile_s=compile_s,
                 kv_donated=len(kv_params), kv_buffers=len(dstate.cache.k) * 2,
+                insert_bytes=hlo_bytes(insert_text)["bytes"], insert_row=row,
                 cost_analysis_bytes=float(cost.get("bytes accessed", float("nan"))))
 
 
@@ -241,8 +255,20 @@ def driver_run(cfg: Qwen3Config, args) -> dict:
     driver = RolloutDriver(engine, pad_token_id=0, steps_per_sync=args.steps_per_sync)
     counter = CompileCounter()
     steps = collections.Counter()
+    calls: dict = collections.defaultdict(lambda: [0, 0.0])  # host calls per engine method: count, seconds
     for method in ("insert_sample", "step", "multi_step", "prefill_batch", "resize_decode_state"):
         counter.wrap(engine, method)
+        inner = getattr(engine, method)
+
+        def timed(*a, inner=inner, method=method, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                calls[method][0] += 1
+                calls[method][1] += time.perf_counter() - t0
+
+        setattr(engine, method, timed)
     for method, n in (("step", 1), ("multi_step", None)):
         inner = getattr(engine, method)
 
@@ -271,6 +297,7 @@ def driver_run(cfg: Qwen3Config, args) -> dict:
             wait[0] += time.perf_counter() - t0
 
     steps.clear()
+    calls.clear()
     counter.active = True
     t0 = time.perf_counter()
     with mock.patch.object(jax, "device_get", counted_get), jax.transfer_guard_device_to_host("disallow"):
@@ -279,7 +306,7 @@ def driver_run(cfg: Qwen3Config, args) -> dict:
     counter.active = False
     n_steps, tokens = steps["steps"], int(batch.response_lengths.sum())
     return dict(steps=n_steps, tokens=tokens, round_trips=gets[0], wall=wall, host=wall - wait[0],
-                recompiles=dict(counter.counts), lengths=batch.response_lengths,
+                recompiles=dict(counter.counts), lengths=batch.response_lengths, calls=dict(calls),
                 refills=len(batch.response_lengths) - args.batch)
 
 
@@ -324,9 +351,12 @@ def main(argv=None) -> int:
           f"rolled threefry loop counted per trip: {(c['bytes'] - c['device_bytes']) / 1e6:.2f} MB more)", flush=True)
     print(f"unbounded loops (a host round trip per iteration on GPU) {c['unbounded_loops']} | KV-cache buffers "
           f"donated (aliased to the outputs, updated in place) {c['kv_donated']}/{c['kv_buffers']}", flush=True)
+    print(f"insert of one prefix row ({c['insert_row'] / 1e6:.3f} MB of KV): HLO bytes {c['insert_bytes'] / 1e6:.3f} MB "
+          f"(the whole batched prefix counted as read), against {2 * c['kv'] / 1e6:.1f} MB for a copy of the cache: "
+          f"{'in place' if c['insert_bytes'] < c['kv'] else 'COPIED'}", flush=True)
     for kind, b in c["by_kind"].most_common(args.top):
         print(f"  {b / 1e6:10.1f} MB  {b / c['bytes'] * 100:5.1f} %  {kind}")
-    ok &= c["device_ratio"] <= args.max_ratio and c["unbounded_loops"] == 0 and c["kv_donated"] == c["kv_buffers"]
+    ok &= c["insert_bytes"] < c["kv"] and c["device_ratio"] <= args.max_ratio and c["unbounded_loops"] == 0 and c["kv_donated"] == c["kv_buffers"]
     if not args.hlo_only:
         r = driver_run(cfg, args)
         per_step = r["round_trips"] / max(r["steps"], 1)
@@ -335,6 +365,8 @@ def main(argv=None) -> int:
               f"generated token {r['round_trips'] / max(r['tokens'], 1):.5f} ({r['tokens']} tokens)", flush=True)
         print(f"Python time per decode step: wall {r['wall'] / max(r['steps'], 1) * 1e3:.2f} ms, host (wall minus "
               f"device_get wait) {r['host'] / max(r['steps'], 1) * 1e3:.2f} ms", flush=True)
+        print("host calls in the repeat run (count, mean ms per call incl. dispatch): " + ", ".join(
+            f"{k} {c} x {t / c * 1e3:.2f} ms" for k, (c, t) in sorted(r["calls"].items())), flush=True)
         n = sum(r["recompiles"].values())
         print(f"recompiles on refill {n} {r['recompiles'] or ''} (repeat run: {r['refills']} refills, response "
               f"lengths {int(r['lengths'].min())}..{int(r['lengths'].max())})", flush=True)

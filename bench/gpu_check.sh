@@ -58,8 +58,8 @@ if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
   T_TOTAL=${T_TOTAL:-900} T_TRAIN=${T_TRAIN:-400} T_UPDATE=${T_UPDATE:-200} T_ROLLOUT=${T_ROLLOUT:-200}
   T_ATTENTION=${T_ATTENTION:-200}
-  TRAIN_ARGS+=(trainer.total_steps=3)
-  TRAIN_SHAPE="configs/gsm8k_tiny.yaml's toy body, float32, 3 steps"
+  TRAIN_ARGS+=(trainer.total_steps=2)
+  TRAIN_SHAPE="configs/gsm8k_tiny.yaml's toy body, float32, 2 steps"
   UPDATE_ARGS=(--layers 1 --vocab 4096 --B 1 --P 16 --R 16 --repeats 3 --peak-n 256 --chip-peak 1)
   ROLLOUT_ARGS=(--models tiny --batch 4 --new-tokens 8 --repeats 3 --steps-per-sync 1 --torch-device cpu
                 --dtype bfloat16 --kv-cache-buckets off)
