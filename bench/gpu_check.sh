@@ -56,11 +56,12 @@ if grep -q "compilation_cache_dir" stapo_jax/config/schema.py; then  # the train
 fi
 if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
-  T_TOTAL=${T_TOTAL:-900} T_TRAIN=${T_TRAIN:-400} T_UPDATE=${T_UPDATE:-200} T_ROLLOUT=${T_ROLLOUT:-200}
-  T_ATTENTION=${T_ATTENTION:-200}
+  # safety limits only (a few minutes in all on an idle 2-core machine; a shared, loaded one takes several times that)
+  T_TOTAL=${T_TOTAL:-1800} T_TRAIN=${T_TRAIN:-600} T_UPDATE=${T_UPDATE:-400} T_ROLLOUT=${T_ROLLOUT:-400}
+  T_ATTENTION=${T_ATTENTION:-400}
   TRAIN_ARGS+=(trainer.total_steps=2)
   TRAIN_SHAPE="configs/gsm8k_tiny.yaml's toy body, float32, 2 steps"
-  UPDATE_ARGS=(--layers 1 --vocab 4096 --B 1 --P 16 --R 16 --repeats 3 --peak-n 256 --chip-peak 1)
+  UPDATE_ARGS=(--layers 1 --vocab 4096 --B 1 --P 16 --R 16 --repeats 3 --peak-n 128 --chip-peak 1)
   ROLLOUT_ARGS=(--models tiny --batch 4 --new-tokens 8 --repeats 3 --steps-per-sync 1 --torch-device cpu
                 --dtype bfloat16 --kv-cache-buckets off)
   ATTENTION_ARGS=(--models Qwen3-0.6B --layers 1 --vocab 4096 --seq 128 --batch 1 --impls xla,blockwise
