@@ -1,19 +1,19 @@
 """Whole-model forward + backward throughput and MFU of Qwen3 shapes with each attention implementation, in one
-run (sides interleaved), plus a cuDNN-vs-XLA parity line on GPU.
+run, plus a parity line of each implementation against XLA's attention.
 
 For each ``--models`` preset (real Qwen3 configs, random weights; ``--layers`` truncates depth so compile stays
 short) and each ``--impls`` implementation, one jitted ``value_and_grad`` over all parameters of
 ``mean(hidden[..., :8] ** 2)`` of a ``[batch, seq]`` packed batch (two sequences per row, segment ids,
-positions restarting per sequence) is compiled, then timed: ``--repeats`` rounds in which every implementation
-runs once (interleaved), median and min..max per implementation.
+positions restarting per sequence) is compiled, then timed (``--repeats`` calls, median and min..max) and printed before the next implementation
+compiles, so that a run cut short by a time limit keeps every figure it reached.
 
 tokens/s = batch · seq / median seconds. MFU = model FLOPs / seconds / ``--peak-tflops``, with model FLOPs of a
 forward + backward = 3 x forward, forward = 2 x matmul parameters (embedding excluded, no LM head) x tokens +
 causal attention 2 x 2 x L x Nh x H x seq² / 2 per row (the useful FLOPs; each implementation's own work is
 not counted). Default peak: 989 TFLOP/s (H100/H200 SXM dense bf16).
 
-On GPU the script also checks cuDNN against XLA on one layer's attention in bfloat16 (relative max difference
-of outputs and gradients; bf16 rounding bounds it near 1e-2).
+First, each non-XLA implementation is checked against XLA on one layer's attention in ``--dtype`` (relative max
+difference of outputs and gradients; bf16 rounding bounds it near 1e-2).
 
     python bench/bench_model_attention.py --models Qwen3-0.6B,Qwen3-1.7B --seq 4096 --batch 2   # GPU
     python bench/bench_model_attention.py --models Qwen3-0.6B --layers 1 --seq 256 --batch 1 \\
@@ -70,15 +70,16 @@ def step_fn(cfg):
     return jax.jit(jax.value_and_grad(loss)), state
 
 
-def cudnn_parity(dtype=jnp.bfloat16) -> str:
-    """One attention layer (B=2, T=1024, 16/8 heads, H=128) cuDNN vs XLA: max relative differences."""
+def attention_parity(impl: str, dtype=jnp.bfloat16, seq: int = 1024) -> str:
+    """One attention layer (B=2, T=``seq``, 16/8 heads, H=128, padding and two segments) of ``impl`` against
+    XLA's: relative max differences of the loss and of dq, dk, dv (cuDNN on GPU; blockwise anywhere)."""
     g = np.random.default_rng(1)
-    q = jnp.asarray(g.normal(size=(2, 1024, 16, 128)), dtype)
-    k = jnp.asarray(g.normal(size=(2, 1024, 8, 128)), dtype)
-    v = jnp.asarray(g.normal(size=(2, 1024, 8, 128)), dtype)
-    seg = np.ones((2, 1024), np.int32)
-    seg[0, :100] = 0
-    seg[1, 600:] = 2
+    q = jnp.asarray(g.normal(size=(2, seq, 16, 128)), dtype)
+    k = jnp.asarray(g.normal(size=(2, seq, 8, 128)), dtype)
+    v = jnp.asarray(g.normal(size=(2, seq, 8, 128)), dtype)
+    seg = np.ones((2, seq), np.int32)
+    seg[0, : seq // 10] = 0
+    seg[1, seq * 6 // 10:] = 2
     seg = jnp.asarray(seg)
     w = jnp.asarray(g.normal(size=q.shape), jnp.float32) * (seg > 0)[:, :, None, None]
 
@@ -86,10 +87,10 @@ def cudnn_parity(dtype=jnp.bfloat16) -> str:
         f = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, seg, implementation=impl).astype(jnp.float32) * w)
         return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
 
-    (vr, gr), (vc, gc) = run("xla"), run("cudnn")
+    (vr, gr), (vc, gc) = run("xla"), run(impl)
     rel = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32))))
            for a, b in zip(gc, gr)]
-    return (f"cudnn vs xla ({jnp.dtype(dtype).name}): loss rel {abs(float(vc - vr)) / abs(float(vr)):.1e}, "
+    return (f"{impl} vs xla ({jnp.dtype(dtype).name}, T={seq}): loss rel {abs(float(vc - vr)) / abs(float(vr)):.1e}, "
             f"grad rel dq {rel[0]:.1e} dk {rel[1]:.1e} dv {rel[2]:.1e}")
 
 
@@ -104,23 +105,31 @@ def main(argv=None) -> dict:
     p.add_argument("--remat", default="full")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the preset's; a CPU smoke takes a small one)")
+    p.add_argument("--parity-seq", type=int, default=1024, help="sequence length of the one-layer parity check")
     a = p.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     impls = (a.impls or ("cudnn,blockwise,xla" if gpu else "blockwise,xla")).split(",")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); {a.dtype}, "
           f"batch {a.batch} x seq {a.seq} (2 packed sequences per row), remat {a.remat}; load(1m) "
           f"{os.getloadavg()[0]:.2f}", flush=True)
-    if gpu:
-        print(cudnn_parity(), flush=True)
+    for impl in [i for i in impls if i != "xla"]:  # parity first: one layer, seconds to compile
+        try:
+            print(attention_parity(impl, jnp.dtype(a.dtype), a.parity_seq), flush=True)
+        except Exception as e:  # an implementation that cannot run here is reported, the others go on
+            print(f"{impl} vs xla: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     results = {}
     for name in a.models.split(","):
         over = dict(dtype=a.dtype, param_dtype=a.dtype, remat=a.remat)
         if a.layers:
             over["num_hidden_layers"] = a.layers
+        if a.vocab:
+            over["vocab_size"] = a.vocab
         base = preset(name.strip(), **over)
         args = packed_batch(a.batch, a.seq, base.vocab_size)
-        fns = {}
-        for impl in impls:
+        flops = model_flops(base, a.batch, a.seq)
+        times = {}
+        for impl in impls:  # compile, time and print one implementation at a time: a cut run keeps what it has
             cfg = dataclasses.replace(base, attention=impl)
             f, state = step_fn(cfg)
             t0 = time.perf_counter()
@@ -129,20 +138,19 @@ def main(argv=None) -> dict:
             except Exception as e:  # report an implementation that cannot run here and go on with the others
                 print(f"[{name}] {impl}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            fns[impl] = (f, state, time.perf_counter() - t0)
-        times = {k: [] for k in fns}
-        for _ in range(a.repeats):
-            for impl, (f, state, _) in fns.items():
+            first = time.perf_counter() - t0
+            ts = []
+            for _ in range(a.repeats):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(state, *args))
-                times[impl].append(time.perf_counter() - t0)
-        flops = model_flops(base, a.batch, a.seq)
-        for impl, ts in times.items():
+                ts.append(time.perf_counter() - t0)
+            times[impl] = ts
             med = statistics.median(ts)
             results[(name, impl)] = med
             print(f"[{name} L={base.num_hidden_layers}] {impl:>9}: {a.batch * a.seq / med:>10.0f} tokens/s, "
                   f"MFU {flops / med / (a.peak_tflops * 1e12) * 100:5.1f}%, median {med * 1e3:.1f} ms "
-                  f"[{min(ts) * 1e3:.1f}..{max(ts) * 1e3:.1f}], compile+first {fns[impl][2]:.1f} s", flush=True)
+                  f"[{min(ts) * 1e3:.1f}..{max(ts) * 1e3:.1f}], compile+first {first:.1f} s", flush=True)
+            del f, state
         if "xla" in times:
             ref = statistics.median(times["xla"])
             print(f"[{name}] time / xla: " + ", ".join(f"{k} {statistics.median(v) / ref:.2f}"

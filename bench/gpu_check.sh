@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# Accelerator check for issues 14 and 15 on one NVIDIA H200 (the `device` tool's nvidia-h200 machine: python3 3.12 with
-# JAX 0.11 + CUDA 13, torch 2.11, transformers 5, flax, optax, pytest, hypothesis; no google-jetstream, no
-# network). One call of at most 9 minutes; every stage has its own timeout, so one hang or failure cannot eat the
-# budget, and writes its log under $OUT (8 files at most come back: machine, tests, update, rollout, model_0.6b,
-# model_1.7b, summary), in this order (the open issue's figures first):
-#   1. the attention, model and HF parity tests on the GPU (tests/test_attention.py, test_qwen3.py, test_hf.py;
-#      float32 with JAX_DEFAULT_MATMUL_PRECISION=highest so XLA does not use TF32; the 8-device mesh test and the
-#      TPU splash kernel in interpret mode are CPU tests and are deselected here);
-#   2. issue 15: one full update (forward + backward + AdamW) at the Qwen3-0.6B shape, 8 x (512 + 512) tokens,
-#      bf16 compute with fp32 master weights on both sides, ours vs HF PyTorch on CUDA (bench/bench_update.py),
-#      with the MFU against the H200's dense bf16 peak (989 TFLOP/s, datasheet) and the measured matmul peak;
-#   3. issue 15: bench/bench_rollout.py at 0.6B against HF generate on CUDA (both bf16, 32 x 128 greedy tokens),
-#      with the weight sync into the engine;
-#   4. issue 14: bf16 forward + backward tokens/s and MFU at Qwen3-0.6B and Qwen3-1.7B shapes (full depth,
-#      2 x 4,096 tokens, two packed sequences per row) with cudnn vs blockwise vs xla attention, plus cuDNN-vs-XLA
-#      attention parity in bf16 (bench/bench_model_attention.py), one process per model.
-# The last lines printed (and $OUT/summary.log) are the figures for the issue's note and docs/benchmarks.md ("Accelerator check").
+# Accelerator check of issue 33: one run of at most 8 minutes on one NVIDIA H200 (the `device` tool's machine:
+# python3 3.12 with jax 0.11 + CUDA, flax 0.12.10, optax, orbax, transformers 5.17, torch 2.11 preinstalled; no
+# network). Every stage runs under its own `timeout`, streams its figure lines as it measures them (so a stage cut
+# short still reports what it reached) and keeps its full log in $OUT; all stages share one persistent JAX
+# compilation cache (JAX_COMPILATION_CACHE_DIR, default .jax_cache/ in the repository: a rerun on a warm machine
+# skips the compiles). Stages, in this order:
+#   a. `stapo-jax train` at the Qwen3-0.6B shape (bf16 compute, fp32 master weights, model.attention=auto), GSM8K
+#      prompts, 32 prompts x 8 samples x 256 new tokens, 6 RL steps: one line per step as it lands in
+#      metrics.jsonl, then the steady state (rollout tok/s, update tok/s, MFU) and the compile seconds per program
+#      from summary.json (bench/gpu_check_report.py);
+#   b. one update vs HF PyTorch on CUDA, bf16 both sides, 8 x (512 + 512) tokens (bench/bench_update.py);
+#   c. decode vs HF generate, 32 x 128 greedy tokens, bf16 (bench/bench_rollout.py; one KV-cache length, so one
+#      decode program to compile);
+#   d. cuDNN / blockwise / XLA attention at 2 x 4096, 0.6B shape, each against XLA on one layer first (parity),
+#      then forward + backward tokens/s and MFU per implementation (bench/bench_model_attention.py);
+#   e. if at least 45 s remain: the decode-step HLO bytes at the 0.6B shape, 256 slots x 512 positions
+#      (bench/bench_decode_step.py --hlo-only).
+# Budgets (seconds; environment overrides) from the first H200 run's compile figures (issue 33): the training step 1
+# took 73 s at 256 new tokens (compiles included) and steps 2.. 24 s, bench_update spent 26 s in init and > 140 s
+# compiling, bench_rollout > 100 s, bench_model_attention > 80 s: T_TRAIN=200 T_UPDATE=90 T_ROLLOUT=75
+# T_ATTENTION=75, all cut to what is left of T_TOTAL=470.
 #
-# Prepare once, here (google-jetstream 0.2.2 is pure Python; the rollout engine imports it, its seqio import is
-# stubbed by stapo_jax.rollout.compat and its other imports are on the machine):
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl google-jetstream==0.2.2
-# then call the device tool:  run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=590)
-# Budget (seconds, override by environment): T_TESTS=100 T_UPDATE=150 T_ROLLOUT=110 T_MODEL06=90 T_MODEL17=90
-# (540 s).
+# Prepare once, here (the packages the machine lacks, as wheels for its Python 3.12 / x86_64; pure-Python ones and
+# the binary wheels of grain and array-record):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 -d .whl google-jetstream==0.2.2 grain \
+#     array-record math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 tensorboardX pebble shortuuid \
+#     portpicker
+# then one command (the wheels go into /tmp/site with pip --no-index --no-deps, ahead on PYTHONPATH; a venv made
+# with --system-site-packages and the same pip install works as well):
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-#   bash bench/gpu_check.sh --cpu-smoke    # here, on CPU: every stage with tiny shapes (arguments, imports, parsing)
+#   bash bench/gpu_check.sh --cpu-smoke    # here, on CPU: every stage at tiny shapes (arguments, imports, parsing)
 set -u -o pipefail
 SMOKE=0
 [ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
@@ -38,74 +45,112 @@ if [ "$SMOKE" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+RUN_DIR=$OUT/train_run
+TRAIN_ARGS=(--config configs/gsm8k_tiny.yaml trainer.run_dir="$RUN_DIR" trainer.resume=false trainer.save_every=0
+            trainer.export_hf=false "trainer.logger=[]")
+if grep -q "compilation_cache_dir" stapo_jax/config/schema.py; then  # the trainer's own key, where this build has it
+  TRAIN_ARGS+=(trainer.compilation_cache_dir="$JAX_COMPILATION_CACHE_DIR")
+fi
 if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
-  T_TESTS=${T_TESTS:-240} T_MODEL06=${T_MODEL06:-240} T_MODEL17=${T_MODEL17:-240} T_ROLLOUT=${T_ROLLOUT:-300}
-  T_UPDATE=${T_UPDATE:-300}
-  TESTS=(tests/test_attention.py -k "auto_selection or all_padding")
-  UPDATE_ARGS=(--layers 1 --vocab 4096 --B 1 --P 16 --R 16 --repeats 3 --peak-n 256 --chip-peak 1)
-  MODEL_ARGS=(--layers 1 --seq 256 --batch 1 --impls xla,blockwise --dtype float32 --repeats 2)
+  # safety limits only (a few minutes in all on an idle 2-core machine; a shared, loaded one takes several times that)
+  T_TOTAL=${T_TOTAL:-1800} T_TRAIN=${T_TRAIN:-600} T_UPDATE=${T_UPDATE:-400} T_ROLLOUT=${T_ROLLOUT:-400}
+  T_ATTENTION=${T_ATTENTION:-400}
+  TRAIN_ARGS+=(trainer.total_steps=2)
+  TRAIN_SHAPE="configs/gsm8k_tiny.yaml's toy body, float32, 2 steps"
+  UPDATE_ARGS=(--layers 1 --vocab 4096 --B 1 --P 16 --R 16 --repeats 3 --peak-n 128 --chip-peak 1)
   ROLLOUT_ARGS=(--models tiny --batch 4 --new-tokens 8 --repeats 3 --steps-per-sync 1 --torch-device cpu
-                --dtype bfloat16)
+                --dtype bfloat16 --kv-cache-buckets off)
+  ATTENTION_ARGS=(--models Qwen3-0.6B --layers 1 --vocab 4096 --seq 128 --batch 1 --impls xla,blockwise
+                  --dtype float32 --repeats 2 --parity-seq 128)
+  DECODE_ARGS=(--hlo-only)
 else
-  export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch shares the GPU in the rollout stage
-  T_TESTS=${T_TESTS:-100} T_MODEL06=${T_MODEL06:-90} T_MODEL17=${T_MODEL17:-90} T_ROLLOUT=${T_ROLLOUT:-110}
-  T_UPDATE=${T_UPDATE:-150}
-  TESTS=(tests/test_attention.py tests/test_qwen3.py tests/test_hf.py -k "not mesh and not splash")
-  UPDATE_ARGS=(--preset qwen3-0.6b --B 8 --P 512 --R 512 --repeats 5 --device cuda --dtype bfloat16
-               --torch-entropy --peak-n 8192 --chip-peak 989)
-  MODEL_ARGS=(--seq 4096 --batch 2 --dtype bfloat16 --repeats 5)
-  ROLLOUT_ARGS=(--models 0.6b --torch-device cuda --dtype bfloat16)
+  export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch shares the GPU in stages b and c
+  T_TOTAL=${T_TOTAL:-470} T_TRAIN=${T_TRAIN:-200} T_UPDATE=${T_UPDATE:-90} T_ROLLOUT=${T_ROLLOUT:-75}
+  T_ATTENTION=${T_ATTENTION:-75}
+  TRAIN_SHAPE="Qwen3-0.6B shape, bf16, 32 x 8 x 256 tokens, 6 steps"
+  TRAIN_ARGS+=(trainer.total_steps=6 trainer.train_batch_size=32 rollout.n=8 rollout.max_new_tokens=256
+               rollout.max_concurrent_decodes=256 actor.ppo_mini_batch_size=32 actor.ppo_micro_batch_size=32
+               data.max_prompt_length=128 model.hidden_size=1024 model.intermediate_size=3072
+               model.num_hidden_layers=28 model.num_attention_heads=16 model.num_key_value_heads=8 model.head_dim=128
+               model.dtype=bfloat16 model.param_dtype=float32 model.attention=auto reward.num_workers=8)
+  UPDATE_ARGS=(--preset qwen3-0.6b --B 8 --P 512 --R 512 --repeats 3 --device cuda --dtype bfloat16
+               --peak-n 4096 --chip-peak 989)
+  ROLLOUT_ARGS=(--models 0.6b --torch-device cuda --dtype bfloat16 --repeats 3 --steps-per-sync 8
+                --kv-cache-buckets off)
+  ATTENTION_ARGS=(--models Qwen3-0.6B --seq 4096 --batch 2 --dtype bfloat16 --repeats 3)
+  DECODE_ARGS=(--preset qwen3-0.6b --hlo-only)
 fi
 START=$(date +%s)
+FIGURES='tok/s|tokens/s|MFU|loss|ratio|vs xla|compile|steady|train step|summary|peak|HLO|round trips|unbounded|Error|error:|failed|timed out'
+left() { echo $(( T_TOTAL - ($(date +%s) - START) )); }
 stage() { echo "=== $1 ($(( $(date +%s) - START )) s)"; }
-# run NAME SECONDS CMD...: the command under its own timeout (SIGKILL 5 s after SIGTERM), output to $OUT/NAME.log
+# run NAME SECONDS CMD...: CMD under `timeout` (cut to what is left of T_TOTAL; SIGKILL 5 s after SIGTERM), its
+# figure lines printed as they come, everything in $OUT/NAME.log; returns CMD's status (124/137: timed out).
 run() {
-  local name=$1 secs=$2
+  local name=$1 secs=$2 rc
   shift 2
-  timeout -k 5 "$secs" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  [ $rc = 124 ] || [ $rc = 137 ] && echo "  $name: timed out after $secs s" | tee -a "$OUT/$name.log"
-  tail -n 4 "$OUT/$name.log"
+  [ "$secs" -gt "$(left)" ] && secs=$(left)
+  if [ "$secs" -le 5 ]; then echo "  $name: skipped (no time left)" | tee "$OUT/$name.log"; return 124; fi
+  timeout -k 5 "$secs" "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  tail -n +1 --pid=$pid -f "$OUT/$name.log" 2>/dev/null | grep --line-buffered -E "$FIGURES" | grep -v " INFO " \
+    | sed -u "s/^/  /"
+  wait $pid
+  rc=$?
+  { [ $rc = 124 ] || [ $rc = 137 ]; } && echo "  $name: timed out after $secs s" | tee -a "$OUT/$name.log"
   return $rc
 }
 
 stage "machine"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   timeout 60 $PY -c "import jax, torch, transformers, flax; print('jax', jax.__version__, jax.devices(), '| torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| transformers', transformers.__version__, '| flax', flax.__version__)" 2>&1
 } | tee "$OUT/machine.log"
 
-stage "1. parity tests (fp32)"
-JAX_DEFAULT_MATMUL_PRECISION=highest run tests "$T_TESTS" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}"
-TESTS_RC=$?
+stage "a. stapo-jax train, $TRAIN_SHAPE (steady state, compile per program)"
+rm -rf "$RUN_DIR"
+secs=$T_TRAIN; [ "$secs" -gt "$(left)" ] && secs=$(left)
+timeout -k 5 "$secs" $PY -m stapo_jax train "${TRAIN_ARGS[@]}" > "$OUT/train.log" 2>&1 &
+TRAIN_PID=$!
+$PY bench/gpu_check_report.py follow "$RUN_DIR" --pid $TRAIN_PID | tee "$OUT/train_steps.log"
+wait $TRAIN_PID
+TRAIN_RC=$?
+{ [ $TRAIN_RC = 124 ] || [ $TRAIN_RC = 137 ]; } && echo "  train: timed out after $secs s" | tee -a "$OUT/train.log"
+[ $TRAIN_RC != 0 ] && grep -E "Error|error:" "$OUT/train.log" | tail -3
+$PY bench/gpu_check_report.py summary "$RUN_DIR" | tee "$OUT/train_summary.log"
 
-stage "2. update vs torch (bf16)"
+stage "b. update vs HF PyTorch (bf16)"
 run update "$T_UPDATE" $PY bench/bench_update.py "${UPDATE_ARGS[@]}"
 UPDATE_RC=$?
 
-stage "3. rollout: ours vs HF generate (bf16)"
+stage "c. decode: ours vs HF generate (bf16)"
 run rollout "$T_ROLLOUT" $PY bench/bench_rollout.py "${ROLLOUT_ARGS[@]}"
 ROLLOUT_RC=$?
 
-stage "4. bf16 forward+backward, cudnn vs blockwise vs xla: Qwen3-0.6B"
-run model_0.6b "$T_MODEL06" $PY bench/bench_model_attention.py --models Qwen3-0.6B "${MODEL_ARGS[@]}"
-M06_RC=$?
-stage "4. bf16 forward+backward, cudnn vs blockwise vs xla: Qwen3-1.7B"
-run model_1.7b "$T_MODEL17" $PY bench/bench_model_attention.py --models Qwen3-1.7B "${MODEL_ARGS[@]}"
-M17_RC=$?
+stage "d. attention: cudnn / blockwise / xla, parity and forward+backward"
+run attention "$T_ATTENTION" $PY bench/bench_model_attention.py "${ATTENTION_ARGS[@]}"
+ATTENTION_RC=$?
+
+DECODE_RC=skipped
+if [ "$(left)" -ge 45 ]; then
+  stage "e. decode-step HLO bytes (time left: $(left) s)"
+  run decode_step "$(left)" $PY bench/bench_decode_step.py "${DECODE_ARGS[@]}"
+  DECODE_RC=$?
+fi
 
 stage "summary"
 { echo "machine: $(head -2 "$OUT/machine.log" | tr '\n' ' ')"
-  echo "tests (rc $TESTS_RC): $(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)"
-  grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -8
-  grep -E "^machine|^shape|step-0 loss|matmul peak|update .*tok/s|^ratio ours|^MFU|timed out|Error" "$OUT/update.log" \
-    | head -12 | sed "s/^/update (rc $UPDATE_RC): /"
-  grep -E "HF generate|ours steps_per_sync|weight sync|compile|timed out|Error" "$OUT/rollout.log" | head -6 \
-    | sed "s/^/rollout (rc $ROLLOUT_RC): /"
-  for m in 0.6b 1.7b; do
-    rc=$M06_RC; [ $m = 1.7b ] && rc=$M17_RC
-    grep -E "cudnn vs xla|tokens/s|time / xla|failed:|timed out" "$OUT/model_$m.log" | sed "s/^/model $m (rc $rc): /"
-  done
+  echo "a. train (rc $TRAIN_RC): $(grep -c "^train step" "$OUT/train_steps.log") steps"
+  grep -hE "steady|compile:" "$OUT/train_summary.log" | sed "s/^/a. /"
+  grep -E "^shape|step-0 loss|update .*tok/s|^ratio ours|^MFU|timed out|Error" "$OUT/update.log" | head -8 \
+    | sed "s/^/b. update (rc $UPDATE_RC): /"
+  grep -E "HF generate|ours steps_per_sync|compile|timed out|Error" "$OUT/rollout.log" | head -5 \
+    | sed "s/^/c. rollout (rc $ROLLOUT_RC): /"
+  grep -E "vs xla|tokens/s|time / xla|failed:|timed out" "$OUT/attention.log" | sed "s/^/d. attention (rc $ATTENTION_RC): /"
+  [ "$DECODE_RC" != skipped ] && grep -E "ratio|unbounded" "$OUT/decode_step.log" | sed "s/^/e. decode step (rc $DECODE_RC): /"
   echo "total $(( $(date +%s) - START )) s"
 } | tee "$OUT/summary.log"
-[ $TESTS_RC = 0 ] && [ $UPDATE_RC = 0 ] && [ $M06_RC = 0 ] && [ $M17_RC = 0 ] && [ $ROLLOUT_RC = 0 ]
+[ $TRAIN_RC = 0 ] && [ $UPDATE_RC = 0 ] && [ $ROLLOUT_RC = 0 ] && [ $ATTENTION_RC = 0 ]

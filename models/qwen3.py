@@ -574,10 +574,15 @@ class Qwen3(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Logits [..., vocab_size] float32 from hidden [..., hidden_size] (f32 accumulation).
 
+        The operands enter the matmul in their own dtypes, with float32 accumulation
+        (``preferred_element_type``), as the trainer's chunked log-probs do: a bf16 LM head is read as stored
+        instead of being copied to float32 on every decode step (bench/bench_decode_step.py); the products of
+        bf16 values are exact in float32, so only the summation order can differ from a float32 matmul.
+
         Materialises the full vocabulary; loss code should use ``stapo_jax.algo.logprobs`` (chunked) instead.
         """
         w, layout = self.lm_head_weight_and_layout()
-        return jnp.einsum(f"...d,{layout}->...v", hidden.astype(jnp.float32), w.astype(jnp.float32))
+        return jnp.einsum(f"...d,{layout}->...v", hidden, w, preferred_element_type=jnp.float32)
 
 
 def param_count(config: Qwen3Config) -> int:

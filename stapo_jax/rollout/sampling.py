@@ -83,7 +83,7 @@ def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0
     entry tied with the last kept value kept too, so that the result does not depend on a sort's order among
     equal logits (transformers may keep only some of them).
 
-    Both thresholds are found by bisection over the float32 order instead of a sort: each of at most 32 steps
+    Both thresholds are found by bisection over the float32 order instead of a sort: each of 32 steps (a fixed count)
     is one masked ``[B, V]`` count (top-k) or probability sum (top-p) over an order-preserving uint32 key of the
     logits. ``t_k`` is exact. ``t_p`` is exact up to float32 rounding of that sum: like transformers it sums the
     small tail (mass ``<= 1 - top_p`` at the boundary), so for top_p near 1 the keep-masks equal a float64
@@ -131,7 +131,10 @@ def _bisect(pred, lo, hi, largest: bool):
             return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), step + 1
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi), step + 1
 
-    lo, hi, _ = jax.lax.while_loop(lambda c: jnp.any(c[0] < c[1]) & (c[2] < _STEPS), body, (lo, hi, 0))
+    # A fixed trip count, not ``while any(lo < hi)``: a loop whose count depends on data makes XLA:GPU copy the
+    # loop predicate to the host on every iteration (32 round trips per bisection and decode step); once
+    # ``lo == hi`` a further step leaves both unchanged, so the result is the same.
+    lo, hi, _ = jax.lax.fori_loop(0, _STEPS, lambda _, c: body(c), (lo, hi, 0))
     return lo if largest else hi
 
 
