@@ -6,10 +6,11 @@ The trainer marks progress at phase boundaries (``setup``, ``sft``, ``eval``, ``
 ``sync``, ``checkpoint``, ``export``) with :meth:`StallWatchdog.mark`; long phases mark progress from inside
 (:func:`progress`: every decode step of the rollout driver, every verified item of the reward pool). A daemon
 thread wakes every ``min(1 s, timeout / 10)``; when the last mark is older than the timeout it writes one line
-naming the phase, the RL step and the process, then ``faulthandler.dump_traceback(all_threads=True)``, flushes
-stdout / stderr and calls ``os._exit(EXIT_STALL)`` (no ``atexit`` handler, no thread join can keep it alive). In a
-multi-process run the other processes stall in their next collective and their own watchdogs fire within about
-the same bound; a peer that exits first also trips JAX's heartbeat (``runtime/distributed.py``).
+naming the phase, the RL step and the process, then ``faulthandler.dump_traceback(all_threads=True)``, waits
+``min(5 s, timeout / 10)`` and calls ``os._exit(EXIT_STALL)`` (no ``atexit`` handler, no thread join can keep it
+alive). In a multi-process run the other processes stall in their next collective and their own watchdogs fire
+within about a second (the grace period lets them dump their stacks first); a peer that is still running when
+one exits fails in its next collective or on JAX's heartbeat (``runtime/distributed.py``), non-zero as well.
 
 Exit code :data:`EXIT_STALL` = 75 (``EX_TEMPFAIL`` of BSD ``sysexits.h``: a temporary failure, retrying may work).
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 EXIT_STALL = 75
 HANG_ENV = "STAPO_TEST_HANG"
 DEFAULT_TIMEOUT_S = {"cpu": 600.0, "accelerator": 1800.0}
+GRACE_S = 5.0  # between the stack dump and the exit (at most a tenth of the timeout)
 
 _active: Optional["StallWatchdog"] = None
 _active_lock = threading.Lock()
@@ -174,6 +176,10 @@ class StallWatchdog:
             out.write(line)
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
+            out.flush()
+            # a grace period before exiting, so the peers of a multi-process run (stalled in their next collective,
+            # detected within about a second of this one) dump their own stacks before this exit breaks the job
+            time.sleep(min(GRACE_S, self.timeout_s / 10))
             out.write(f"stall watchdog: exiting with code {EXIT_STALL} ({where})\n")
             out.flush()
         finally:
