@@ -2,8 +2,12 @@
 every thread's stack when nothing marks progress for the timeout, stays quiet while progress is marked, is inert at
 0, and the config key is validated. The multi-process injected hang and the restart are in
 tests/test_run_robustness.py."""
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +73,13 @@ def test_timeout_defaults_hang_spec_and_config_key():
         load_config("configs/tiny_cpu.yaml", ["trainer.stall_timeout_s=-5"])
     with pytest.raises(ConfigError, match="reward.max_pool_restarts=-1"):
         load_config("configs/tiny_cpu.yaml", ["reward.max_pool_restarts=-1"])
+
+
+def test_exit_guard_ends_a_process_kept_alive_by_a_thread():
+    code = ("import threading, time; from stapo_jax.runtime.watchdog import arm_exit_guard; "
+            "threading.Thread(target=time.sleep, args=(600,)).start(); arm_exit_guard(3, 1.0); print('main done')")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 3 and time.monotonic() - t0 < 30, (r.returncode, r.stderr)
+    assert "main done" in r.stdout and "still alive 1 s after the command ended" in r.stderr

@@ -197,3 +197,28 @@ def progress(phase: Optional[str] = None, step: Optional[int] = None) -> None:
     wd = _active
     if wd is not None:
         wd.mark(phase, step)
+
+
+EXIT_GUARD_S = 120.0
+
+
+def arm_exit_guard(code: int, timeout_s: float = EXIT_GUARD_S) -> threading.Thread:
+    """Make sure the process ends: a daemon thread that, if the interpreter is still alive ``timeout_s`` seconds
+    from now (a non-daemon thread, an ``atexit`` join of a child process or a stuck pool keeps it), writes one
+    line to stderr and calls ``os._exit(code)`` (the status the command meant to exit with). Call it once the command's work is done.
+
+    No arrays: an int exit status and seconds (float) in, the (started, daemon) thread out. Never raises. Source:
+    this project's exit rule (issue 34: a process that ends with an exception exits).
+    """
+    def guard():
+        time.sleep(timeout_s)
+        try:
+            sys.__stderr__.write(f"stapo-jax: still alive {timeout_s:g} s after the command ended (a non-daemon "
+                                 f"thread or child process); exiting with code {code}\n")
+            sys.__stderr__.flush()
+        finally:
+            os._exit(code)
+
+    t = threading.Thread(target=guard, name="exit-guard", daemon=True)
+    t.start()
+    return t
