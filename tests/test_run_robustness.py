@@ -137,8 +137,10 @@ def test_pool_that_keeps_breaking_stops_with_one_line(monkeypatch):
         fut = schedule(self, *a, **k)
         if not calls or calls[-1] is not self:  # the first item of every (re)built pool: kill its workers
             calls.append(self)
-            time.sleep(0.3)
-            for w in [w for f in _forkservers() for w in f.children()]:
+            end = time.monotonic() + 60
+            while len(workers := [w for f in _forkservers() for w in f.children()]) < 2 and time.monotonic() < end:
+                time.sleep(0.05)  # both workers started (slow on a loaded machine)
+            for w in workers:
                 os.kill(w.pid, signal.SIGKILL)
         return fut
 

@@ -24,17 +24,23 @@ therefore
 * raises :class:`PoolFailure`, one line naming the last cause, when the same batch needs more than
   ``max_restarts`` rebuilds (``reward.max_pool_restarts``).
 
+Workers leave the trainer's process group at start (:func:`worker_init`), so a SIGTERM sent to the whole group
+(``timeout``, a time limit, ``kill -- -PGID``: the trainer then finishes its step and checkpoints) no longer
+kills the idle workers under it; the forkserver still gets it and dies, and the next ``run`` rebuilds the pool.
+
 Source: the process-pool design of MaxText ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8),
 pebble 5's ``ProcessPool`` for kill-on-timeout.
 """
 from __future__ import annotations
 
 import concurrent.futures
-from concurrent.futures.process import BrokenProcessPool
+import functools
 import logging
 import multiprocessing
+import os
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Sequence
 
 from stapo_jax.runtime.watchdog import progress
@@ -44,6 +50,20 @@ log = logging.getLogger(__name__)
 STALL_SLACK_S = 60.0   # no item finished for timeout_s + this long while items are pending: the pool is stuck
 STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daemons; leftovers are abandoned)
 WAIT_SLICE_S = 0.5
+
+
+def worker_init(initializer: Optional[Callable] = None) -> None:
+    """Start of every pool worker: leave the trainer's process group (``os.setpgrp``), then run ``initializer``.
+
+    A signal sent to the trainer's whole group (``timeout``, a scheduler's time limit, ``kill -- -PGID``) made
+    each idle pebble worker exit with code 15 (pebble's SIGTERM handler) while the trainer, which takes SIGTERM
+    as "stop after this step", went on to score the next batch in a pool pebble had marked broken. The pool's
+    lifetime is the trainer's business: it stops the workers itself. No arrays; returns None; raises what
+    ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``).
+    """
+    os.setpgrp()
+    if initializer is not None:
+        initializer()
 
 
 class PoolFailure(RuntimeError):
@@ -82,7 +102,8 @@ class VerifierPool:
     def _new_pool(self):
         import pebble
 
-        return pebble.ProcessPool(max_workers=self.num_workers, initializer=self._initializer, context=self._ctx)
+        return pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
+                                  initializer=functools.partial(worker_init, self._initializer))
 
     @staticmethod
     def _stop(pool) -> bool:
