@@ -216,3 +216,37 @@ def test_stall_watchdog_ends_both_processes_and_restart_resumes(tmp_path):
     assert "resumed from step 1" in texts[0] and "final_step: 3" in texts[0], texts[0][-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows][-2:] == [2, 3] and np.isfinite(rows[-1]["loss"])
+
+
+def test_sigterm_to_the_process_group_stops_after_the_step(tmp_path):
+    """The root cause of the reported failure: SIGTERM to the run's whole process group (what ``timeout``, a
+    scheduler's time limit or ``kill -- -PGID`` send) reached the reward pool too. The trainer takes SIGTERM as
+    "checkpoint after this step and exit 0", but pebble's workers exited with code 15 and the forkserver died,
+    so the next scoring raised ``RuntimeError: Unexpected error within the Pool``. Now the workers are in their
+    own process group and the broken pool (dead forkserver) is rebuilt: the run stops cleanly."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "stapo_jax", "train", "--config", CONFIG, *OVERRIDES, "trainer.total_steps=50",
+            "trainer.save_every=0", "trainer.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+            f"trainer.run_dir={run}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    log = tmp_path / "log"
+    p = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        end = time.monotonic() + 600
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+            assert p.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGTERM)  # after RL step 1: the pool is idle or scoring step 2
+        rc = p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "Unexpected error within the Pool" not in text and "SIGTERM: stopping after RL step" in text
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    k = len(rows)
+    assert 2 <= k < 50 and (run / "checkpoints" / str(k)).is_dir(), (k, text[-2000:])
+    assert sum(r["reward/n_pool_restarts"] for r in rows) <= 1 and all(r["reward/n_error"] == 0 for r in rows)

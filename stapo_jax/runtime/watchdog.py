@@ -205,7 +205,8 @@ EXIT_GUARD_S = 120.0
 def arm_exit_guard(code: int, timeout_s: float = EXIT_GUARD_S) -> threading.Thread:
     """Make sure the process ends: a daemon thread that, if the interpreter is still alive ``timeout_s`` seconds
     from now (a non-daemon thread, an ``atexit`` join of a child process or a stuck pool keeps it), writes one
-    line to stderr and calls ``os._exit(code)`` (the status the command meant to exit with). Call it once the command's work is done.
+    line to stderr and calls ``os._exit(code)`` (the status the command meant to exit with). Call it once the
+    command's work is done.
 
     No arrays: an int exit status and seconds (float) in, the (started, daemon) thread out. Never raises. Source:
     this project's exit rule (issue 34: a process that ends with an exception exits).
