@@ -174,7 +174,7 @@ def test_run_that_raises_in_step_one_exits(tmp_path):
     assert took < 400
 
 
-STALL_S = 90  # above the slowest compile of this shape on a loaded 2-core machine
+STALL_S = 240  # above the slowest compile of this shape on a 2-core machine under a load average of 25
 
 
 def _start_pair(run_dir: Path, port: int, log_paths, **env) -> list[subprocess.Popen]:
@@ -203,14 +203,14 @@ def test_stall_watchdog_ends_both_processes_and_restart_resumes(tmp_path):
         line = next((x for x in t.splitlines() if x.startswith("stall watchdog: no progress for")), t[-3000:])
         assert f"in phase 'reward' of RL step 2 on process {i}" in line, line
         idle = int(line.split("no progress for ")[1].split(" s")[0])
-        assert STALL_S <= idle <= STALL_S + 5, line  # within the bound (the thread checks every second)
+        assert STALL_S <= idle <= STALL_S + 10, line  # within the bound (the thread checks every second)
         assert "(most recent call first)" in t and "in _train" in t  # the main thread's stack, in the trainer
     assert "watchdog.py\", line" in texts[1] and " in mark" in texts[1]  # process 1: asleep in the test hook
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [1], steps
     # restart without the hang: resumes from step 1 and finishes
     procs = _start_pair(run, portpicker.pick_unused_port(), logs)
-    codes = [p.wait(timeout=900) for p in procs]
+    codes = [p.wait(timeout=1200) for p in procs]
     texts = [x.read_text()[len(t):] for x, t in zip(logs, texts)]
     assert codes == [0, 0], [t[-2000:] for t in texts]
     assert "resumed from step 1" in texts[0] and "final_step: 3" in texts[0], texts[0][-2000:]

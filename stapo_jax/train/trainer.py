@@ -84,6 +84,7 @@ def _train(cfg: Config) -> dict[str, Any]:
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
+    progress("setup")  # each setup boundary counts as progress (compiles in between cannot mark)
     train_ds = load_prompt_dataset(cfg, tok, "train")
     val_examples = load_val_examples(cfg, tok)
     check_same_config({"train_prompts_sha256": train_ds.fingerprint,  # each host may read its own copy of the files
@@ -91,6 +92,7 @@ def _train(cfg: Config) -> dict[str, Any]:
                       what="training data", fix="every process must read the same data files (the same contents "
                       "on every host) with the same tokenizer")
     scorer = make_scorer(cfg)
+    progress("setup")
     os.makedirs(run_dir, exist_ok=True)
     if not t.resume:
         set_aside_earlier_run(run_dir, main_process)
@@ -115,6 +117,7 @@ def _train(cfg: Config) -> dict[str, Any]:
             summary.update(final_step=0, preempted=True)
             return summary  # the finally below closes the logger, checkpointer and reward pool
         rollout = build_rollout(cfg, model, mesh, tok)
+        progress("setup")
         if val_examples and not resuming:
             progress("eval")
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -123,6 +126,7 @@ def _train(cfg: Config) -> dict[str, Any]:
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
         optimizer = build.build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
+        progress("setup")
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
