@@ -15,7 +15,7 @@ therefore
 
 * waits for results in 0.5 s slices, checking ``pool.active`` (pebble's own health check) in between;
 * on a broken pool (``schedule`` refused, ``BrokenProcessPool``, a manager thread dead), a stalled pool (no
-  item finished for ``timeout_s + 60`` s while items are pending) or a worker that died under an item, stops
+  item finished for ``timeout_s + 240`` s while items are pending) or a worker that died under an item, stops
   the pool (bounded, in a daemon thread), starts a new one (a new forkserver if the old one is dead) and
   re-scores the items without a verdict; each rebuild is counted (:attr:`VerifierPool.n_restarts`, the
   trainer's ``reward/n_pool_restarts``);
@@ -47,7 +47,8 @@ from stapo_jax.runtime.watchdog import progress
 
 log = logging.getLogger(__name__)
 
-STALL_SLACK_S = 60.0   # no item finished for timeout_s + this long while items are pending: the pool is stuck
+STALL_SLACK_S = 240.0  # no item finished for timeout_s + this long while items are pending: the pool is stuck
+#                       (generous: 8 workers starting and warming up sympy took > 70 s under a load average of 27)
 STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daemons; leftovers are abandoned)
 WAIT_SLICE_S = 0.5
 
