@@ -23,7 +23,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
