@@ -268,13 +268,15 @@ class RewardConfig(OverlongConfig):
     kind: str = "boxed_exact_pm1"  # a registered reward kind (stapo_jax.rewards.registry.REWARD_KINDS)
     timeout_s: float = 10.0
     num_workers: int = 4
+    max_pool_restarts: int = 3          # verifier-pool rebuilds allowed per batch (rewards/pool.py); one more stops
     boxed_normalize: bool = False
     gym_answer_format: Literal["boxed", "answer_tag", "raw"] = "boxed"
 
     def __post_init__(self):
         super().__post_init__()
         _check("reward", [(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0"),
-                          (self.num_workers >= 1, f"num_workers={self.num_workers} must be >= 1")])
+                          (self.num_workers >= 1, f"num_workers={self.num_workers} must be >= 1"),
+                          (self.max_pool_restarts >= 0, f"max_pool_restarts={self.max_pool_restarts} must be >= 0")])
 
 
 @dataclass
@@ -295,6 +297,11 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
     experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
+    stall_timeout_s: Optional[float] = None    # runtime/watchdog.py: None = 600 s on CPU, 1800 s else; 0 = off
+
+    def __post_init__(self):
+        _check("trainer", [(self.stall_timeout_s is None or self.stall_timeout_s >= 0,
+                            f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0 = off, null = by backend)")])
 
 
 @dataclass
@@ -347,7 +354,6 @@ class Config:
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
-
         ``load_config(path)`` of that file gives a Config equal to ``self``."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -366,9 +372,8 @@ class Config:
         """
         seqs = self.actor.ppo_mini_batch_size * self.rollout.n
         if data_parallel_size < 1 or seqs % data_parallel_size:
-            raise ConfigError(
-                f"actor.ppo_mini_batch_size * rollout.n = {seqs} sequences do not split over "
-                f"{data_parallel_size} data-parallel shards")
+            raise ConfigError(f"actor.ppo_mini_batch_size * rollout.n = {seqs} sequences do not split over "
+                              f"{data_parallel_size} data-parallel shards")
         per_shard = seqs // data_parallel_size
         if per_shard % self.actor.ppo_micro_batch_size:
             raise ConfigError(

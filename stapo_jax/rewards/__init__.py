@@ -14,26 +14,24 @@ Kinds (``reward.kind``, stapo_spec §2 and §10.13), each registered by its own 
   :mod:`.think_format`).
 
 The string match is pure Python over at most 300 characters and runs inline. math-verify and reasoning-gym
-run in a :class:`VerifierPool`: a ``pebble.ProcessPool`` (forkserver context where available, else spawn;
-never fork, so the JAX parent is not forked) created once and reused. Each item runs in a worker's main
-thread (math-verify uses ``signal.alarm``) under a hard per-item timeout: a worker that exceeds it, for
-instance stuck in a C-level big-integer power that no signal can interrupt, is killed and replaced. A
-timed-out or crashed verifier scores 0 and is counted (``n_timeout``, ``n_error``); the run goes on. Model
-output is parsed, never evaluated.
+run in a :class:`VerifierPool` (:mod:`.pool`): a supervised ``pebble.ProcessPool`` (forkserver, never fork)
+created once and reused, with a hard per-item timeout. A timed-out or crashed verifier scores 0 and is counted
+(``n_timeout``, ``n_error``); a broken pool (dead forkserver, dead worker, dead manager thread) is rebuilt and
+the affected items re-scored (``n_pool_restarts``); only more than ``reward.max_pool_restarts`` rebuilds on one
+batch stop the run (:class:`PoolFailure`). Model output is parsed, never evaluated.
 """
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import functools
 import logging
-import multiprocessing
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from stapo_jax.rewards.pool import PoolFailure, VerifierPool  # noqa: F401  (public names of this package)
 from stapo_jax.rewards.registry import REWARD_KINDS, get_reward_kind
 
 log = logging.getLogger(__name__)
@@ -51,72 +49,6 @@ def _run_inline(fn: Callable, response: str, gold: Any) -> tuple[str, Any]:
         return "error", repr(e)
 
 
-class VerifierPool:
-    """A reusable process pool that runs one function call per item with a hard per-item timeout.
-
-    Args:
-      num_workers: worker processes (>= 1).
-      preload: modules the workers import at start (forkserver: imported once in the fork server).
-      initializer: optional no-argument callable run in each worker at start (module-level, picklable).
-
-    Use as a context manager or call :meth:`close`. Source: the process-pool design of MaxText
-    ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8), with pebble for kill-on-timeout.
-    """
-
-    def __init__(self, num_workers: int, preload: Sequence[str] = (), initializer: Optional[Callable] = None):
-        if num_workers < 1:
-            raise ValueError(f"num_workers={num_workers} must be >= 1")
-        import pebble
-
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if ctx.get_start_method() == "forkserver" and preload:
-            ctx.set_forkserver_preload(list(preload))
-        self.num_workers = num_workers
-        self._pool = pebble.ProcessPool(max_workers=num_workers, initializer=initializer, context=ctx)
-        self._closed = False
-
-    def run(self, fn: Callable[..., Any], arg_tuples: Sequence[tuple], timeout_s: float) -> list[tuple[str, Any]]:
-        """Call ``fn(*args)`` for every tuple in a worker; returns ``[(status, value), ...]`` in input order.
-
-        ``status`` is ``"ok"`` (value = the return value), ``"timeout"`` (the call ran longer than
-        ``timeout_s`` seconds of wall time in its worker; value None), or ``"error"`` (it raised, or its
-        worker died; value = the exception's repr).
-
-        Raises:
-          RuntimeError: the pool was closed.
-        """
-        if self._closed:
-            raise RuntimeError("VerifierPool is closed")
-        import pebble
-
-        futures = [self._pool.schedule(fn, args=args, timeout=timeout_s) for args in arg_tuples]
-        out: list[tuple[str, Any]] = []
-        for fut in futures:
-            try:
-                out.append(("ok", fut.result()))
-            except concurrent.futures.TimeoutError:
-                out.append(("timeout", None))
-            except pebble.ProcessExpired as e:
-                out.append(("error", f"worker died: {e!r}"))
-            except Exception as e:  # the verifier raised: counted, never fatal
-                out.append(("error", repr(e)))
-        return out
-
-    def close(self) -> None:
-        """Stop the workers (running calls are terminated) and wait for them to exit. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._pool.stop()
-            self._pool.join()
-
-    def __enter__(self) -> "VerifierPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class RewardScorer:
     """Scores batches of responses with one verifier kind; owns its :class:`VerifierPool` (if pooled).
 
@@ -130,11 +62,15 @@ class RewardScorer:
       rel_tol: ``math_verify_strict``: relative tolerance for answers with decimals (> 0).
       require_think_close: ``math_verify_strict``: a response without ``</think>`` has no answer (thinking
         templates that pre-fill ``<think>`` in the prompt).
+      max_pool_restarts: pool rebuilds allowed per batch (``reward.max_pool_restarts``, :class:`VerifierPool`).
+      on_progress: optional no-argument callable run after each verified item (the trainer passes the stall
+        watchdog's progress mark).
     """
 
     def __init__(self, kind: str, *, timeout_s: float = 10.0, num_workers: int = 4, boxed_normalize: bool = False,
                  gym_task: Optional[str] = None, gym_answer_format: str = "boxed", rel_tol: float = 1e-9,
-                 require_think_close: bool = False):
+                 require_think_close: bool = False, max_pool_restarts: int = 3,
+                 on_progress: Optional[Callable[[], None]] = None):
         self.entry = get_reward_kind(kind)  # ConfigError (a ValueError) for an unknown kind, with did-you-mean
         if "gym_task" in self.entry.requires and not gym_task:
             raise ValueError(f"reward kind {kind!r} needs gym_task (data.gym.task)")
@@ -152,7 +88,8 @@ class RewardScorer:
         if self.entry.pooled:
             module = self.entry.module
             init = getattr(__import__(module, fromlist=["init_worker"]), "init_worker", None)
-            self._pool = VerifierPool(num_workers, preload=[module], initializer=init)
+            self._pool = VerifierPool(num_workers, preload=[module], initializer=init, max_restarts=max_pool_restarts,
+                                      on_progress=on_progress)
 
     def score(self, responses: Sequence[str], golds: Sequence[Any]) -> tuple[np.ndarray, dict[str, float]]:
         """Score ``responses[i]`` against ``golds[i]``.
@@ -166,11 +103,13 @@ class RewardScorer:
           ``(scores, stats)``: ``scores`` float32 [N] (±1 / 0-1 per kind; 0 for a timeout or error);
           ``stats`` has ``n``, ``n_correct``, ``n_timeout``, ``n_error``, ``n_unparsed`` (``math_verify_strict``:
           a gold or answer that cannot be compared safely, scored 0), ``accuracy`` (fraction correct: a match, or
-          a gym score of 1), ``score_mean`` and ``time_s``.
+          a gym score of 1), ``score_mean``, ``time_s`` and ``n_pool_restarts`` (pool rebuilds while scoring this
+          batch).
 
         Raises:
           ValueError: ``len(responses) != len(golds)``.
           TypeError: a response is not a str, or a gold of the wrong type (message gives the index).
+          PoolFailure: the verifier pool broke more than ``max_pool_restarts`` times on this batch.
         """
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
@@ -185,6 +124,7 @@ class RewardScorer:
         scores = np.zeros(n, dtype=np.float32)
         correct = np.zeros(n, dtype=bool)
         n_timeout = n_error = n_unparsed = 0
+        restarts0 = self._pool.n_restarts if self._pool is not None else 0
         fn = functools.partial(self.entry.fn, **self._keywords)
         args = list(zip(responses, golds))
         if self._pool is not None:
@@ -206,7 +146,8 @@ class RewardScorer:
         stats = {"n": float(n), "n_correct": float(correct.sum()), "n_timeout": float(n_timeout),
                  "n_error": float(n_error), "n_unparsed": float(n_unparsed),
                  "accuracy": float(correct.mean()) if n else 0.0,
-                 "score_mean": float(scores.mean()) if n else 0.0, "time_s": time.perf_counter() - t0}
+                 "score_mean": float(scores.mean()) if n else 0.0, "time_s": time.perf_counter() - t0,
+                 "n_pool_restarts": float(self._pool.n_restarts - restarts0 if self._pool is not None else 0)}
         return scores, stats
 
     def close(self) -> None:
@@ -221,18 +162,20 @@ class RewardScorer:
         self.close()
 
 
-def make_scorer(cfg) -> RewardScorer:
+def make_scorer(cfg, on_progress: Optional[Callable[[], None]] = None) -> RewardScorer:
     """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``).
 
     No arrays: reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
-    ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format`` and ``data.gym.task``.
+    ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format``, ``reward.max_pool_restarts``
+    and ``data.gym.task``; ``on_progress`` as :class:`RewardScorer`.
     Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
     non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind. Source: the project's config
     convention (``docs/conventions.md``).
     """
     r = cfg.reward
     return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
-                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format)
+                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format,
+                        max_pool_restarts=r.max_pool_restarts, on_progress=on_progress)
 
 
 _SCORERS: dict[tuple, RewardScorer] = {}

@@ -39,6 +39,7 @@ import numpy as np
 
 from stapo_jax.rollout.engine import Qwen3Engine
 from stapo_jax.rollout.sampling import SamplingParams
+from stapo_jax.runtime.watchdog import progress
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -327,6 +328,7 @@ class RolloutDriver:
             else:
                 state, out = eng.multi_step(params, state, k, sampling)
             data, log_probs, done = jax.device_get((out.result.data, out.log_probs, out.done))
+            progress()  # the stall watchdog (runtime/watchdog.py): a decode step finished
             if k == 1:
                 data, log_probs, done = data[None], log_probs[None], done[None]
             for j in range(k):

@@ -259,7 +259,7 @@ class MultiHostRollout:
 def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: int = 1) -> tuple[np.ndarray, dict]:
     """``scorer.score(texts, golds)`` with the rows split over processes (contiguous shares of whole groups of
     ``group_size`` rows), scores all-gathered; stats (``n``, ``n_correct``, ``n_timeout``, ``n_error``,
-    ``n_unparsed``) summed and ``accuracy`` recomputed. One process: a direct call.
+    ``n_unparsed``, ``n_pool_restarts``) summed and ``accuracy`` recomputed. One process: a direct call.
 
     Returns:
       (scores float32 [N], stats: str -> float) identical on every process, ``N = len(texts)``.
@@ -274,7 +274,7 @@ def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: i
     shares = [prompt_share(n_groups, p, n_proc) for p in range(n_proc)]
     lo, hi = (s * group_size for s in shares[me])
     counts = [(b - a) * group_size for a, b in shares]
-    keys = ("n", "n_correct", "n_timeout", "n_error", "n_unparsed")
+    keys = ("n", "n_correct", "n_timeout", "n_error", "n_unparsed", "n_pool_restarts")
     if hi > lo:
         scores, stats = scorer.score(list(texts[lo:hi]), list(golds[lo:hi]))
         bits = np.ascontiguousarray(np.asarray(scores, np.float32)).view(np.int32)[:, None]

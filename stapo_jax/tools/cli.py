@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other
     errors propagate. Called as the process entry point (``argv`` None), it first re-executes
     the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
-    bad value of that variable is one line, exit 2. Source: the git-style ``COMMAND [ARGS...]`` CLI convention.
+    bad value of that variable is one line, exit 2. As the entry point, the process then ends within 120 s
+    whatever thread or child process is left (``runtime.watchdog.arm_exit_guard``). Source: the git-style
+    ``COMMAND [ARGS...]`` CLI convention.
     """
     entry_point = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -76,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     quiet_third_party_startup()
     module = importlib.import_module(COMMANDS[name][0])
+    code = 1  # an exception below
     try:
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
+        return code
     except Exception as e:
         # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint): one line.
         # The checkpoint module is looked up, not imported: `check` (PyTorch jobs) imports no JAX.
@@ -86,7 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, bad_input + ((ckpt.CheckpointError,) if ckpt else ())):
             raise
         print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 2
         return 2
+    finally:
+        if entry_point:  # the process ends even if a thread or child process would keep it alive (issue 34)
+            from stapo_jax.runtime.watchdog import arm_exit_guard
+
+            arm_exit_guard(code)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from stapo_jax.algo.advantages import nonzero_variance_groups, overlong_reward_p
 from stapo_jax.train.batching import pack_prompt_response, round_up
 from stapo_jax.rollout.driver import FINISH_LENGTH, RolloutBatch
 from stapo_jax.rollout.multihost import score_rows
+from stapo_jax.runtime import watchdog
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ def score_rollout(rollout: RolloutBatch, examples: Sequence[dict], tokenizer: An
     (``stapo_jax.rollout.multihost.score_rows``): the result is the same on every process.
     Raises: IndexError / KeyError for a row whose prompt has no example or no ``gold``; the verifier's
     per-row failures are counted in the stats (``n_timeout``, ``n_error``), not raised."""
+    watchdog.progress("reward")
     texts = decode_responses(tokenizer, rollout)
     golds = [examples[int(i)]["gold"] for i in rollout.prompt_index]
     return score_rows(texts, golds, scorer, max(rollout.group_size, 1))
@@ -117,6 +119,7 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         batch = next(batches)
         target = len(batch) if target is None else target
         t1 = time.perf_counter()
+        watchdog.progress("rollout")
         ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
                                      max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
         t2 = time.perf_counter()
@@ -152,6 +155,7 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         "reward/n_timeout": sum(s["n_timeout"] for s in stats_all),
         "reward/n_error": sum(s["n_error"] for s in stats_all),
         "reward/n_unparsed": sum(s.get("n_unparsed", 0.0) for s in stats_all),
+        "reward/n_pool_restarts": sum(s.get("n_pool_restarts", 0.0) for s in stats_all),
         "sampling/gen_rounds": float(rounds), "sampling/prompts": float(len(examples)),
         "time/rollout": t_rollout, "time/reward": t_reward, "time/experience": time.perf_counter() - t0,
         "rollout/tokens_per_s": float(ro.response_lengths.sum()) / max(t_rollout, 1e-9),

@@ -20,6 +20,7 @@ from stapo_jax.runtime.allocator import ENV_ALLOCATOR, allocator_mode, loaded_al
 from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import examples_fingerprint, load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
+from stapo_jax.runtime.watchdog import StallWatchdog, progress, resolve_timeout
 from stapo_jax.train.experience import collect_experience, heldout_accuracy
 from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
@@ -45,11 +46,20 @@ def train(cfg: Config) -> dict[str, Any]:
     """Run ``cfg`` (SFT warm-up if ``sft.steps`` > 0, then RL for ``trainer.total_steps``); returns a summary
     with held-out accuracy before/after RL (when a validation split exists), final step and run directory.
 
+    A stall watchdog (``trainer.stall_timeout_s``, :mod:`stapo_jax.runtime.watchdog`) runs throughout: no progress
+    for that long dumps all thread stacks and exits the process with code 75.
+
     Raises:
       ConfigError: missing ``trainer.total_steps`` or an inconsistent batch configuration.
     Takes no arrays (a ``Config``); the summary holds Python floats / ints / str. Source: stapo_spec.md §2 (the RL
     loop), verl ``RayPPOTrainer.fit``.
     """
+    with StallWatchdog(resolve_timeout(cfg.trainer.stall_timeout_s, jax.default_backend()),
+                       process_index=jax.process_index()):
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> dict[str, Any]:
     if not cfg.trainer.total_steps:
         raise ConfigError("trainer.total_steps must be set for an RL run (stapo_spec §10 item 15)")
     cfg.check_rl_ready()
@@ -77,13 +87,15 @@ def train(cfg: Config) -> dict[str, Any]:
     tok = build.build_tokenizer(cfg)
     pad_id = pad_token_id(tok)
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
+    progress("setup")  # each setup boundary counts as progress (compiles in between cannot mark)
     train_ds = load_prompt_dataset(cfg, tok, "train")
     val_examples = load_val_examples(cfg, tok)
     check_same_config({"train_prompts_sha256": train_ds.fingerprint,  # each host may read its own copy of the files
                        "val_prompts_sha256": examples_fingerprint(val_examples)},
                       what="training data", fix="every process must read the same data files (the same contents "
                       "on every host) with the same tokenizer")
-    scorer = make_scorer(cfg)
+    scorer = make_scorer(cfg, on_progress=progress)
+    progress("setup")
     check_run_dir(run_dir, create=True)
     if not t.resume:
         set_aside_earlier_run(run_dir, main_process)
@@ -101,13 +113,16 @@ def train(cfg: Config) -> dict[str, Any]:
     preempt = Preemption()  # from here on SIGTERM: stop at the next agreed point (10 SFT steps, an RL step), exit 0
     try:
         if cfg.sft.steps and not resuming and not sft_warmup(cfg, model, train_ds.examples, tok, logger,
-                                                             should_stop=lambda: stop_requested(preempt)):
+                                                             should_stop=lambda: progress("sft") or
+                                                             stop_requested(preempt)):
             logger.write("SIGTERM during the SFT warm-up: stopping before RL; nothing is saved, a restart runs the "
                          "warm-up again")
             summary.update(final_step=0, preempted=True)
             return summary  # the finally below closes the logger, checkpointer and reward pool
         rollout = build_rollout(cfg, model, mesh, tok)
+        progress("setup")
         if val_examples and not resuming:
+            progress("eval")
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
                                    progress=logger.progress, desc="held-out (before RL)")
             summary["heldout_acc_before"] = acc
@@ -119,6 +134,7 @@ def train(cfg: Config) -> dict[str, Any]:
             logger.write(f"held-out accuracy before RL: {acc:.4f} (measured by the run's first start)")
         optimizer = build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
+        progress("setup")
         common = dict(temperature=cfg.rollout.temperature, seq_chunk=cfg.actor.logprob_seq_chunk or 512,
                       vocab_chunk=cfg.actor.logprob_vocab_chunk)
         shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -159,6 +175,7 @@ def train(cfg: Config) -> dict[str, Any]:
         stop = stop_requested(preempt)  # SIGTERM to any process stops all at the same step
         for step in range(start, t.total_steps if not stop else start):
             t0 = time.perf_counter()
+            progress("rollout", step=step + 1)
             coordination_seconds(reset=True)
             rng, sub = (np.asarray(x) for x in jax.random.split(rng))
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
@@ -175,6 +192,7 @@ def train(cfg: Config) -> dict[str, Any]:
                                                        num_micro_batches=k, num_shards=data_parallel_size(mesh),
                                                        long_rows=long_rows,
                                                        max_sequences=cfg.actor.sequences_cap())
+            progress("update")
             first_fn, step_fn, log_prob_fn = steps_for(kk)
             state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
                                     ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,
@@ -185,6 +203,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "
                                          f"{m.get('loss')}, grad_norm {m.get('grad_norm')}); stopping without "
                                          f"checkpointing or exporting them")
+            progress("sync")
             sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
             stop = stop_requested(preempt)
             m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
@@ -195,18 +214,21 @@ def train(cfg: Config) -> dict[str, Any]:
                       "time/coordination": coordination_seconds(),
                       "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
+                progress("eval")
                 m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
                                                 max_new_tokens=cfg.rollout.max_new_tokens)
             if step % t.log_every == 0 or step + 1 == t.total_steps:
                 logger.log(step + 1, m)
             else:
                 logger.advance(step + 1)
+            progress("checkpoint")
             ckpt.save(step + 1, {"train": state, "rng": rng}, data_state={"iterator": data_it.get_state()},
                       meta={"step": step + 1, "dataset_fingerprint": train_ds.fingerprint},
                       force=stop or step + 1 == t.total_steps)
             summary["final_step"] = step + 1
             if stop:
                 break
+        progress("checkpoint")
         ckpt.wait()
         logger.close_progress()
         summary["optimizer_steps"] = int(state.step)
@@ -215,11 +237,13 @@ def train(cfg: Config) -> dict[str, Any]:
             summary["preempted"] = True
         nnx.update(model, state.params)
         if val_examples and not summary.get("preempted"):
+            progress("eval")
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
                                    progress=logger.progress, desc="held-out (after RL)")
             summary["heldout_acc_after"] = acc
             logger.write(f"held-out accuracy after RL:  {acc:.4f} ({len(val_examples)} problems, greedy)")
         if t.export_hf and not summary.get("preempted"):
+            progress("export")
             summary["hf_export"] = export_hf(model, tok, os.path.join(run_dir, "hf"))
     finally:
         preempt.restore()

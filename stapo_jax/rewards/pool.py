@@ -1,0 +1,217 @@
+"""The verifier process pool, supervised: a ``pebble.ProcessPool`` that is rebuilt when it breaks.
+
+Workers start from a forkserver (where available, else spawn; never fork, so the JAX parent is not forked), are
+created once and reused, and run each item in their main thread (math-verify uses ``signal.alarm``) under a
+hard per-item timeout: a worker that exceeds it is killed and replaced by pebble. A verifier that raises scores
+0 and is counted; model output is parsed, never evaluated.
+
+Supervision (issue 34). pebble marks a pool broken for good, and every later ``schedule`` raises
+``RuntimeError("Unexpected error within the Pool")``, when one of its three manager threads ends (any exception
+other than ``BrokenProcessPool`` in them) or when a worker ends with a non-zero code while no item is running
+(``find_expired_task``: "All workers expired"). With a forkserver the second happens whenever the forkserver
+dies: the parent then reads every worker's exit status as 255 (``popen_forkserver.poll``), so an idle pool
+breaks at its next 0.1 s status check. Items queued in a broken pool never complete. :meth:`VerifierPool.run`
+therefore
+
+* waits for results in 0.5 s slices, checking ``pool.active`` (pebble's own health check) in between;
+* on a broken pool (``schedule`` refused, ``BrokenProcessPool``, a manager thread dead), a stalled pool (no
+  item finished for ``timeout_s + 240`` s while items are pending) or a worker that died under an item, stops
+  the pool (bounded, in a daemon thread), starts a new one (a new forkserver if the old one is dead) and
+  re-scores the items without a verdict; each rebuild is counted (:attr:`VerifierPool.n_restarts`, the
+  trainer's ``reward/n_pool_restarts``);
+* scores an item whose worker died under it twice as an error (the item itself kills workers: a verifier
+  crash, not the pool);
+* raises :class:`PoolFailure`, one line naming the last cause, when the same batch needs more than
+  ``max_restarts`` rebuilds (``reward.max_pool_restarts``).
+
+Workers leave the trainer's process group at start (:func:`worker_init`), so a SIGTERM sent to the whole group
+(``timeout``, a time limit, ``kill -- -PGID``: the trainer then finishes its step and checkpoints) no longer
+kills the idle workers under it; the forkserver still gets it and dies, and the next ``run`` rebuilds the pool.
+
+Source: the process-pool design of MaxText ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8),
+pebble 5's ``ProcessPool`` for kill-on-timeout.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Optional, Sequence
+
+
+log = logging.getLogger(__name__)
+
+STALL_SLACK_S = 240.0  # no item finished for timeout_s + this long while items are pending: the pool is stuck
+#                       (generous: 8 workers starting and warming up sympy took > 70 s under a load average of 27)
+STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daemons; leftovers are abandoned)
+WAIT_SLICE_S = 0.5
+
+
+def worker_init(initializer: Optional[Callable] = None) -> None:
+    """Start of every pool worker: leave the trainer's process group (``os.setpgrp``), then run ``initializer``.
+
+    A signal sent to the trainer's whole group (``timeout``, a scheduler's time limit, ``kill -- -PGID``) made
+    each idle pebble worker exit with code 15 (pebble's SIGTERM handler) while the trainer, which takes SIGTERM
+    as "stop after this step", went on to score the next batch in a pool pebble had marked broken. The pool's
+    lifetime is the trainer's business: it stops the workers itself. No arrays; returns None; raises what
+    ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``).
+    """
+    os.setpgrp()
+    if initializer is not None:
+        initializer()
+
+
+class PoolFailure(RuntimeError):
+    """The verifier pool broke more than ``reward.max_pool_restarts`` times on the same batch (one-line message
+    naming the last cause)."""
+
+
+class VerifierPool:
+    """A reusable, self-repairing process pool that runs one function call per item with a hard per-item timeout.
+
+    Args:
+      num_workers: worker processes (>= 1).
+      preload: modules the workers import at start (forkserver: imported once in the fork server).
+      initializer: optional no-argument callable run in each worker at start (module-level, picklable).
+      max_restarts: rebuilds allowed while scoring one batch (>= 0); one more raises :class:`PoolFailure`.
+      on_progress: optional no-argument callable run after each item that finishes (a progress mark).
+
+    Use as a context manager or call :meth:`close`. Raises ValueError for ``num_workers < 1`` or
+    ``max_restarts < 0``. Source: MaxText ``math_verify_pool.py`` (conventions.md §8), with pebble.
+    """
+
+    def __init__(self, num_workers: int, preload: Sequence[str] = (), initializer: Optional[Callable] = None,
+                 max_restarts: int = 3, on_progress: Optional[Callable[[], None]] = None):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+        methods = multiprocessing.get_all_start_methods()
+        self._ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if self._ctx.get_start_method() == "forkserver" and preload:
+            self._ctx.set_forkserver_preload(list(preload))
+        self.num_workers, self.max_restarts, self._initializer = num_workers, int(max_restarts), initializer
+        self.n_restarts = 0  # rebuilds over the pool's life
+        self.on_progress = on_progress  # called after each item that finishes (the trainer's stall watchdog mark)
+        self._closed = False
+        self._pool = self._new_pool()
+
+    def _new_pool(self):
+        import pebble
+
+        return pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
+                                  initializer=functools.partial(worker_init, self._initializer))
+
+    @staticmethod
+    def _stop(pool) -> bool:
+        """Stop a pebble pool within :data:`STOP_TIMEOUT_S`; False when its join did not finish in time."""
+        pool.stop()
+        t = threading.Thread(target=pool.join, name="verifier-pool-stop", daemon=True)
+        t.start()
+        t.join(STOP_TIMEOUT_S)
+        return not t.is_alive()
+
+    def restart(self, cause: str) -> None:
+        """Replace the pebble pool by a fresh one (logged with ``cause``, counted in :attr:`n_restarts`).
+
+        No arrays: a str in, None out. Raises RuntimeError if the pool was closed. Source: this module's design.
+        """
+        if self._closed:
+            raise RuntimeError("VerifierPool is closed")
+        log.warning("reward pool: %s; rebuilding it (%d workers) and re-scoring the items without a verdict",
+                    cause, self.num_workers)
+        if not self._stop(self._pool):
+            log.warning("reward pool: the old pool did not stop within %.0f s; abandoning it", STOP_TIMEOUT_S)
+        self._pool = self._new_pool()
+        self.n_restarts += 1
+
+    def run(self, fn: Callable[..., Any], arg_tuples: Sequence[tuple], timeout_s: float) -> list[tuple[str, Any]]:
+        """Call ``fn(*args)`` for every tuple in a worker; returns ``[(status, value), ...]`` in input order.
+
+        ``status`` is ``"ok"`` (value = the return value), ``"timeout"`` (the call ran longer than
+        ``timeout_s`` seconds of wall time in its worker; value None), or ``"error"`` (it raised, value = the
+        exception's repr; or its worker died under it twice, value starts with ``"worker died"``). A broken pool
+        is rebuilt and the items without a verdict re-scored (module docstring).
+
+        Raises:
+          RuntimeError: the pool was closed.
+          PoolFailure: more than ``max_restarts`` rebuilds for this call.
+        No arrays: Python objects in and out. Source: MaxText ``math_verify_pool.py`` (conventions.md §8).
+        """
+        if self._closed:
+            raise RuntimeError("VerifierPool is closed")
+        n = len(arg_tuples)
+        out: list[Optional[tuple[str, Any]]] = [None] * n
+        deaths = [0] * n
+        restarts = 0
+        cause = None if self._pool.active else "the pool broke while idle (a dead worker or forkserver)"
+        todo = list(range(n))
+        while True:
+            if cause is not None:
+                restarts += 1
+                if restarts > self.max_restarts:
+                    raise PoolFailure(f"reward pool failed {restarts} times on one batch of {n} items (last: {cause});"
+                                      f" stopping (reward.max_pool_restarts={self.max_restarts}; check memory / the "
+                                      f"OOM killer and reward.num_workers)")
+                self.restart(cause)
+            todo = [i for i in todo if out[i] is None]
+            if not todo:
+                return out  # type: ignore[return-value]
+            cause = self._run_once(fn, arg_tuples, todo, timeout_s, out, deaths)
+
+    def _run_once(self, fn, arg_tuples, todo, timeout_s, out, deaths) -> Optional[str]:
+        """Schedule ``todo`` once and fill ``out``; returns why the pool must be rebuilt, or None."""
+        import pebble
+
+        try:
+            futures = {self._pool.schedule(fn, args=arg_tuples[i], timeout=timeout_s): i for i in todo}
+        except RuntimeError as e:  # pebble: "Unexpected error within the Pool"
+            return f"pebble refused the items ({e})"
+        pending, cause, died = set(futures), None, 0
+        last = time.monotonic()
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=WAIT_SLICE_S)
+            for fut in done:
+                i, last = futures[fut], time.monotonic()
+                if self.on_progress is not None:
+                    self.on_progress()
+                try:
+                    out[i] = ("ok", fut.result())
+                except concurrent.futures.TimeoutError:
+                    out[i] = ("timeout", None)
+                except pebble.ProcessExpired as e:
+                    deaths[i] += 1
+                    died += 1
+                    if deaths[i] >= 2:
+                        out[i] = ("error", f"worker died twice under this item: {e!r}")
+                except (BrokenProcessPool, concurrent.futures.CancelledError) as e:
+                    cause = cause or f"pebble aborted the pending items ({e!r})"
+                except Exception as e:  # the verifier raised: counted, never fatal
+                    out[i] = ("error", repr(e))
+            if pending and not self._pool.active:
+                return f"pebble reports the pool broken ({len(pending)} items pending: a manager thread died or " \
+                       f"all workers expired)"
+            if pending and time.monotonic() - last > timeout_s + STALL_SLACK_S:
+                return f"no item finished for {time.monotonic() - last:.0f} s with {len(pending)} pending"
+        if cause is None and any(out[i] is None for i in todo):
+            cause = f"a worker died under {died} item(s) (a killed worker or forkserver)"
+        return cause
+
+    def close(self) -> None:
+        """Stop the workers (running calls are terminated) and wait for them, at most ~15 s. Idempotent; never
+        raises. No arrays. Source: pebble's ``stop`` / ``join``."""
+        if not self._closed:
+            self._closed = True
+            if not self._stop(self._pool):
+                log.warning("reward pool: did not stop within %.0f s; abandoning it", STOP_TIMEOUT_S)
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
