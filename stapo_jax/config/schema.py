@@ -289,6 +289,11 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
     experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
+    # persistent XLA compilation cache: auto = $JAX_COMPILATION_CACHE_DIR, else ~/.cache/stapo_jax/jax_cache;
+    # null or "" = off; shared by every process of a job (runtime/compile_stats.py)
+    compilation_cache_dir: Optional[str] = "auto"
+    # fixed packed-update geometries (a bounded set of programs; runtime/precompile.py): auto = on for GPU / TPU
+    precompile: Union[bool, Literal["auto"]] = "auto"
 
 
 @dataclass
