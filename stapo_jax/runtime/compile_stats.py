@@ -9,7 +9,9 @@ reading logs:
 - ``/jax/compilation_cache/cache_hits``: recorded inside that span when the executable came from the persistent
   cache; such an executable counts as a cache hit, not as a compile.
 - ``/jax/core/compile/jaxpr_trace_duration`` and ``/jax/core/compile/jaxpr_to_mlir_module_duration`` (tracing and
-  lowering, keyword ``fun_name``): added to the program's compile seconds.
+  lowering, keyword ``fun_name``): added to the program's compile seconds. Tracing nests (a jitted function
+  traced inside another records its own span inside the outer one): only outermost spans count, told apart by
+  the start time JAX records as a scalar under the same event name when a span opens.
 
 These event names are those of jax 0.10 - 0.12 (``jax/_src/dispatch.py``, ``jax/_src/compiler.py``). Compile seconds
 are also charged to the current *phase* (``with stats.phase("update"):``) so the trainer can report step times
@@ -71,15 +73,26 @@ class CompileStats:
         self._step = {"compiles": 0, "cache_hits": 0, "compile_s": 0.0}
         self._step_phase: dict[str, float] = {}
         self._started = False
+        self.steps_taken = 0  # take_step calls so far
+        self.executables: list[tuple[int, str, str, bool]] = []  # (steps_taken, phase, program, cache hit)
 
     # --- listeners (called by jax.monitoring) ---
     def _on_event(self, event: str, **kwargs) -> None:
         if event == CACHE_HIT_EVENT:
             self._local.hits = getattr(self._local, "hits", 0) + 1
 
+    def _on_scalar(self, event: str, value: float, **kwargs) -> None:
+        if event in TRACE_EVENTS:  # a span opens (LogElapsedTimeContextManager.__enter__)
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event != BACKEND_COMPILE_EVENT and event not in TRACE_EVENTS:
             return
+        if event in TRACE_EVENTS:
+            depth = getattr(self._local, "depth", 0)
+            self._local.depth = max(depth - 1, 0)
+            if depth > 1:  # nested inside an outer trace, whose span already holds this time
+                return
         name = program_name(kwargs.get("fun_name", "?"))
         with self._lock:
             p = self.programs.setdefault(name, ProgramStats())
@@ -93,12 +106,14 @@ class CompileStats:
                 p.cache_hits += int(hit)
                 p.n_compiles += int(not hit)
                 self._step["cache_hits" if hit else "compiles"] += 1
+                self.executables.append((self.steps_taken, self._phase, name, hit))
 
     def start(self) -> "CompileStats":
         """Register the listeners (idempotent). Returns self."""
         if not self._started:
             jax.monitoring.register_event_listener(self._on_event)
             jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+            jax.monitoring.register_scalar_listener(self._on_scalar)
             self._started = True
         return self
 
@@ -107,6 +122,7 @@ class CompileStats:
         if self._started:
             jax.monitoring.unregister_event_listener(self._on_event)
             jax.monitoring.unregister_event_duration_listener(self._on_duration)
+            jax.monitoring.unregister_scalar_listener(self._on_scalar)
             self._started = False
 
     def __enter__(self):
@@ -130,8 +146,9 @@ class CompileStats:
         with self._lock:
             return self._step_phase.get(name, 0.0)
 
-    def take_step(self) -> dict[str, float]:
-        """Metrics of what was compiled since the previous call, then reset: ``perf/compiles`` (XLA compiles),
+    def take_step(self, count: bool = True) -> dict[str, float]:
+        """Metrics of what was compiled since the previous call, then reset (``count``: advance
+        ``steps_taken``, the step index of later :attr:`executables`): ``perf/compiles`` (XLA compiles),
         ``perf/cache_hits`` (persistent-cache loads), ``perf/compile_s`` (seconds, all phases) and
         ``time/compile/<phase>`` (seconds) for every phase that compiled. Floats."""
         with self._lock:
@@ -140,6 +157,7 @@ class CompileStats:
             out.update({f"time/compile/{k}": v for k, v in sorted(self._step_phase.items())})
             self._step = {"compiles": 0, "cache_hits": 0, "compile_s": 0.0}
             self._step_phase = {}
+            self.steps_taken += int(count)
         return out
 
     def totals(self) -> dict[str, float]:

@@ -9,10 +9,12 @@ old-log-prob pass and the update steps (``update_policy(compile_only=True)`` on 
 empty masks, so shapes, dtypes and shardings are exactly those of the later calls), under a progress bar.
 
 Programs per phase after the warm-up (documented bound, checked by tests/test_compile_accounting.py):
-update: at most 3 ``step`` (x2 with ``s2t.minibatch_method=prepass``) and 3 old-log-prob ``fn``; rollout:
-one prefill program per prefill bucket of the prompts met, one decode ``step_jit`` per KV-cache bucket
-(``rollout.kv_cache_buckets: false`` keeps one). Rollout programs are compiled at their first use (RL step 1 and
-the held-out pass meet them; a later step meets a new one only at a longer prompt or response than any before).
+update: at most 3 ``step`` (x2 with ``s2t.minibatch_method=prepass``) and 3 old-log-prob ``fn``; rollout
+(in-process sampler, compiled before the held-out pass by :func:`precompile_sampler`): with P prefill buckets,
+K KV-cache lengths (``rollout.kv_cache_buckets: false``: K = 1) and S sampling settings (RL, + greedy with a
+held-out split), at most P prefills + K x S decode steps + K x P inserts + K x (K - 1) resizes
+(``stapo_jax.rollout.warmup.rollout_programs``). Warm-up = everything up to the end of RL step 1; after it a run
+compiles nothing (``summary.json``'s ``compile_after_warmup`` lists any exception).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Union
 import jax
 import numpy as np
 
+from stapo_jax.rollout.sampling import SamplingParams
+from stapo_jax.rollout.warmup import precompile_rollout
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.train.metrics import progress_bar
 from stapo_jax.train.packing import fixed_geometries
@@ -68,3 +72,15 @@ def precompile_update(state, exp, step_fns, log_prob_fn, geometries: list[tuple[
             update_policy(state, empty, step_fns, log_prob_fn, geometries=[geometry], compile_only=True,
                           **update_kw)
             bar.update(1)
+
+
+def precompile_sampler(rollout, *, greedy: bool, stats: CompileStats, progress: bool = True) -> None:
+    """Compile every rollout program of the run (``stapo_jax.rollout.warmup.precompile_rollout``: prefill
+    buckets, and per KV-cache length the decode step, inserts and resizes) for the RL sampling setting and,
+    with ``greedy``, the held-out passes' greedy one; charged to the ``precompile`` phase of ``stats``, under a
+    progress bar. ``rollout``: the in-process sampler (``build_rollout`` with ``rollout.mode=inprocess``).
+    Raises what the engine raises. Source: JetStream's engine warm-up."""
+    samplings = [None] + ([SamplingParams(greedy=True)] if greedy else [])
+    with stats.phase("precompile"), progress_bar(len(rollout.engine.kv_length_buckets), "precompile rollout",
+                                                 unit="KV length", enabled=progress) as bar:
+        precompile_rollout(rollout, samplings, bar=bar)

@@ -88,7 +88,10 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
     """The end-of-run ``compile`` table (``stats``: a ``runtime.compile_stats.CompileStats``) and
     ``steady_state`` figures (:func:`steady_state` over ``rows`` after ``first_step``, the chip peak of
     ``runtime.chips.device_peak`` at compute ``dtype``), each also written as lines with ``write``.
-    Returns ``{"compile": [...], "steady_state": {...}}`` (JSON-able). Never raises for well-formed rows."""
+    Also lists every XLA compile after the warm-up (``compile_after_warmup``: ``{"step", "phase", "program"}``,
+    ``step`` the RL step it happened in, or the last step + 1 for the pass after RL).
+    Returns ``{"compile": [...], "compile_after_warmup": [...], "steady_state": {...}}`` (JSON-able). Never raises
+    for well-formed rows."""
     from stapo_jax.runtime.chips import device_peak
     from stapo_jax.runtime.compile_stats import format_table
 
@@ -96,6 +99,11 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
     totals = stats.totals()
     write(f"compiled programs ({totals['compiles']} compiles, {totals['cache_hits']} persistent-cache hits, "
           f"{totals['compile_s']:.1f} s):\n" + format_table(table))
+    late = [{"step": first_step + n, "phase": phase, "program": name}
+            for n, phase, name, hit in stats.executables if n >= 1 and not hit]
+    if late:
+        write(f"compiled after the warm-up (RL step {first_step}): " + ", ".join(
+            f"{e['program']} ({e['phase']}, step {e['step']})" for e in late))
     steady = steady_state(rows, first_step, device_peak(dtype))
     write(format_steady_state(steady))
-    return {"compile": table, "steady_state": steady}
+    return {"compile": table, "compile_after_warmup": late, "steady_state": steady}

@@ -21,7 +21,8 @@ from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import examples_fingerprint, load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
 from stapo_jax.runtime.compile_stats import CompileStats, enable_compilation_cache, resolve_cache_dir
-from stapo_jax.train.precompile import precompile_enabled, precompile_update, update_geometries
+from stapo_jax.train.precompile import (precompile_enabled, precompile_sampler, precompile_update,
+                                        update_geometries)
 from stapo_jax.train.steady_state import run_report, update_work
 from stapo_jax.train.experience import collect_experience, heldout_accuracy
 from stapo_jax.train.metrics import MetricsLogger
@@ -113,6 +114,8 @@ def train(cfg: Config) -> dict[str, Any]:
             summary.update(final_step=0, preempted=True)
             return summary  # the finally below closes the logger, checkpointer and reward pool
         rollout = build_rollout(cfg, model, mesh, tok)
+        if bounded and cfg.rollout.mode == "inprocess":  # every rollout program, before the first rollout
+            precompile_sampler(rollout, greedy=bool(val_examples), stats=stats, progress=logger.progress)
         if val_examples and not resuming:
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
                                    progress=logger.progress, desc="held-out (before RL)")
@@ -157,6 +160,7 @@ def train(cfg: Config) -> dict[str, Any]:
                         "against the trainer's θ_old). Restart the server from a new export to refresh it.",
                         cfg.rollout.mode)
         summary["final_step"] = start
+        stats.take_step(count=False)  # compiles before RL (build, held-out pass, precompile): in the table only
         stop = stop_requested(preempt)  # SIGTERM to any process stops all at the same step
         for step in range(start, t.total_steps if not stop else start):
             t0 = time.perf_counter()
