@@ -30,17 +30,8 @@ from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t 
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and valid_keys are part of this module's API)
-    ConfigError,
-    build_dataclass,
-    check_field_types,
-    has_dotted,
-    parse_override,
-    plain_copy,
-    safe_load_unique,
-    set_dotted,
-    unknown_keys,
-    valid_keys,
-)
+    ConfigError, build_dataclass, check_field_types, has_dotted, parse_override, plain_copy, safe_load_unique,
+    set_dotted, unknown_keys, valid_keys)
 
 CONFIG_FILENAME = "config.yaml"
 JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -285,15 +276,11 @@ class TrainerConfig:
     eval_every: int = 0
     export_hf: bool = True
     resume: bool = True
-    # verl's trainer.logger: any of console (progress bar), tensorboard, wandb; metrics.jsonl is always written
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])  # verl's trainer.logger
     project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
     experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
-    # persistent XLA compilation cache: auto = $JAX_COMPILATION_CACHE_DIR, else ~/.cache/stapo_jax/jax_cache;
-    # null or "" = off; shared by every process of a job (runtime/compile_stats.py)
-    compilation_cache_dir: Optional[str] = "auto"
-    # fixed packed-update geometries (a bounded set of programs; runtime/precompile.py): auto = on for GPU / TPU
-    precompile: Union[bool, Literal["auto"]] = "auto"
+    compilation_cache_dir: Optional[str] = "auto"  # persistent XLA cache (configs/base.yaml); null / "" = off
+    precompile: Union[bool, Literal["auto"]] = "auto"  # bounded shapes compiled in the warm-up; auto: GPU / TPU
 
 
 @dataclass

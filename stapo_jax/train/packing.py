@@ -199,7 +199,7 @@ def fixed_geometries(per_block: int, width: int, long_rows: bool = True) -> list
     update programs and 3 old-log-prob programs per micro-batch count), smallest first: a quarter, a half and all
     of the padded micro-batch block's tokens ``per_block * width`` -- rows of ``width`` = P + R tokens, or, with
     ``long_rows``, one row of that many tokens. The last always holds any block (one sequence per row).
-    Ints in, a list of (rows, tokens per row) out; raises ValueError for sizes < 1. Source: this project's
+    Ints in, a list of (rows, tokens per row) int pairs out (no arrays); raises ValueError for sizes < 1. Source: this project's
     bounded shapes (issue 33), in the spirit of JetStream's fixed padding buckets."""
     if per_block < 1 or width < 1:
         raise ValueError(f"fixed_geometries: per_block={per_block} and width={width} must be >= 1")

@@ -34,7 +34,8 @@ from stapo_jax.train.update import update_policy
 
 def precompile_enabled(setting: Union[bool, str]) -> bool:
     """``trainer.precompile`` resolved: True / False as given; ``auto`` = on when JAX's default backend is a GPU
-    or TPU. Takes a bool or ``"auto"``; returns a bool. Raises ValueError for anything else (names the key)."""
+    or TPU. Takes a bool or ``"auto"``; returns a bool. Raises ValueError for anything else (names the key).
+    Source: issue 33 (compile up front where compiles are slow: accelerators)."""
     if isinstance(setting, bool):
         return setting
     if setting == "auto":
@@ -45,7 +46,8 @@ def precompile_enabled(setting: Union[bool, str]) -> bool:
 def update_geometries(mini_rows: int, num_micro_batches: int, num_shards: int, width: int,
                       long_rows: bool) -> list[tuple[int, int]]:
     """The fixed packed geometries of one micro-batch block (``mini_rows / num_shards / K`` sequences of
-    ``width`` = P + R tokens): :func:`stapo_jax.train.packing.fixed_geometries`. Ints in, ``[(M, L)]`` out;
+    ``width`` = P + R tokens): :func:`stapo_jax.train.packing.fixed_geometries`. Ints in, ``[(M, L)]`` int pairs
+    out (no arrays);
     raises ValueError for sizes that do not split. Source: issue 33's bounded shapes."""
     per, rem = divmod(mini_rows, num_shards * num_micro_batches)
     if rem or per < 1:
@@ -78,7 +80,8 @@ def precompile_sampler(rollout, *, greedy: bool, stats: CompileStats, progress: 
     """Compile every rollout program of the run (``stapo_jax.rollout.warmup.precompile_rollout``: prefill
     buckets, and per KV-cache length the decode step, inserts and resizes) for the RL sampling setting and,
     with ``greedy``, the held-out passes' greedy one; charged to the ``precompile`` phase of ``stats``, under a
-    progress bar. ``rollout``: the in-process sampler (``build_rollout`` with ``rollout.mode=inprocess``).
+    progress bar. ``rollout``: the in-process sampler (``build_rollout`` with ``rollout.mode=inprocess``); no
+    arrays in or out (the engine's own dtypes and shapes).
     Raises what the engine raises. Source: JetStream's engine warm-up."""
     samplings = [None] + ([SamplingParams(greedy=True)] if greedy else [])
     with stats.phase("precompile"), progress_bar(len(rollout.engine.kv_length_buckets), "precompile rollout",

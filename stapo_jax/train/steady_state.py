@@ -47,7 +47,7 @@ def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dic
     ``first_step`` (the warm-up step of this process): ``{"steps", "median_step_s", "rollout_tokens_per_s",
     "update_tokens_per_s", "mfu", "peak_flops", "chip"}`` (+ ``"devices"``, ``"compile_s"`` during them), the
     figures None without steady steps or without the metrics they need. ``peak``: ``chips.device_peak`` output
-    (or None). Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
+    (or None). No arrays: float / int / str values. Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
     steady = [r for r in rows if r.get("step", 0) > first_step]
     out: dict = {"steps": len(steady), "median_step_s": None, "rollout_tokens_per_s": None,
                  "update_tokens_per_s": None, "mfu": None,
@@ -74,7 +74,8 @@ def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dic
 
 
 def format_steady_state(s: dict) -> str:
-    """One log line of :func:`steady_state`'s dict. Never raises."""
+    """One log line of :func:`steady_state`'s dict (no arrays: float / int / str values in, str out). Never raises.
+    Source: the ``steady_state`` key of ``summary.json`` (issue 33)."""
     def num(v, fmt):
         return "n/a" if v is None else format(v, fmt)
     return (f"steady state over {s['steps']} steps after warm-up: median step {num(s['median_step_s'], '.3f')} s, "
@@ -91,7 +92,7 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
     Also lists every XLA compile after the warm-up (``compile_after_warmup``: ``{"step", "phase", "program"}``,
     ``step`` the RL step it happened in, or the last step + 1 for the pass after RL).
     Returns ``{"compile": [...], "compile_after_warmup": [...], "steady_state": {...}}`` (JSON-able). Never raises
-    for well-formed rows."""
+    for well-formed rows. Source: issue 33's end-of-run report."""
     from stapo_jax.runtime.chips import device_peak
     from stapo_jax.runtime.compile_stats import format_table
 
