@@ -134,7 +134,7 @@ class CompileStats:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Charge compile seconds inside the block to phase ``name`` (``rollout``, ``update``, ``sync``, ``eval``,
-        ``precompile``); phases do not nest (the previous one is restored on exit)."""
+        ``precompile``); an inner phase takes over until it ends (the outer one is restored on exit)."""
         prev, self._phase = self._phase, name
         try:
             yield

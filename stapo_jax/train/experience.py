@@ -6,6 +6,7 @@ report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Iterator, Optional, Sequence
@@ -88,7 +89,8 @@ def _select_groups(ro: RolloutBatch, keep_prompts: np.ndarray, g: int) -> Rollou
 
 def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, tokenizer, recipe, *,
                        group_size: int, max_new_tokens: int, seed: int, pad_id: int, sampling=None,
-                       max_prompt_length: Optional[int] = None, fixed_response_length: bool = False) -> Experience:
+                       max_prompt_length: Optional[int] = None, fixed_response_length: bool = False,
+                       compile_phase=None) -> Experience:
     """Sample G responses per prompt, score, shape rewards, compute advantages and pack the batch.
 
     With ``recipe.sampling.dynamic`` (DAPO), groups whose rewards are all equal are dropped and further
@@ -104,6 +106,8 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
       pad_id: padding id; sampling: optional ``SamplingParams`` override;
       max_prompt_length: fixed prompt width P (default: longest prompt rounded up to 64).
       fixed_response_length: R = ``max_new_tokens`` rounded up to 8 for every batch (``build_experience``).
+      compile_phase: ``name -> context manager`` (``runtime.compile_stats.CompileStats.phase``): the sampling
+        calls run inside ``compile_phase("rollout")``, so their compile time can be told apart; None: nothing.
     Returns:
       :class:`Experience`.
     Raises:
@@ -118,8 +122,9 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         batch = next(batches)
         target = len(batch) if target is None else target
         t1 = time.perf_counter()
-        ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
-                                     max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
+        with compile_phase("rollout") if compile_phase is not None else contextlib.nullcontext():
+            ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
+                                         max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
         t2 = time.perf_counter()
         scores, stats = score_rollout(ro, batch, tokenizer, scorer)
         t_rollout, t_reward, rounds = t_rollout + t2 - t1, t_reward + time.perf_counter() - t2, rounds + 1

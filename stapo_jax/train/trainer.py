@@ -167,11 +167,11 @@ def train(cfg: Config) -> dict[str, Any]:
             coordination_seconds(reset=True)
             rng, sub = (np.asarray(x) for x in jax.random.split(rng))
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
-            with stats.phase("rollout"):
+            with stats.phase("experience"):  # rewards, advantages; the sampling inside is phase "rollout"
                 exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
                                          max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id,
                                          max_prompt_length=cfg.data.max_prompt_length if bounded else None,
-                                         fixed_response_length=bounded)
+                                         fixed_response_length=bounded, compile_phase=stats.phase)
             t1 = time.perf_counter()
             if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
@@ -213,9 +213,9 @@ def train(cfg: Config) -> dict[str, Any]:
             c = stats.take_step()  # compile time is reported apart (time/compile/*) and left out of time/*
             compile_of = lambda *ph: sum(c.get(f"time/compile/{p}", 0.0) for p in ph)  # noqa: E731
             step_s = step_end - t0 - (c["perf/compile_s"] - compile_of("eval"))
-            for key in ("time/rollout", "time/experience"):
+            for key, phases in (("time/rollout", ("rollout",)), ("time/experience", ("rollout", "experience"))):
                 if key in m:
-                    m[key] = max(m[key] - compile_of("rollout"), 0.0)
+                    m[key] = max(m[key] - compile_of(*phases), 0.0)
             m.update(c)
             m.update(update_work(model.config, exp.arrays["attention_mask"], exp.arrays["response_mask"].shape[1],
                                  cfg.actor.ppo_epochs))
