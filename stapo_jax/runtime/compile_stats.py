@@ -113,7 +113,8 @@ class CompileStats:
         if not self._started:
             jax.monitoring.register_event_listener(self._on_event)
             jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-            jax.monitoring.register_scalar_listener(self._on_scalar)
+            if hasattr(jax.monitoring, "register_scalar_listener"):  # the span starts (nesting); older JAX lacks it
+                jax.monitoring.register_scalar_listener(self._on_scalar)
             self._started = True
         return self
 
@@ -122,7 +123,8 @@ class CompileStats:
         if self._started:
             jax.monitoring.unregister_event_listener(self._on_event)
             jax.monitoring.unregister_event_duration_listener(self._on_duration)
-            jax.monitoring.unregister_scalar_listener(self._on_scalar)
+            if hasattr(jax.monitoring, "unregister_scalar_listener"):
+                jax.monitoring.unregister_scalar_listener(self._on_scalar)
             self._started = False
 
     def __enter__(self):
