@@ -73,6 +73,7 @@ class CompileStats:
         self._step = {"compiles": 0, "cache_hits": 0, "compile_s": 0.0}
         self._step_phase: dict[str, float] = {}
         self._started = False
+        self._owner = threading.get_ident()  # the thread whose waits on compiles are taken out of step times
         self.steps_taken = 0  # take_step calls so far
         self.executables: list[tuple[int, str, str, bool]] = []  # (steps_taken, phase, program, cache hit)
 
@@ -94,11 +95,16 @@ class CompileStats:
             if depth > 1:  # nested inside an outer trace, whose span already holds this time
                 return
         name = program_name(kwargs.get("fun_name", "?"))
+        # seconds the caller's thread waited on, outside any open trace span (whose own duration holds them):
+        # only those leave the step's wall times (a background thread's compile, e.g. a checkpoint save's,
+        # does not make the training thread wait)
+        wall = threading.get_ident() == self._owner and getattr(self._local, "depth", 0) == 0
         with self._lock:
             p = self.programs.setdefault(name, ProgramStats())
             p.compile_s += float(duration)
-            self._step["compile_s"] += float(duration)
-            self._step_phase[self._phase] = self._step_phase.get(self._phase, 0.0) + float(duration)
+            if wall:
+                self._step["compile_s"] += float(duration)
+                self._step_phase[self._phase] = self._step_phase.get(self._phase, 0.0) + float(duration)
             if event == BACKEND_COMPILE_EVENT:
                 hit = getattr(self._local, "hits", 0) > 0
                 self._local.hits = 0
@@ -111,6 +117,7 @@ class CompileStats:
     def start(self) -> "CompileStats":
         """Register the listeners (idempotent). Returns self."""
         if not self._started:
+            self._owner = threading.get_ident()
             jax.monitoring.register_event_listener(self._on_event)
             jax.monitoring.register_event_duration_secs_listener(self._on_duration)
             if hasattr(jax.monitoring, "register_scalar_listener"):  # the span starts (nesting); older JAX lacks it
@@ -151,7 +158,8 @@ class CompileStats:
     def take_step(self, count: bool = True) -> dict[str, float]:
         """Metrics of what was compiled since the previous call, then reset (``count``: advance
         ``steps_taken``, the step index of later :attr:`executables`): ``perf/compiles`` (XLA compiles),
-        ``perf/cache_hits`` (persistent-cache loads), ``perf/compile_s`` (seconds, all phases) and
+        ``perf/cache_hits`` (persistent-cache loads), ``perf/compile_s`` (seconds the starting thread waited on
+        compiles, all phases; compiles on other threads count in :meth:`table` only) and
         ``time/compile/<phase>`` (seconds) for every phase that compiled. Floats."""
         with self._lock:
             out = {"perf/compiles": float(self._step["compiles"]), "perf/cache_hits": float(self._step["cache_hits"]),

@@ -160,10 +160,10 @@ def train(cfg: Config) -> dict[str, Any]:
                         "against the trainer's θ_old). Restart the server from a new export to refresh it.",
                         cfg.rollout.mode)
         summary["final_step"] = start
-        stats.take_step(count=False)  # compiles before RL (build, held-out pass, precompile): in the table only
         stop = stop_requested(preempt)  # SIGTERM to any process stops all at the same step
         for step in range(start, t.total_steps if not stop else start):
             t0 = time.perf_counter()
+            stats.take_step(count=False)  # compiles between steps (checkpoint saves): in the table only
             coordination_seconds(reset=True)
             rng, sub = (np.asarray(x) for x in jax.random.split(rng))
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
