@@ -293,11 +293,11 @@ class TrainerConfig:
     eval_every: int = 0
     export_hf: bool = True
     resume: bool = True
-    # verl's trainer.logger: any of console (progress bar), tensorboard, wandb; metrics.jsonl is always written
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])  # verl's trainer.logger
     project_name: str = "stapo_jax"            # W&B project (verl's trainer.project_name)
     experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
-    stall_timeout_s: Optional[float] = None    # runtime/watchdog.py: None = 600 s on CPU, 1800 s else; 0 = off
+    compilation_cache_dir: Optional[str] = "auto"  # persistent XLA cache (configs/base.yaml); null / "" = off
+    precompile: Union[bool, Literal["auto"]] = "auto"  # bounded shapes compiled in the warm-up; auto: GPU / TPU
 
     def __post_init__(self):
         _check("trainer", [(self.stall_timeout_s is None or self.stall_timeout_s >= 0,

@@ -5,7 +5,8 @@ No arrays: everything here works on the JSON-able plan spec of ``stapo_jax.tools
 """
 from __future__ import annotations
 
-__all__ = ["spec_recipe", "packed_slot_bound", "analytic"]
+__all__ = ["spec_recipe", "packed_slot_bound", "analytic", "layer_matmul_params", "sequence_forward_flops",
+           "decode_token_flops"]
 
 
 def spec_recipe(spec: dict):
@@ -70,6 +71,35 @@ def packed_slot_bound(mini_rows: int, num_micro_batches: int, num_shards: int, w
             "sequences_per_padded_micro_batch": m_b}
 
 
+def layer_matmul_params(qcfg) -> int:
+    """Weights of one decoder layer's matmuls: q/o (D x Nh x H each), k/v (D x Nkv x H each), the SwiGLU gate/up/
+    down (D x F each). ``qcfg``: a Qwen3 config (``hidden_size`` ...). Returns an int; raises AttributeError for a
+    config without those fields. Source: Qwen3's layer (HF ``Qwen3DecoderLayer``)."""
+    d, f = qcfg.hidden_size, qcfg.intermediate_size
+    return d * qcfg.num_attention_heads * qcfg.head_dim * 2 + d * qcfg.num_key_value_heads * qcfg.head_dim * 2 \
+        + 3 * d * f
+
+
+def sequence_forward_flops(qcfg, tokens, response_tokens):
+    """Matmul FLOPs of one forward over a sequence of ``tokens`` positions whose last ``response_tokens`` go
+    through the LM head: 2 x (layer matmul params x T) x L + 4 x L x T^2 x Nh x H (attention over the full T x T
+    score matrix, as the XLA kernel computes it) + 2 x D x V x R. ``tokens`` / ``response_tokens``: ints or
+    numpy arrays of them (elementwise; float64 out for arrays). Raises AttributeError for a config without the
+    Qwen3 size fields. Source: Kaplan et al. 2020 (forward = 2 x params x tokens)."""
+    layers, t, r = qcfg.num_hidden_layers, tokens, response_tokens
+    return 2 * layers * layer_matmul_params(qcfg) * t \
+        + 4 * layers * t * t * qcfg.num_attention_heads * qcfg.head_dim + 2 * qcfg.hidden_size * qcfg.vocab_size * r
+
+
+def decode_token_flops(qcfg, context: int) -> int:
+    """Matmul FLOPs of decoding one token against ``context`` cached positions: 2 x (L x layer matmul params +
+    D x V) + 4 x L x context x Nh x H. Ints in and out (no arrays); raises AttributeError for a config without the Qwen3
+    size fields. Source: Kaplan et al. 2020 (2 x params per token), plus attention over the cache."""
+    layers = qcfg.num_hidden_layers
+    return 2 * (layers * layer_matmul_params(qcfg) + qcfg.hidden_size * qcfg.vocab_size) \
+        + 4 * layers * context * qcfg.num_attention_heads * qcfg.head_dim
+
+
 def analytic(spec: dict, qcfg) -> dict:
     """Compiler-independent counts: parameters, ideal per-device bytes (everything divided evenly over the
     shards that hold it) and matmul FLOPs of one update and of one decode step.
@@ -82,16 +112,16 @@ def analytic(spec: dict, qcfg) -> dict:
     case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
     No arrays: int / float counts; raises KeyError for a spec not from ``make_spec``. Source: Kaplan et al. 2020
     (forward = 2 x params x tokens, backward = 2 x forward)."""
-    d, f, layers = qcfg.hidden_size, qcfg.intermediate_size, qcfg.num_hidden_layers
+    d, layers = qcfg.hidden_size, qcfg.num_hidden_layers
     nh, nkv, h, v = qcfg.num_attention_heads, qcfg.num_key_value_heads, qcfg.head_dim, qcfg.vocab_size
-    layer = d * nh * h * 2 + d * nkv * h * 2 + 3 * d * f
+    layer = layer_matmul_params(qcfg)
     n_params = layers * (layer + 2 * d + 2 * h) + v * d + d + (0 if qcfg.tie_word_embeddings else d * v)
     mesh = spec["mesh"]
     shards = mesh["fsdp"] * mesh["tensor"]
     itemsize = 2 if qcfg.param_dtype in ("bfloat16", "float16") else 4
     p, r = spec["prompt_length"], spec["response_length"]
     t = p + r
-    fwd = 2 * layers * layer * t + 4 * layers * t * t * nh * h + 2 * d * v * r
+    fwd = sequence_forward_flops(qcfg, t, r)
     from stapo_jax.algo.s2t import minibatch_stats_mode
 
     mode = minibatch_stats_mode(spec_recipe(spec), spec["old_stats"])
@@ -106,7 +136,7 @@ def analytic(spec: dict, qcfg) -> dict:
     slot_shards = min(spec["decode_slots"], mesh["data"] * mesh["fsdp"])
     kv_shards = slot_shards * (mesh["tensor"] if nkv % mesh["tensor"] == 0 else 1)
     kv = 2 * layers * spec["decode_slots"] * t * nkv * h * cache_item
-    decode_fwd = 2 * (layers * layer + d * v) + 4 * layers * t * nh * h
+    decode_fwd = decode_token_flops(qcfg, t)
     return {
         "params": n_params, "params_bytes_ideal": n_params * itemsize / shards,
         "opt_state_bytes_ideal": 2 * n_params * itemsize / shards,

@@ -6,6 +6,7 @@ report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Iterator, Optional, Sequence
@@ -90,7 +91,8 @@ def _select_groups(ro: RolloutBatch, keep_prompts: np.ndarray, g: int) -> Rollou
 
 def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, tokenizer, recipe, *,
                        group_size: int, max_new_tokens: int, seed: int, pad_id: int, sampling=None,
-                       max_prompt_length: Optional[int] = None) -> Experience:
+                       max_prompt_length: Optional[int] = None, fixed_response_length: bool = False,
+                       compile_phase=None) -> Experience:
     """Sample G responses per prompt, score, shape rewards, compute advantages and pack the batch.
 
     With ``recipe.sampling.dynamic`` (DAPO), groups whose rewards are all equal are dropped and further
@@ -105,6 +107,9 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
       group_size: G; max_new_tokens: response limit (tokens); seed: sampling seed of this step;
       pad_id: padding id; sampling: optional ``SamplingParams`` override;
       max_prompt_length: fixed prompt width P (default: longest prompt rounded up to 64).
+      fixed_response_length: R = ``max_new_tokens`` rounded up to 8 for every batch (``build_experience``).
+      compile_phase: ``name -> context manager`` (``runtime.compile_stats.CompileStats.phase``): the sampling
+        calls run inside ``compile_phase("rollout")``, so their compile time can be told apart; None: nothing.
     Returns:
       :class:`Experience`.
     Raises:
@@ -120,8 +125,9 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         target = len(batch) if target is None else target
         t1 = time.perf_counter()
         watchdog.progress("rollout")
-        ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
-                                     max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
+        with compile_phase("rollout") if compile_phase is not None else contextlib.nullcontext():
+            ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
+                                         max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
         t2 = time.perf_counter()
         scores, stats = score_rollout(ro, batch, tokenizer, scorer)
         t_rollout, t_reward, rounds = t_rollout + t2 - t1, t_reward + time.perf_counter() - t2, rounds + 1
@@ -148,7 +154,8 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         ro, scores = _select_groups(ro, np.arange(target), group_size), scores[:target * group_size]
         examples = examples[:target]
     exp = build_experience(ro, scores, recipe, group_size=group_size, max_new_tokens=max_new_tokens,
-                           pad_id=pad_id, max_prompt_length=max_prompt_length)
+                           pad_id=pad_id, max_prompt_length=max_prompt_length,
+                           fixed_response_length=fixed_response_length)
     n = sum(s["n"] for s in stats_all)
     exp.metrics.update({
         "acc/mean": sum(s["n_correct"] for s in stats_all) / max(n, 1.0),
@@ -164,10 +171,13 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
 
 
 def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size: int, max_new_tokens: int,
-                     pad_id: int, max_prompt_length: Optional[int] = None) -> Experience:
+                     pad_id: int, max_prompt_length: Optional[int] = None,
+                     fixed_response_length: bool = False) -> Experience:
     """Rewards (+ DAPO overlong shaping) -> advantages -> packed arrays for :class:`Experience`.
 
     Truncated rows (finish reason ``length``) get an all-zero response mask when ``recipe.drop_truncated``.
+    R is the longest response rounded up to 64 (at most ``max_new_tokens`` rounded up to 8), or with
+    ``fixed_response_length`` always the latter (one shape for every batch); P is ``max_prompt_length`` when given.
     Raises:
       ValueError: see ``stapo_jax.train.batching.pack_prompt_response``.
     scores: [N] float32 verifier scores; the arrays are int32 ids, bool masks, float32 advantages [N, R]. Source:
@@ -181,7 +191,9 @@ def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size
     num_groups = int(gid.max()) + 1
     adv = np.asarray(recipe_advantages(recipe.advantage, rewards, gid, num_groups=num_groups), np.float32)
     responses = [ro.responses[i, :n].tolist() for i, n in enumerate(lengths)]
-    R = min(round_up(int(lengths.max()), 64), round_up(max_new_tokens, 8))
+    R = round_up(max_new_tokens, 8)  # fixed_response_length: one R for every batch (trainer.precompile)
+    if not fixed_response_length:
+        R = min(round_up(int(lengths.max()), 64), R)
     P = max_prompt_length or round_up(max(len(p) for p in ro.prompts), 64)
     arrays = pack_prompt_response([np.asarray(p).tolist() for p in ro.prompts], responses, pad_id=pad_id,
                                   prompt_length=P, response_length=R)

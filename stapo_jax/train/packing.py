@@ -194,8 +194,36 @@ def micro_batch_rows(blocks: list[np.ndarray], width: int, long_rows: bool = Tru
     return (1, flat) if long_rows and flat < best[0] * best[1] else best
 
 
+def fixed_geometries(per_block: int, width: int, long_rows: bool = True) -> list[tuple[int, int]]:
+    """The bounded set of packed geometries ``(M, L)`` of ``trainer.precompile`` (at most 3, so at most 3 compiled
+    update programs and 3 old-log-prob programs per micro-batch count), smallest first: a quarter, a half and all
+    of the padded micro-batch block's tokens ``per_block * width`` -- rows of ``width`` = P + R tokens, or, with
+    ``long_rows``, one row of that many tokens. The last always holds any block (one sequence per row).
+    Ints in, a list of (rows, tokens per row) int pairs out (no arrays); raises ValueError for sizes < 1. Source: this project's
+    bounded shapes (issue 33), in the spirit of JetStream's fixed padding buckets."""
+    if per_block < 1 or width < 1:
+        raise ValueError(f"fixed_geometries: per_block={per_block} and width={width} must be >= 1")
+    if long_rows:
+        sizes = [tokens_bucket(-(-per_block * width // q)) for q in (4, 2)] + [per_block * width]
+        return sorted({(1, min(x, per_block * width)) for x in sizes}, key=lambda g: g[1])
+    return sorted({(-(-per_block // q), width) for q in (4, 2, 1)})
+
+
+def fit_geometry(blocks: list[np.ndarray], geometries: list[tuple[int, int]]) -> tuple[int, int]:
+    """The first ``(M, L)`` of ``geometries`` into which first-fit decreasing packs every block (the [n] int token
+    counts of its sequences) in at most M rows of L tokens. Raises ValueError when none does (names the
+    fullest block). Source: :func:`fixed_geometries`."""
+    for m, L in geometries:
+        if all(len(first_fit_decreasing(x, L)) <= m for x in blocks) and \
+                max((int(x.max()) if len(x) else 0) for x in blocks) <= L:
+            return m, L
+    raise ValueError(f"no packed geometry of {geometries} holds a block of {max(int(x.sum()) for x in blocks)} "
+                     f"tokens")
+
+
 def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, response_length: int, *,
-                       num_micro_batches: int, num_shards: int = 1, long_rows: bool = True) -> PackedLayout:
+                       num_micro_batches: int, num_shards: int = 1, long_rows: bool = True,
+                       geometries: Optional[list[tuple[int, int]]] = None) -> PackedLayout:
     """Packed layouts of the K micro-batches of one ``[B, P + R]`` mini-batch, in one :class:`PackedLayout` that
     the train step splits like the rest of its ``Batch`` (``stapo_jax.train.train_step``: micro-batch ``j`` =
     rows ``j, j + K, ...``).
@@ -211,6 +239,8 @@ def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, respon
       input_ids, attention_mask: [B, P + R] (numpy, the ``stapo_jax.train.batching`` layout).
       response_length: R. num_micro_batches: K (divides B). num_shards: S, data-parallel shards (divides B / K).
       long_rows: see :func:`micro_batch_rows` (``packing_long_rows`` says which attention allows it).
+      geometries: a bounded set of ``(M, L)`` (:func:`fixed_geometries`): the first that holds every block is
+        used instead of the tightest one (:func:`fit_geometry`); None: the tightest (:func:`micro_batch_rows`).
     Returns:
       :class:`PackedLayout` with ``input_ids`` / ``segment_ids`` / ``positions`` [K * S * M, L] int32, interleaved
       so that rows ``j, j + K, ...`` are micro-batch ``j``'s S * M packed rows (shard-local under a row sharding),
@@ -227,7 +257,7 @@ def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, respon
     lengths = mask.astype(bool).sum(1)
     per = b // k // num_shards
     blocks = [lengths[j::k][s * per:(s + 1) * per] for j in range(k) for s in range(num_shards)]
-    m, L = micro_batch_rows(blocks, t, long_rows)
+    m, L = micro_batch_rows(blocks, t, long_rows) if geometries is None else fit_geometry(blocks, geometries)
     lays = [pack_sequences(ids[j::k], mask[j::k], response_length, L, num_shards=num_shards,
                            num_rows=num_shards * m) for j in range(k)]
 

@@ -21,6 +21,10 @@ from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import examples_fingerprint, load_prompt_dataset, make_iterator
 from stapo_jax.runtime.distributed import check_same_config
 from stapo_jax.runtime.watchdog import StallWatchdog, progress, resolve_timeout
+from stapo_jax.runtime.compile_stats import CompileStats, enable_compilation_cache, resolve_cache_dir
+from stapo_jax.train.precompile import (precompile_enabled, precompile_sampler, precompile_update,
+                                        update_geometries)
+from stapo_jax.train.steady_state import run_report, update_work
 from stapo_jax.train.experience import collect_experience, heldout_accuracy
 from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.rewards import make_scorer
@@ -65,6 +69,9 @@ def _train(cfg: Config) -> dict[str, Any]:
     cfg.check_rl_ready()
     t = cfg.trainer
     run_dir = os.path.abspath(t.run_dir)
+    cache_dir = enable_compilation_cache(resolve_cache_dir(t.compilation_cache_dir))  # before the first compile
+    stats = CompileStats().start()  # every compile of the run, through JAX's monitoring events
+    bounded = precompile_enabled(t.precompile)  # fixed update shapes, compiled in RL step 1 before its update
     main_process = jax.process_index() == 0  # process 0 writes metrics, plots, summary and the HF export
     check_same_config(cfg)  # all processes started with the same settings (names the differing keys)
     check_run_dir(run_dir)  # a folder this user cannot write: one line naming trainer.run_dir, before any work
@@ -110,6 +117,9 @@ def _train(cfg: Config) -> dict[str, Any]:
         run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
         main_process=main_process)
     summary: dict[str, Any] = {"run_dir": run_dir}
+    log.info("compilation cache: %s; trainer.precompile=%s (%s)", cache_dir or "off", t.precompile,
+             "fixed update shapes" if bounded else "tightest shapes per batch")
+    rows: list[dict] = []  # every RL step's metrics (the steady-state summary)
     preempt = Preemption()  # from here on SIGTERM: stop at the next agreed point (10 SFT steps, an RL step), exit 0
     try:
         if cfg.sft.steps and not resuming and not sft_warmup(cfg, model, train_ds.examples, tok, logger,
@@ -121,6 +131,8 @@ def _train(cfg: Config) -> dict[str, Any]:
             return summary  # the finally below closes the logger, checkpointer and reward pool
         rollout = build_rollout(cfg, model, mesh, tok)
         progress("setup")
+        if bounded and cfg.rollout.mode == "inprocess":  # every rollout program, before the first rollout
+            precompile_sampler(rollout, greedy=bool(val_examples), stats=stats, progress=logger.progress)
         if val_examples and not resuming:
             progress("eval")
             acc = heldout_accuracy(rollout, val_examples, tok, scorer, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -176,47 +188,71 @@ def _train(cfg: Config) -> dict[str, Any]:
         for step in range(start, t.total_steps if not stop else start):
             t0 = time.perf_counter()
             progress("rollout", step=step + 1)
+            stats.take_step(count=False)  # compiles between steps (checkpoint saves): in the table only
             coordination_seconds(reset=True)
             rng, sub = (np.asarray(x) for x in jax.random.split(rng))
             seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
-            exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id)
+            with stats.phase("experience"):  # rewards, advantages; the sampling inside is phase "rollout"
+                exp = collect_experience(rollout, data_it, scorer, tok, recipe, group_size=G,
+                                         max_new_tokens=cfg.rollout.max_new_tokens, seed=seed, pad_id=pad_id,
+                                         max_prompt_length=cfg.data.max_prompt_length if bounded else None,
+                                         fixed_response_length=bounded, compile_phase=stats.phase)
             t1 = time.perf_counter()
             if main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
                 dump_experience(os.environ[DUMP_ENV], step + 1, exp)
             # packed, where the micro-batch does not matter: fewer, fuller micro-batches of variable sequence
             # counts within one padded micro-batch's tokens (dummy slots fill the fixed shapes)
             kk, slots = k, None
-            if cfg.model.use_remove_padding and balance_allowed(recipe):
+            if cfg.model.use_remove_padding and balance_allowed(recipe) and not bounded:
                 kk, slots = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=mini_rows,
                                                        num_micro_batches=k, num_shards=data_parallel_size(mesh),
                                                        long_rows=long_rows,
                                                        max_sequences=cfg.actor.sequences_cap())
             progress("update")
             first_fn, step_fn, log_prob_fn = steps_for(kk)
-            state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, mini_rows=mini_rows,
-                                    ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,
-                                    use_remove_padding=cfg.model.use_remove_padding, long_rows=long_rows,
-                                    slots=slots)
+            update_kw = dict(mini_rows=mini_rows, ppo_epochs=cfg.actor.ppo_epochs, mesh=mesh, num_micro_batches=kk,
+                             use_remove_padding=cfg.model.use_remove_padding, long_rows=long_rows)
+            geometries = update_geometries(mini_rows, kk, data_parallel_size(mesh), exp.arrays["input_ids"].shape[1],
+                                           long_rows) if bounded and cfg.model.use_remove_padding else None
+            if bounded and step == start:  # every update program of the run, before the first update runs
+                precompile_update(state, exp, (first_fn, step_fn), log_prob_fn, geometries or [None],
+                                  stats=stats, progress=logger.progress, **update_kw)
+            with stats.phase("update"):
+                state, m = update_policy(state, exp, (first_fn, step_fn), log_prob_fn, slots=slots,
+                                         geometries=geometries, **update_kw)
             t2 = time.perf_counter()
             if not bool(all_finite(state.params)):
                 raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss "
                                          f"{m.get('loss')}, grad_norm {m.get('grad_norm')}); stopping without "
                                          f"checkpointing or exporting them")
             progress("sync")
-            sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
+            with stats.phase("sync"):
+                sync_s = rollout.sync_weights(state.params) if cfg.rollout.mode == "inprocess" else 0.0
             stop = stop_requested(preempt)
             m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
             m.update(exp.metrics)
-            n_tokens = float(exp.arrays["attention_mask"].sum())
-            m.update({"time/update": t2 - t1, "time/sync": sync_s, "time/step": time.perf_counter() - t0,
-                      "perf/micro_batches": float(kk),
-                      "time/coordination": coordination_seconds(),
-                      "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)})
+            step_end = time.perf_counter()
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
                 progress("eval")
-                m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
-                                                max_new_tokens=cfg.rollout.max_new_tokens)
+                with stats.phase("eval"):
+                    m["val/acc"] = heldout_accuracy(rollout, val_examples, tok, scorer,
+                                                    max_new_tokens=cfg.rollout.max_new_tokens)
+            n_tokens = float(exp.arrays["attention_mask"].sum())
+            c = stats.take_step()  # compile time is reported apart (time/compile/*) and left out of time/*
+            compile_of = lambda *ph: sum(c.get(f"time/compile/{p}", 0.0) for p in ph)  # noqa: E731
+            step_s = step_end - t0 - (c["perf/compile_s"] - compile_of("eval"))
+            for key, phases in (("time/rollout", ("rollout",)), ("time/experience", ("rollout", "experience"))):
+                if key in m:
+                    m[key] = max(m[key] - compile_of(*phases), 0.0)
+            m.update(c)
+            m.update(update_work(model.config, exp.arrays["attention_mask"], exp.arrays["response_mask"].shape[1],
+                                 cfg.actor.ppo_epochs))
+            m.update({"time/update": max(t2 - t1 - compile_of("update", "precompile"), 0.0),
+                      "time/sync": max(sync_s - compile_of("sync"), 0.0), "time/step": step_s,
+                      "perf/micro_batches": float(kk),
+                      "time/coordination": coordination_seconds(),
+                      "perf/tokens_per_s": n_tokens / max(step_s, 1e-9)})
+            rows.append({"step": step + 1, **m})
             if step % t.log_every == 0 or step + 1 == t.total_steps:
                 logger.log(step + 1, m)
             else:
@@ -245,7 +281,9 @@ def _train(cfg: Config) -> dict[str, Any]:
         if t.export_hf and not summary.get("preempted"):
             progress("export")
             summary["hf_export"] = export_hf(model, tok, os.path.join(run_dir, "hf"))
+        summary.update(run_report(stats, rows, start + 1, cfg.model.dtype, logger.write))
     finally:
+        stats.close()
         preempt.restore()
         logger.close()
         ckpt.close()

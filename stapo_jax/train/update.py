@@ -119,7 +119,8 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
-                  balance_micro_batches: bool = False, long_rows: bool = True, slots=None):
+                  balance_micro_batches: bool = False, long_rows: bool = True, slots=None,
+                  geometries=None, compile_only: bool = False):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -146,6 +147,11 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         holding a variable number of sequences and dummy slots with all-zero masks (``packing.gather_slots``),
         which add nothing to any loss, denominator (seq-mean modes count only non-empty rows), threshold
         population or metric. Replaces ``balance_micro_batches``. Only where :func:`balance_allowed`.
+      geometries: with ``use_remove_padding``, the bounded set of packed ``(M, L)`` of ``trainer.precompile``
+        (``packing.fixed_geometries``; None: the tightest geometry of each mini-batch).
+      compile_only: compile (``jit(...).lower(...).compile()``) the old-log-prob pass and every step this update
+        would run, at exactly the shapes, dtypes and shardings of its arrays, without running them; returns
+        ``(state, {})`` with ``state`` untouched (the compiled programs serve the later calls).
       step_fns may donate the state (``make_train_step(donate=True)``, as the trainer builds them): ``state``'s
       buffers are then consumed and only the returned state is valid. The mini-batch steps are dispatched
       back to back; their metrics come to the host once, after the last one.
@@ -175,14 +181,22 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         if use_remove_padding:
             lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
                                      num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh),
-                                     long_rows=long_rows)
+                                     long_rows=long_rows, geometries=geometries)
             layouts[s] = jax.tree.map(put, lay)
-        lp, ent = log_prob_fn(state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
-                              put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
+        args = (state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
+                put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
+        if compile_only:
+            if s == 0:
+                log_prob_fn.lower(*args).compile()
+            old_lp.append(np.zeros((mini_rows, R), np.float32))
+            old_ent.append(np.zeros((mini_rows, R), np.float32))
+            continue
+        lp, ent = log_prob_fn(*args)
         old_lp.append(get(lp))
         old_ent.append(get(ent))
     old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
     metrics: list[dict] = []
+    compiled: list = []
     rollout_lp = a.get("rollout_log_probs")
     for epoch in range(ppo_epochs):  # verl: ppo_epochs passes, mini-batches in order (shuffle false)
         for s in range(0, num_rows, mini_rows):
@@ -192,8 +206,16 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
                           old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
                           rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]),
                           packing=layouts.get(s))
-            state, m = step_fns[0 if (epoch == 0 and s == 0) else 1](state, batch)
+            fn = step_fns[0 if (epoch == 0 and s == 0) else 1]
+            if compile_only:
+                if fn not in compiled:
+                    compiled.append(fn)
+                    fn.lower(state, batch).compile()
+                continue
+            state, m = fn(state, batch)
             metrics.append(m)  # device scalars: no host round trip between mini-batches
+    if compile_only:
+        return state, {}
     metrics = jax.device_get(metrics)  # one transfer per update, after the last mini-batch is dispatched
     out = {k: float((np.sum if k in COUNT_METRICS else np.mean)([m[k] for m in metrics])) for k in metrics[0]}
     if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
