@@ -298,6 +298,7 @@ class TrainerConfig:
     experiment_name: Optional[str] = None      # W&B run name (verl's trainer.experiment_name); None = run_dir's name
     compilation_cache_dir: Optional[str] = "auto"  # persistent XLA cache (configs/base.yaml); null / "" = off
     precompile: Union[bool, Literal["auto"]] = "auto"  # bounded shapes compiled in the warm-up; auto: GPU / TPU
+    stall_timeout_s: Optional[float] = None    # runtime/watchdog.py: None = 600 s on CPU, 1800 s else; 0 = off
 
     def __post_init__(self):
         _check("trainer", [(self.stall_timeout_s is None or self.stall_timeout_s >= 0,

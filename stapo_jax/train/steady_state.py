@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from stapo_jax.tools.plan_analytic import sequence_forward_flops
+from models.flops import sequence_forward_flops
 
 STEADY_KEYS = ("steps", "median_step_s", "rollout_tokens_per_s", "update_tokens_per_s", "mfu", "peak_flops",
                "chip")
@@ -26,7 +26,7 @@ def update_work(qcfg, attention_mask: np.ndarray, response_length: int, ppo_epoc
     """Per-step work of an update over a rollout batch: ``perf/update_tokens`` (real tokens), ``perf/
     response_tokens`` (generated tokens) and ``perf/update_flops``: model FLOPs = one forward per sequence for the
     old-log-prob pass + ``ppo_epochs`` x (forward + backward = 3 forwards), each forward
-    ``plan_analytic.sequence_forward_flops`` at the sequence's real length (no remat recompute, no padding: MFU's
+    ``models.flops.sequence_forward_flops`` at the sequence's real length (no remat recompute, no padding: MFU's
     model FLOPs).
 
     Args: qcfg: the model's Qwen3 config; attention_mask [B, P + R] (numpy, bool or 0/1); response_length: R;
