@@ -51,9 +51,7 @@ mkdir -p "$JAX_COMPILATION_CACHE_DIR"
 RUN_DIR=$OUT/train_run
 TRAIN_ARGS=(--config configs/gsm8k_tiny.yaml trainer.run_dir="$RUN_DIR" trainer.resume=false trainer.save_every=0
             trainer.export_hf=false "trainer.logger=[]")
-if grep -q "compilation_cache_dir" stapo_jax/config/schema.py; then  # the trainer's own key, where this build has it
-  TRAIN_ARGS+=(trainer.compilation_cache_dir="$JAX_COMPILATION_CACHE_DIR")
-fi
+TRAIN_ARGS+=(trainer.compilation_cache_dir="$JAX_COMPILATION_CACHE_DIR")
 if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
   # safety limits only (a few minutes in all on an idle 2-core machine; a shared, loaded one takes several times that)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 STEP_FIELDS = (("time/step", "step {:.2f} s"), ("time/rollout", "rollout {:.2f} s"),
                ("rollout/tokens_per_s", "{:.0f} tok/s"), ("time/update", "update {:.2f} s"),
-               ("perf/tokens_per_s", "{:.0f} tok/s"), ("perf/compile_s", "compile {:.1f} s"),
+               ("perf/tokens_per_s", "step {:.0f} tok/s"), ("perf/compile_s", "compile {:.1f} s"),
                ("perf/compiles", "({:.0f} compiles)"))
 STEADY_FIELDS = ("steps", "median_step_s", "rollout_tokens_per_s", "update_tokens_per_s", "mfu", "peak_flops", "chip")
 COMPILE_FIELDS = ("program", "n_shapes", "n_compiles", "compile_s", "cache_hits")
@@ -90,6 +90,8 @@ def summary(run_dir: Path) -> None:
 
 
 def main(argv=None) -> int:
+    """``follow RUN_DIR`` prints each metrics.jsonl row as it lands; ``summary RUN_DIR`` prints summary.json's
+    steady state and compile table. argv: str arguments; returns the exit status (int)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=("follow", "summary"))
     p.add_argument("run_dir", type=Path)

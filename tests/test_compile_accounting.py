@@ -8,8 +8,6 @@ first run's persistent cache.
 from __future__ import annotations
 
 import json
-import statistics
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -110,7 +110,7 @@ def _axes():
 
 
 def test_every_panel_has_a_y_unit_and_accuracy_marks_before_rl():
-    from stapo_jax.tools.plots import BEFORE_RL, Y_LABELS, draw_panel
+    from stapo_jax.train.plots import BEFORE_RL, Y_LABELS, draw_panel
 
     assert set(Y_LABELS) == {k for k, _ in CURVES}
     for key, title in CURVES:
@@ -131,7 +131,7 @@ def test_every_panel_has_a_y_unit_and_accuracy_marks_before_rl():
 def test_a_comparison_keeps_every_run_visible():
     """Two runs with equal values (one line used to hide the other): distinct markers and line styles, hollow
     markers of decreasing size, the later run drawn on top, and a legend naming both."""
-    from stapo_jax.tools.plots import draw_panel
+    from stapo_jax.train.plots import draw_panel
 
     plt, fig, ax = _axes()
     same = ([0, 1, 2], [0.2, 0.3, 0.4])

@@ -30,7 +30,6 @@ from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.algo.settings_base import ConfigError
 
 __all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field"]
 

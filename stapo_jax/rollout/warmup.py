@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from stapo_jax.rollout.sampling import SamplingParams
+from stapo_jax.runtime.watchdog import progress as mark_progress
 
 
 def rollout_programs(engine, num_samplings: int) -> int:
@@ -66,4 +67,5 @@ def precompile_rollout(rollout, samplings: Sequence[Optional[SamplingParams]], *
         del state
         if bar is not None:
             bar.update(1)
+            mark_progress("precompile")  # each compiled program counts as progress for the stall watchdog
     return len(lengths)

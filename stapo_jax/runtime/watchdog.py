@@ -4,7 +4,8 @@ the run resumes from its last checkpoint.
 
 The trainer marks progress at phase boundaries (``setup``, ``sft``, ``eval``, ``rollout``, ``reward``, ``update``,
 ``sync``, ``checkpoint``, ``export``) with :meth:`StallWatchdog.mark`; long phases mark progress from inside
-(:func:`progress`: every decode step of the rollout driver, every verified item of the reward pool). A daemon
+(:func:`progress`: every decode step of the rollout driver, every verified item of the reward pool, every
+program ``trainer.precompile`` compiles). A daemon
 thread wakes every ``min(1 s, timeout / 10)``; when the last mark is older than the timeout it writes one line
 naming the phase, the RL step and the process, then ``faulthandler.dump_traceback(all_threads=True)``, waits
 ``min(5 s, timeout / 10)`` and calls ``os._exit(EXIT_STALL)`` (no ``atexit`` handler, no thread join can keep it

@@ -27,6 +27,7 @@ import numpy as np
 from stapo_jax.rollout.sampling import SamplingParams
 from stapo_jax.rollout.warmup import precompile_rollout
 from stapo_jax.runtime.compile_stats import CompileStats
+from stapo_jax.runtime.watchdog import progress as mark_progress
 from stapo_jax.train.metrics import progress_bar
 from stapo_jax.train.packing import fixed_geometries
 from stapo_jax.train.update import update_policy
@@ -74,6 +75,7 @@ def precompile_update(state, exp, step_fns, log_prob_fn, geometries: list[tuple[
             update_policy(state, empty, step_fns, log_prob_fn, geometries=[geometry], compile_only=True,
                           **update_kw)
             bar.update(1)
+            mark_progress("precompile")  # each compiled program counts as progress for the stall watchdog
 
 
 def precompile_sampler(rollout, *, greedy: bool, stats: CompileStats, progress: bool = True) -> None:

@@ -231,7 +231,7 @@ def _train(cfg: Config) -> dict[str, Any]:
             stop = stop_requested(preempt)
             m["rollout/stale_policy"] = float(cfg.rollout.mode != "inprocess")
             m.update(exp.metrics)
-            step_end = time.perf_counter()
+            step_end, coord_s = time.perf_counter(), coordination_seconds()  # both before the optional eval
             if t.eval_every and val_examples and (step + 1) % t.eval_every == 0:
                 progress("eval")
                 with stats.phase("eval"):
@@ -250,7 +250,7 @@ def _train(cfg: Config) -> dict[str, Any]:
             m.update({"time/update": max(t2 - t1 - compile_of("update", "precompile"), 0.0),
                       "time/sync": max(sync_s - compile_of("sync"), 0.0), "time/step": step_s,
                       "perf/micro_batches": float(kk),
-                      "time/coordination": coordination_seconds(),
+                      "time/coordination": coord_s,
                       "perf/tokens_per_s": n_tokens / max(step_s, 1e-9)})
             rows.append({"step": step + 1, **m})
             if step % t.log_every == 0 or step + 1 == t.total_steps:
