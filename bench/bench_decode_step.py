@@ -68,8 +68,8 @@ from stapo_jax.rollout import decode_fns  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
+from stapo_jax.runtime.compile_stats import CompileStats  # noqa: E402
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's event name
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "u64": 8,
                "f64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE_RE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
@@ -221,31 +221,6 @@ def step_cost(cfg: Qwen3Config, batch: int, kv_length: int, sampling: SamplingPa
                 cost_analysis_bytes=float(cost.get("bytes accessed", float("nan"))))
 
 
-class CompileCounter:
-    """Backend compiles counted through ``jax.monitoring``, attributed to the engine call in progress."""
-
-    def __init__(self):
-        self.phase, self.counts, self.active = "other", collections.Counter(), False
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event, duration, **_):
-        if self.active and event == BACKEND_COMPILE_EVENT:
-            self.counts[self.phase] += 1
-
-    def wrap(self, obj, method: str):
-        """Replace ``obj.method`` by a wrapper that sets the phase to ``method`` while it runs."""
-        fn = getattr(obj, method)
-
-        def wrapped(*a, **kw):
-            self.phase = method
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.phase = "other"
-
-        setattr(obj, method, wrapped)
-
-
 def driver_run(cfg: Qwen3Config, args) -> dict:
     """Parts 2-4 of the module docstring on a concrete model with random weights."""
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
@@ -255,17 +230,17 @@ def driver_run(cfg: Qwen3Config, args) -> dict:
         max_concurrent_decodes=args.batch, max_prefill_length=args.prompt_len,
         max_decode_length=args.new_tokens, sampling=SamplingParams(temperature=1.0), eos_token_ids=eos))
     driver = RolloutDriver(engine, pad_token_id=0, steps_per_sync=args.steps_per_sync)
-    counter = CompileCounter()
+    compiles = CompileStats()  # every executable built, charged to the engine method in progress (its phase)
     steps = collections.Counter()
     calls: dict = collections.defaultdict(lambda: [0, 0.0])  # host calls per engine method: count, seconds
     for method in ("insert_sample", "step", "multi_step", "prefill_batch", "resize_decode_state"):
-        counter.wrap(engine, method)
         inner = getattr(engine, method)
 
         def timed(*a, inner=inner, method=method, **kw):
             t0 = time.perf_counter()
             try:
-                return inner(*a, **kw)
+                with compiles.phase(method):
+                    return inner(*a, **kw)
             finally:
                 calls[method][0] += 1
                 calls[method][1] += time.perf_counter() - t0
@@ -300,15 +275,16 @@ def driver_run(cfg: Qwen3Config, args) -> dict:
 
     steps.clear()
     calls.clear()
-    counter.active = True
+    compiles.start()
     t0 = time.perf_counter()
     with mock.patch.object(jax, "device_get", counted_get), jax.transfer_guard_device_to_host("disallow"):
         batch = driver.generate(prompts(), num_samples=args.group, max_new_tokens=args.new_tokens, seed=2)
     wall = time.perf_counter() - t0
-    counter.active = False
+    compiles.close()
     n_steps, tokens = steps["steps"], int(batch.response_lengths.sum())
+    recompiles = collections.Counter(phase for _, phase, _, _ in compiles.executables)
     return dict(steps=n_steps, tokens=tokens, round_trips=gets[0], wall=wall, host=wall - wait[0],
-                recompiles=dict(counter.counts), lengths=batch.response_lengths, calls=dict(calls),
+                recompiles=dict(recompiles), lengths=batch.response_lengths, calls=dict(calls),
                 refills=len(batch.response_lengths) - args.batch)
 
 

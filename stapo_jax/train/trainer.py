@@ -141,8 +141,8 @@ def _train(cfg: Config) -> dict[str, Any]:
             logger.write(f"held-out accuracy before RL: {acc:.4f} ({len(val_examples)} problems, greedy)")
             if main_process:  # kept for a resumed run, which does not measure it again
                 write_summary(run_dir, {"heldout_acc_before": acc})
-        elif val_examples and earlier_summary(run_dir).get("heldout_acc_before") is not None:
-            summary["heldout_acc_before"] = acc = earlier_summary(run_dir)["heldout_acc_before"]
+        elif val_examples and (acc := earlier_summary(run_dir).get("heldout_acc_before")) is not None:
+            summary["heldout_acc_before"] = acc
             logger.write(f"held-out accuracy before RL: {acc:.4f} (measured by the run's first start)")
         optimizer = build_optimizer(cfg)
         state = TrainState.create(model, optimizer, mesh)
