@@ -8,6 +8,7 @@ first run's persistent cache.
 from __future__ import annotations
 
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ import pytest
 
 from fixtures_trainer import metric_rows, run_cli, write_config
 from stapo_jax.runtime.chips import chip_peak
-from stapo_jax.runtime.compile_stats import CompileStats, enable_compilation_cache, program_name, resolve_cache_dir
+from stapo_jax.runtime.compile_stats import (BACKEND_COMPILE_EVENT, CompileStats, enable_compilation_cache, program_name,
+                                             resolve_cache_dir)
 from stapo_jax.train.packing import fit_geometry, fixed_geometries
 from stapo_jax.train.steady_state import steady_state
 
@@ -88,6 +90,57 @@ def test_chip_table_and_steady_state_figures():
     assert s["rollout_tokens_per_s"] == 100.0 and s["update_tokens_per_s"] == 200.0
     assert s["mfu"] == pytest.approx(8e12 * 3 / 6.0 / 2e13)
     assert steady_state(rows[:1], 1, None)["median_step_s"] is None
+
+
+def _probe_compile() -> None:
+    """One backend-compile event through JAX's public monitoring API, as JAX records it for a program ``probe``."""
+    jax.monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, 0.25, fun_name="jit(probe)")
+
+
+@pytest.mark.parametrize("fail_at", ["mesh", "logger"])
+def test_a_setup_failure_releases_the_compile_listener_and_what_else_it_opened(tmp_path, monkeypatch, fail_at):
+    """Issue 33: ``train`` raising during its setup, after the compile listener started (an impossible mesh; or a
+    metrics logger that cannot be made, after the reward pool and checkpointer exist), leaves no listener
+    registered and closes the scorer and checkpointer it had opened; the SIGTERM handler is the one before."""
+    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.train import run_setup, trainer
+
+    made, closed = [], []
+
+    class Recording(CompileStats):
+        def start(self):
+            made.append(self)
+            return super().start()
+
+    real_scorer, real_close = run_setup.make_scorer, run_setup.Checkpointer.close
+
+    def recording_scorer(*args, **kwargs):
+        scorer = real_scorer(*args, **kwargs)
+        close = scorer.close
+        scorer.close = lambda: (closed.append("scorer"), close())[1]
+        return scorer
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no logger today")
+
+    monkeypatch.setattr(run_setup, "CompileStats", Recording)
+    monkeypatch.setattr(run_setup, "make_scorer", recording_scorer)
+    monkeypatch.setattr(run_setup.Checkpointer, "close", lambda self: (closed.append("ckpt"), real_close(self))[1])
+    monkeypatch.setattr(run_setup.MetricsLogger, "from_config", refuse)
+    handler = signal.getsignal(signal.SIGTERM)
+    over = ["mesh.data=3"] if fail_at == "mesh" else []
+    cfg = load_config("configs/tiny_cpu.yaml", [f"trainer.run_dir={tmp_path / 'run'}", "sft.steps=0", "data.gym.size=16",
+                                                "data.gym.val_size=0", "trainer.total_steps=1", *over])
+    with pytest.raises(ConfigError if fail_at == "mesh" else RuntimeError, match="mesh.data=3|no logger today"):
+        trainer.train(cfg)
+    assert len(made) == 1
+    _probe_compile()
+    assert "probe" not in made[0].programs  # its listeners are gone
+    assert closed == ([] if fail_at == "mesh" else ["ckpt", "scorer"])  # the ExitStack closes in reverse order
+    assert signal.getsignal(signal.SIGTERM) is handler
+    with Recording() as control:  # the probe reaches a listening CompileStats (so the check above can fail)
+        _probe_compile()
+    assert control.programs["probe"].n_shapes == 1
 
 
 RUN_OVERRIDES = dict(sft={"steps": 0},
