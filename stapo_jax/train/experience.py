@@ -26,13 +26,15 @@ class Experience:
 
     ``arrays``: ``input_ids`` [N, P+R] int32, ``attention_mask`` [N, P+R] bool, ``response_mask`` [N, R] bool,
     ``advantages`` [N] float32, ``rollout_log_probs`` [N, R] float32 (absent for sources without them).
-    ``rewards`` [N] float32 (after shaping), ``group_ids`` [N] int32, ``metrics``: scalars of this batch.
+    ``rewards`` [N] float32 (after shaping), ``group_ids`` [N] int32, ``metrics``: scalars of this batch;
+    ``filler_rows``: how many of the last rows are fillers (:func:`fill_mini_batches`), 0 for a full batch.
     """
 
     arrays: dict[str, np.ndarray]
     rewards: np.ndarray
     group_ids: np.ndarray
     metrics: dict[str, float]
+    filler_rows: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -248,3 +250,42 @@ def heldout_accuracy(rollout_source, examples: Sequence[dict], tokenizer, scorer
             bar.set_postfix(acc=f"{correct / done:.4f}", refresh=False)
             bar.update(len(chunk))
     return correct / len(examples)
+
+
+def fill_mini_batches(exp: Experience, mini_rows: int) -> Experience:
+    """``exp`` with filler rows appended until its row count is a multiple of ``mini_rows``: DAPO dynamic
+    sampling that reaches ``sampling.max_gen_batches`` keeps only the groups it found, which may not fill the last
+    (or only) mini-batch, while the update's shapes need whole mini-batches (K micro-batches x data-parallel
+    shards). A filler is a copy of a real row (a real attention pattern, so the forward stays finite) with an
+    all-zero ``response_mask``, zero ``advantages``, zero ``rollout_log_probs`` and reward 0, in group -1: it adds
+    nothing to any loss sum, denominator (token counts and the seq-mean modes' non-empty rows), mask threshold
+    population or metric of the update, so the step equals an update on the real rows alone.
+
+    Args: exp: rows N (``arrays`` [N, ...] numpy); mini_rows: global rows per mini-batch (>= 1).
+    Returns: a new :class:`Experience` with ``N + f`` rows, ``f = (-N) mod mini_rows`` (the same arrays when
+    ``f == 0``), ``metrics["sampling/filler_rows"] = f`` and ``filler_rows = f`` (the trainer's token counts leave
+    them out). Dtypes kept (int32 ids, bool masks, float32 advantages / rewards, int32 group ids).
+    Raises: ValueError for ``mini_rows < 1`` or an experience without rows.
+    Source: this project's reading of DAPO dynamic sampling (docs/stapo_spec.md item 8); verl instead stops the
+    run when ``max_num_gen_batches`` is reached without a full batch."""
+    if mini_rows < 1:
+        raise ValueError(f"fill_mini_batches: mini_rows={mini_rows} must be >= 1")
+    n = exp.num_rows
+    if n < 1:
+        raise ValueError("fill_mini_batches: the experience has no rows to copy")
+    f = (-n) % mini_rows
+    if f == 0:
+        return dataclasses.replace(exp, metrics={**exp.metrics, "sampling/filler_rows": 0.0})
+    src = np.arange(f) % n
+    zeroed = ("response_mask", "advantages", "rollout_log_probs")
+    arrays = {}
+    for key, v in exp.arrays.items():
+        if getattr(v, "shape", ())[:1] != (n,):
+            arrays[key] = v
+            continue
+        extra = np.zeros_like(v[src]) if key in zeroed else v[src]
+        arrays[key] = np.concatenate([v, extra])
+    return dataclasses.replace(
+        exp, arrays=arrays, rewards=np.concatenate([exp.rewards, np.zeros(f, exp.rewards.dtype)]),
+        group_ids=np.concatenate([exp.group_ids, np.full(f, -1, exp.group_ids.dtype)]),
+        metrics={**exp.metrics, "sampling/filler_rows": float(f)}, filler_rows=exp.filler_rows + f)
