@@ -85,3 +85,23 @@ def test_update_on_a_filled_batch_equals_the_update_on_its_real_rows(recipe_name
     assert real["loss_denominator"] == filled["loss_denominator"] > 0
     for k, v in real.items():  # every metric (token counts, entropy threshold, phase fractions, loss) agrees
         assert filled[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_a_dynamic_sampling_run_that_stops_short_trains_on_filler_completed_mini_batches(tmp_path):
+    """The soak's configuration 4 (seed 0) that stopped with 'token_budget_slots: 8 rows in mini-batches of 20':
+    DAPO dynamic sampling with ``sampling.max_gen_batches=2`` keeps fewer groups than a mini-batch; the run now
+    completes its steps, records the filler rows and counts only real tokens."""
+    from fixtures_trainer import metric_rows, run_cli
+
+    run_dir = tmp_path / "run"
+    r = run_cli("train", "--config", "configs/tiny_cpu.yaml", "data.gym.size=96", "data.gym.val_size=0",
+                "reward.num_workers=1", "trainer.save_every=0", "trainer.export_hf=false", "sft.steps=4",
+                "sft.lr=1.0e-2", "sft.batch_size=16", "algorithm.recipe=grpo", "rollout.n=2", "rollout.max_new_tokens=3",
+                "trainer.train_batch_size=10", "actor.ppo_mini_batch_size=10", "actor.ppo_micro_batch_size=1",
+                "trainer.total_steps=1", "sampling.dynamic=true", "sampling.max_gen_batches=2",
+                "algorithm.strict_recipe=false", f"trainer.run_dir={run_dir}", devices=4, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metric_rows(run_dir)
+    real_rows = 2 * row["sampling/prompts"]
+    assert 0 < real_rows < 20 and row["sampling/filler_rows"] == 20 - real_rows
+    assert row["perf/response_tokens"] <= real_rows * 3  # filler rows are not counted as work

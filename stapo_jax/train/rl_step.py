@@ -17,7 +17,7 @@ from stapo_jax.config.schema import ActorConfig, RolloutConfig, TrainerConfig
 from stapo_jax.rollout.multihost import coordination_seconds
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.runtime.watchdog import progress
-from stapo_jax.train.experience import Experience, collect_experience, heldout_accuracy
+from stapo_jax.train.experience import Experience, collect_experience, fill_mini_batches, heldout_accuracy
 from stapo_jax.train.precompile import precompile_update, update_geometries
 from stapo_jax.train.run_files import DUMP_ENV, dump_experience
 from stapo_jax.train.run_setup import Run
@@ -117,14 +117,17 @@ def step_experience(run: Run, loop: Loop, rollout_cfg: RolloutConfig) -> Experie
     ``rollout.n`` responses per prompt, rewards, advantages, packed int32 / bool / float32 arrays ``[N, P + R]``
     (``experience.Experience``); compiles charged to phase ``experience`` (the sampling inside: ``rollout``).
     Raises: what rollout and reward scoring raise. Source: verl ``RayPPOTrainer.fit`` (generate, reward,
-    advantage)."""
+    advantage); a batch short of whole mini-batches (dynamic sampling) is completed by
+    ``experience.fill_mini_batches``."""
     loop.rng, sub = (np.asarray(x) for x in jax.random.split(loop.rng))
     seed = int(jax.random.randint(jax.random.wrap_key_data(sub), (), 0, 2**31 - 1))
     with run.stats.phase("experience"):  # rewards, advantages; the sampling inside is phase "rollout"
-        return collect_experience(loop.rollout, loop.data_it, run.scorer, run.tok, run.recipe,
+        exp = collect_experience(loop.rollout, loop.data_it, run.scorer, run.tok, run.recipe,
                                   group_size=rollout_cfg.n, max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
                                   pad_id=run.pad_id, max_prompt_length=run.max_prompt_length,
                                   fixed_response_length=run.bounded, compile_phase=run.stats.phase)
+    # dynamic sampling may stop with fewer groups than whole mini-batches: filler rows complete them
+    return fill_mini_batches(exp, run.mini_rows)
 
 
 def step_update(run: Run, loop: Loop, exp: Experience, step: int, actor: ActorConfig) -> tuple[dict, int]:
@@ -164,7 +167,8 @@ def step_metrics(m: dict, stats: CompileStats, exp: Experience, *, step_s: float
     the end of its sync (before any eval); ``exp``: the step's experience (``attention_mask`` [N, P + R] bool).
     Floats out. Raises: ValueError from ``update_work`` for a mask that is not 2-D. Source: issue 33 (compile
     time reported apart from step time)."""
-    n_tokens = float(exp.arrays["attention_mask"].sum())
+    real = exp.arrays["attention_mask"][:exp.num_rows - exp.filler_rows]  # filler rows are no work done
+    n_tokens = float(real.sum())
     c = stats.take_step()  # compile time is reported apart (time/compile/*) and left out of time/*
     compile_of = lambda *ph: sum(c.get(f"time/compile/{p}", 0.0) for p in ph)  # noqa: E731
     step_s = step_s - (c["perf/compile_s"] - compile_of("eval"))
@@ -172,7 +176,7 @@ def step_metrics(m: dict, stats: CompileStats, exp: Experience, *, step_s: float
         if key in m:
             m[key] = max(m[key] - compile_of(*phases), 0.0)
     m.update(c)
-    m.update(update_work(qcfg, exp.arrays["attention_mask"], exp.arrays["response_mask"].shape[1], ppo_epochs))
+    m.update(update_work(qcfg, real, exp.arrays["response_mask"].shape[1], ppo_epochs))
     m.update({"time/update": max(update_s - compile_of("update", "precompile"), 0.0),
               "time/sync": max(sync_s - compile_of("sync"), 0.0), "time/step": step_s,
               "perf/micro_batches": float(micro_batches),
