@@ -30,7 +30,7 @@ from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t 
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
-    apply_token_mask_key, check_registered_names, recipe_violations, token_mask_name, token_mask_violations)
+    apply_token_mask_key, check_registered_names, token_mask_name)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
     ConfigError,
     build_dataclass,
