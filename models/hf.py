@@ -226,64 +226,76 @@ def load_hf_checkpoint(path_or_id: Union[str, os.PathLike], *, mesh: Optional[ja
     _check_unexpected(files, abstract_state, cfg, where, strict)
 
     with contextlib.ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def handle(fn: Path):
-            if fn not in handles:
-                handles[fn] = stack.enter_context(safe_open(fn, framework="numpy"))
-            return handles[fn]
-
-        def check(entry: _Entry, shape: tuple[int, ...]) -> list[tuple[object, str]]:
-            want = entry.hf_shape(shape)
-            out = []
-            for name in entry.hf_names(cfg.num_hidden_layers):
-                if name not in files:
-                    raise CheckpointError(f"{where}: tensor {name!r} is missing (expected shape {list(want)}"
-                                          f"{', untied lm_head' if name == 'lm_head.weight' else ''})")
-                h = handle(files[name])
-                try:
-                    got = tuple(h.get_slice(name).get_shape())
-                except Exception as e:  # listed in an index but absent from the shard
-                    raise CheckpointError(f"{files[name]}: tensor {name!r} (expected shape {list(want)}) "
-                                          f"cannot be read: {e}") from e
-                if got != want:
-                    raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(got)}, "
-                                          f"expected {list(want)}")
-                out.append((h, name))
-            return out
-
-        def load_one(path, var, sharding):
-            if not isinstance(var, nnx.Param):
-                raise CheckpointError(f"model variable {param_path(path)!r} ({type(var).__name__}) is not a "
-                                      f"parameter; models/hf.py only loads nnx.Param")
-            shape, np_dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
-            entry = _entry(param_path(path))
-            sources = check(entry, shape)
-
-            def read(h, name, idx):
-                sl = h.get_slice(name)
-                a = sl[tuple(reversed(idx))].T if entry.transpose else sl[tuple(idx)]
-                return np.asarray(a, dtype=np_dtype)
-
-            def callback(index):
-                index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-                if not entry.stacked:
-                    return read(*sources[0], index)
-                layers = range(shape[0])[index[0]]
-                return np.stack([read(*sources[i], index[1:]) for i in layers])
-
-            arr = jax.make_array_from_callback(shape, sharding.get_value() if isinstance(sharding, nnx.Variable)
-                                               else sharding, callback, dtype=np_dtype)
-            return var.replace(arr)
-
+        reader = _TensorReader(files, where, cfg.num_hidden_layers, stack)
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-        loaded = jax.tree_util.tree_map_with_path(load_one, abstract_state, shardings, is_leaf=is_var)
+        loaded = jax.tree_util.tree_map_with_path(reader.load_param, abstract_state, shardings, is_leaf=is_var)
 
     if cfg.tie_word_embeddings and "lm_head.weight" in files:
         warnings.warn(f"{where}: config has tie_word_embeddings=true; ignoring the stored lm_head.weight "
                       f"(HF ties it to model.embed_tokens.weight too)")
     return cfg, nnx.merge(graphdef, loaded)
 
+
+class _TensorReader:
+    """Places each parameter from the HF tensors it is made of: ``files`` maps a tensor name to its safetensors
+    file (each opened once, memory-mapped, and closed with ``stack``); ``where`` names the checkpoint in errors."""
+
+    def __init__(self, files: dict[str, Path], where: str, num_layers: int, stack: contextlib.ExitStack):
+        self.files, self.where, self.num_layers, self.stack = files, where, num_layers, stack
+        self.handles: dict[Path, object] = {}
+
+    def handle(self, fn: Path):
+        """The open safetensors file ``fn``."""
+        if fn not in self.handles:
+            self.handles[fn] = self.stack.enter_context(safe_open(fn, framework="numpy"))
+        return self.handles[fn]
+
+    def sources(self, entry: _Entry, shape: tuple[int, ...]) -> list[tuple[object, str]]:
+        """``(file handle, tensor name)`` of each HF tensor of ``entry`` (one per layer when stacked), each checked
+        to exist with the shape ``shape`` implies; raises CheckpointError naming the tensor and file."""
+        want, files = entry.hf_shape(shape), self.files
+        out = []
+        for name in entry.hf_names(self.num_layers):
+            if name not in files:
+                raise CheckpointError(f"{self.where}: tensor {name!r} is missing (expected shape {list(want)}"
+                                      f"{', untied lm_head' if name == 'lm_head.weight' else ''})")
+            h = self.handle(files[name])
+            try:
+                got = tuple(h.get_slice(name).get_shape())
+            except Exception as e:  # listed in an index but absent from the shard
+                raise CheckpointError(f"{files[name]}: tensor {name!r} (expected shape {list(want)}) "
+                                      f"cannot be read: {e}") from e
+            if got != want:
+                raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(got)}, "
+                                      f"expected {list(want)}")
+            out.append((h, name))
+        return out
+
+    def load_param(self, path, var, sharding):
+        """``var`` (an abstract ``nnx.Param``) with its value: a device receives only its slice, read lazily and
+        cast on the host (``jax.make_array_from_callback``)."""
+        if not isinstance(var, nnx.Param):
+            raise CheckpointError(f"model variable {param_path(path)!r} ({type(var).__name__}) is not a "
+                                  f"parameter; models/hf.py only loads nnx.Param")
+        shape, np_dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
+        entry = _entry(param_path(path))
+        sources = self.sources(entry, shape)
+
+        def read(h, name, idx):
+            sl = h.get_slice(name)
+            a = sl[tuple(reversed(idx))].T if entry.transpose else sl[tuple(idx)]
+            return np.asarray(a, dtype=np_dtype)
+
+        def callback(index):
+            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            if not entry.stacked:
+                return read(*sources[0], index)
+            layers = range(shape[0])[index[0]]
+            return np.stack([read(*sources[i], index[1:]) for i in layers])
+
+        arr = jax.make_array_from_callback(shape, sharding.get_value() if isinstance(sharding, nnx.Variable)
+                                           else sharding, callback, dtype=np_dtype)
+        return var.replace(arr)
 
 def _check_unexpected(files: dict[str, Path], abstract_state, cfg: Qwen3Config, where: str, strict: bool) -> None:
     """Raise (``strict``) or warn about HF tensors that no parameter of ``abstract_state`` reads."""

@@ -8,6 +8,9 @@
   (their strict findings are printed by the script run, as ``docstring-pending``).
 * No module imports another project module's private (``_name``) names.
 * No file in ``stapo_jax/`` or ``models/`` is over 600 lines.
+* No function in ``stapo_jax/`` or ``models/`` has over 60 lines of code: the lines after its docstring that are
+  neither blank nor comments, its nested functions included; each nested function is also held to the limit on
+  its own.
 
 ``DOCSTRING_DIRS`` lists the directories the docstring test covers: every subpackage of
 ``stapo_jax/`` plus ``models/``. ``PENDING`` may name files being rewritten elsewhere (reported by
@@ -42,6 +45,7 @@ STRICT_DIRS = DOCSTRING_DIRS
 STRICT_PENDING: tuple[str, ...] = ()
 PRIVATE_IMPORT_DIRS = ("stapo_jax", "models", "bench", "launch", "tests")
 MAX_LINES = 600
+MAX_FUNCTION_CODE_LINES = 60
 
 SOURCE_RE = re.compile(r"source|arxiv|verl|trl\b|paper|eq\.|equation|spec|peer|convention|§|pytorch|torch|"
                        r"official|stapo|definition", re.I)
@@ -141,6 +145,29 @@ def long_file_findings(path: Path) -> list[str]:
     return [f"{_rel(path)}: {n} lines > {MAX_LINES}"] if n > MAX_LINES else []
 
 
+def function_code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of code of a function: from its first statement after the docstring to its end, less blank and
+    comment-only lines (nested functions included)."""
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if not body:
+        return 0
+    return sum(1 for text in lines[body[0].lineno - 1:node.end_lineno]
+               if text.strip() and not text.strip().startswith("#"))
+
+
+def long_function_findings(path: Path) -> list[str]:
+    """``file:line name: N code lines > 60`` for every function (methods and nested functions included)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    tree = ast.parse("\n".join(lines))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = function_code_lines(node, lines)
+            if n > MAX_FUNCTION_CODE_LINES:
+                out.append(f"{_rel(path)}:{node.lineno} {node.name}: {n} code lines > {MAX_FUNCTION_CODE_LINES}")
+    return sorted(out)
+
+
 @pytest.mark.parametrize("directory", DOCSTRING_DIRS)
 def test_public_docstrings(directory):
     found = [f for p in _py_files(directory) if _rel(p) not in PENDING for f in docstring_findings(p)]
@@ -157,6 +184,26 @@ def test_no_imports_of_another_modules_private_names(directory):
 def test_no_file_over_600_lines(directory):
     found = [f for p in _py_files(directory) for f in long_file_findings(p)]
     assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("directory", ALL_DIRS)
+def test_no_function_over_60_code_lines(directory):
+    found = [f for p in _py_files(directory) for f in long_function_findings(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_function_length_counts_code_lines_only(tmp_path, monkeypatch):
+    """Blank lines, comments and the docstring do not count; a nested function counts in its parent and alone."""
+    f = tmp_path / "stapo_jax" / "m.py"
+    f.parent.mkdir()
+    inner = "".join(f"        x{i} = {i}\n" for i in range(59))
+    f.write_text('def outer():\n    """Doc.\n\n    More doc.\n    """\n    # a comment\n\n    def inner():\n'
+                 + inner + "        return x0\n\n    return inner\n\n\ndef short():\n    return 1\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    lines = f.read_text().splitlines()
+    funcs = {n.name: n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)}
+    assert {k: function_code_lines(v, lines) for k, v in funcs.items()} == {"outer": 62, "inner": 60, "short": 1}
+    assert long_function_findings(f) == ["stapo_jax/m.py:1 outer: 62 code lines > 60"]
 
 
 def test_checker_sees_a_missing_docstring_and_a_private_import(tmp_path, monkeypatch):
@@ -187,8 +234,9 @@ if __name__ == "__main__":
     for d in ALL_DIRS:
         for p in _py_files(d):
             rows += [("long-file", f) for f in long_file_findings(p)]
+            rows += [("long-function", f) for f in long_function_findings(p)]
     for kind, f in rows:
         print(f"{kind:15s} {f}")
     counts = {k: sum(1 for kind, _ in rows if kind == k)
-              for k in ("docstring", "docstring-pending", "private-import", "long-file")}
+              for k in ("docstring", "docstring-pending", "private-import", "long-file", "long-function")}
     print("counts:", counts)

@@ -56,6 +56,49 @@ def test_compiles_and_persistent_cache_hits_are_counted(tmp_path, monkeypatch):
         cc.reset_cache()
 
 
+def _program(name: str, scale: float):
+    """A jitted ``x * scale`` named ``name``; a new ``scale`` is a new program (no persistent-cache hit)."""
+    def fn(x):
+        return x * scale
+    fn.__name__ = name
+    return jax.jit(fn)
+
+
+def test_compiles_after_the_rl_loop_are_labelled_by_what_they_are(monkeypatch):
+    """A compile in RL step 2 is listed as step 2; the held-out pass and the HF export after the last step as
+    "after RL" with the phase the trainer marks on the watchdog (eval, export), not as step 3 of a 2-step run."""
+    import time
+
+    from stapo_jax.runtime import chips
+    from stapo_jax.runtime.watchdog import StallWatchdog, progress
+    from stapo_jax.train.steady_state import run_report
+
+    monkeypatch.setattr(chips, "device_peak", lambda dtype: None)  # no CPU matmul measurement
+    salt = float(time.time_ns() % 1_000_003)
+    x = jnp.ones(3)
+    with StallWatchdog(0), CompileStats() as stats:
+        stats.take_step(count=False)
+        _program("warmup_prog", salt)(x).block_until_ready()  # RL step 1: the warm-up
+        stats.take_step()
+        with stats.phase("rollout"):
+            _program("step2_prog", salt + 1)(x).block_until_ready()
+        stats.take_step()
+        progress("eval")
+        _program("heldout_prog", salt + 2)(x).block_until_ready()
+        progress("export")
+        _program("export_prog", salt + 3)(x).block_until_ready()
+        lines = []
+        report = run_report(stats, [{"step": 1}, {"step": 2}], 1, "float32", write=lines.append)
+    late = [e for e in report["compile_after_warmup"] if e["program"].endswith("_prog")]
+    assert late == [
+        {"step": 2, "phase": "rollout", "program": "step2_prog", "when": "step 2"},
+        {"step": None, "phase": "eval", "program": "heldout_prog", "when": "after RL"},
+        {"step": None, "phase": "export", "program": "export_prog", "when": "after RL"}]
+    printed = next(line for line in lines if line.startswith("compiled after the warm-up (RL step 1): "))
+    assert ("step2_prog (step 2: rollout)" in printed and "heldout_prog (after RL: eval)" in printed
+            and "export_prog (after RL: export)" in printed and "step 3" not in printed)
+
+
 def test_cache_dir_setting(monkeypatch):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/somewhere")
     assert resolve_cache_dir("auto") == "/tmp/somewhere"

@@ -110,3 +110,35 @@ def test_heldout_accuracy_shows_a_bar_with_the_running_accuracy(capsys):
     assert src.calls == 3 and "held-out" in err and "5/5" in err and "acc=0.6000" in err
     with pytest.raises(ValueError, match="val_size"):
         heldout_accuracy(src, [], Tok(), Scorer(), max_new_tokens=4)
+
+
+class CompilingRollouts(ScriptedRollouts):
+    """ScriptedRollouts whose first call compiles a new program that takes at least 0.3 s to trace (a forced
+    recompile inside the sampling call)."""
+
+    def generate(self, prompts, **kw):
+        import time
+
+        import jax
+
+        if self.calls == 0:
+            def slow_to_trace(x):
+                time.sleep(0.3)
+                return x + time.time_ns() % 1_000_003  # a new constant: never a persistent-cache hit
+            jax.jit(slow_to_trace)(np.ones(3, np.float32)).block_until_ready()
+        return super().generate(prompts, **kw)
+
+
+def test_rollout_tokens_per_s_leaves_out_the_rollout_compile_time():
+    """rollout/tokens_per_s = generated tokens / (time/rollout - the rollout phase's compile seconds), i.e. over
+    the ``time/rollout`` the trainer reports, not over the wall time that includes the compile."""
+    from stapo_jax.runtime.compile_stats import CompileStats
+
+    with CompileStats() as stats:
+        exp = collect_experience(CompilingRollouts(), batches(["first", "all"]), Scorer(), Tok(), get_recipe("stapo"),
+                                 group_size=4, max_new_tokens=6, seed=0, pad_id=0, compile_phase=stats.phase)
+        compiled = stats.take_step()["time/compile/rollout"]
+    m, tokens = exp.metrics, 8 * 2.0  # 8 rows of 2 tokens
+    assert compiled >= 0.3 and m["time/rollout"] > compiled
+    assert m["rollout/tokens_per_s"] == pytest.approx(tokens / (m["time/rollout"] - compiled), rel=1e-9)
+    assert m["rollout/tokens_per_s"] > 2 * tokens / m["time/rollout"]  # the compile dominates the wall time

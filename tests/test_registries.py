@@ -74,6 +74,23 @@ def test_token_mask_key_and_the_older_flags():
                    "top_entropy": {"enabled": True}})
 
 
+def test_a_loss_without_kl_cov_selection_is_rejected_with_the_kl_cov_mask_at_load():
+    """gspo takes no KL-Cov selection: gspo + kl_cov fails when the config loads (naming both keys), not in the
+    first update; vanilla + kl_cov and gspo + clip_cov load."""
+    from stapo_jax.algo.recipes import Recipe
+    from stapo_jax.config.recipes import RECIPES
+
+    path = REPO / "configs" / "tiny_cpu.yaml"
+    bad = ["algorithm.recipe=grpo", "actor.policy_loss=gspo", "actor.token_mask=kl_cov"]
+    with pytest.raises(ConfigError, match=rf"^{path} with overrides: actor.policy_loss=gspo cannot be combined with "
+                                          r"actor.token_mask=kl_cov: .* only the policy losses \['vanilla'\] take"):
+        load_config(path, bad)
+    with pytest.raises(ConfigError, match=r"^actor.policy_loss=gspo cannot be combined with actor.token_mask=kl_cov"):
+        Recipe(name="x", loss=RECIPES["grpo"].loss, token_mask="kl_cov", policy_loss="gspo")
+    assert token_mask_name(load_config(path, bad[:1] + ["actor.token_mask=kl_cov"])) == "kl_cov"
+    assert load_config(path, bad[:2] + ["actor.token_mask=clip_cov"]).actor.policy_loss == "gspo"
+
+
 def test_a_newly_registered_estimator_is_accepted_from_yaml():
     """algorithm.adv_estimator is a name checked against the live registry, not a fixed list."""
     from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, register_adv_est

@@ -23,14 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "BACKWARD_VOCAB_CHUNK",
-    "SAVED_LOGITS_BYTES",
-    "chunked_log_probs_and_entropy",
-    "logits_to_log_probs",
-    "logits_to_log_probs_and_entropy",
-    "scaled_log_probs",
-]
+__all__ = ["BACKWARD_VOCAB_CHUNK", "SAVED_LOGITS_BYTES", "chunked_log_probs_and_entropy", "logits_to_log_probs",
+           "logits_to_log_probs_and_entropy", "scaled_log_probs"]
 
 # Vocabulary tile width of the backward pass when ``vocab_chunk`` is None: the backward's float32
 # head-gradient accumulator is [D, BACKWARD_VOCAB_CHUNK] instead of [D, V] (1024 x 8192 x 4 B = 32 MiB for Qwen3-0.6B).
@@ -54,9 +48,8 @@ def _acc_of(*xs: jax.Array):
 
 def _check_token_ids(logits_shape, token_ids: jax.Array, name: str = "logits") -> None:
     if tuple(token_ids.shape) != tuple(logits_shape[:-1]):
-        raise ValueError(
-            f"token_ids shape {tuple(token_ids.shape)} must equal {name}.shape[:-1] = {tuple(logits_shape[:-1])}"
-        )
+        raise ValueError(f"token_ids shape {tuple(token_ids.shape)} must equal {name}.shape[:-1] = "
+                         f"{tuple(logits_shape[:-1])}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be an integer array, got dtype {token_ids.dtype}")
 
@@ -258,37 +251,45 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
     z_y, so the weight is read once and no tile outlives its step. ``w`` is ``[D, V]`` (``layout`` "dv") or
     ``[V, D]`` ("vd"); the layout only chooses the axis of its vocabulary tiles and the einsum.
     """
-    acc = _acc_of(h, w)
-    b, t, _ = h.shape
-    v_axis = _vocab_axis(layout)
-    v = w.shape[v_axis]
-    c, vc = seq_chunk, vocab_chunk
-    neg = _neg(acc)
-    zeros = jnp.zeros(ids.shape, acc)
+    acc, v_axis = _acc_of(h, w), _vocab_axis(layout)
+    (b, t, _), v = h.shape, w.shape[v_axis]
     kept = jnp.zeros((b, t, v), acc) if keep else None
 
     def logits(start, w_c):
-        return _tile_logits(_fenced_slice(h, start, c, 1), w_c, temperature, acc, layout)
+        return _tile_logits(_fenced_slice(h, start, seq_chunk, 1), w_c, temperature, acc, layout)
 
-    if vc == v:
-        names = ("log_z",) + ("e_z",) * with_entropy + ("q",) * with_collision + ("z_y",)
+    if vocab_chunk == v:
+        return _whole_vocab_forward(logits, w, ids, v, seq_chunk, acc, with_collision, with_entropy, kept)
+    return _streaming_forward(logits, w, ids, (v, v_axis), (seq_chunk, vocab_chunk), acc, with_collision,
+                              with_entropy, kept)
 
-        def whole_vocab(k, start, old):
-            z = logits(start, w)
-            log_z, e_z, probs = _log_z_and_mean_logit(z, with_entropy)
-            new = {"log_z": log_z, "e_z": e_z,
-                   "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
-            if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
-                label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
-                new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
-            if keep:
-                new["logits"] = z
-            return new
 
-        out = _per_token_seq_loop(t, c, names, [zeros] * len(names), whole_vocab, kept,
-                                  lambda buf, z, start: _put(buf, z, start, 1))
-        return out["log_z"], out.get("e_z"), out.get("q"), out["z_y"], out.get("logits")
+def _whole_vocab_forward(logits, w, ids, v: int, c: int, acc, with_collision: bool, with_entropy: bool, kept):
+    """:func:`_lm_head_forward` with one vocabulary tile: each ``[B, c]`` sequence tile reduced in one step."""
+    names = ("log_z",) + ("e_z",) * with_entropy + ("q",) * with_collision + ("z_y",)
 
+    def whole_vocab(k, start, old):
+        z = logits(start, w)
+        log_z, e_z, probs = _log_z_and_mean_logit(z, with_entropy)
+        new = {"log_z": log_z, "e_z": e_z,
+               "z_y": jnp.take_along_axis(z, _slice(ids, start, c, 1)[..., None], axis=-1)[..., 0]}
+        if with_collision:  # sum over v != y: no cancellation against p_y^2 as p_y -> 1
+            label = _slice(ids, start, c, 1)[..., None] == jnp.arange(v)
+            new["q"] = jnp.sum(jnp.where(label, 0.0, probs * probs), axis=-1)
+        if kept is not None:
+            new["logits"] = z
+        return new
+
+    out = _per_token_seq_loop(ids.shape[1], c, names, [jnp.zeros(ids.shape, acc)] * len(names), whole_vocab, kept,
+                              lambda buf, z, start: _put(buf, z, start, 1))
+    return out["log_z"], out.get("e_z"), out.get("q"), out["z_y"], out.get("logits")
+
+
+def _streaming_forward(logits, w, ids, vocab: tuple, chunks: tuple, acc, with_collision, with_entropy, kept):
+    """:func:`_lm_head_forward` with vocabulary tiles outermost (a streaming log-sum-exp); ``vocab`` is
+    ``(V, the vocabulary axis of w)``, ``chunks`` ``(seq_chunk, vocab_chunk)``."""
+    (v, v_axis), (c, vc) = vocab, chunks
+    t, neg, zeros = ids.shape[1], _neg(acc), jnp.zeros(ids.shape, acc)
     ragged_v = v % vc != 0
     names = ("m", "s") + ("t",) * with_entropy + ("q",) * with_collision + ("z_y",)
 
@@ -315,7 +316,7 @@ def _lm_head_forward(h, w, ids, temperature, seq_chunk: int, vocab_chunk: int, w
             hit = (i_c >= j * vc) & (i_c < vs + vc)
             picked = jnp.take_along_axis(z, jnp.clip(i_c - vs, 0, vc - 1)[..., None], axis=-1)[..., 0]
             new["z_y"] = jnp.where(hit, picked, old["z_y"])
-            if keep:  # unmasked: the stale columns of a shifted tile are those columns' logits too
+            if kept is not None:  # unmasked: the stale columns of a shifted tile are those columns' logits too
                 new["logits"] = raw
             return new
 
@@ -555,8 +556,8 @@ def chunked_log_probs_and_entropy(
 
     Raises:
       ValueError: on rank/shape mismatches (naming the argument), an unknown ``weight_layout``, non-integer
-        ``token_ids``, non-positive
-        ``seq_chunk`` / ``vocab_chunk`` / ``temperature``, or a negative ``max_saved_logits_bytes``.
+        ``token_ids``, non-positive ``seq_chunk`` / ``vocab_chunk`` / ``temperature``, or a negative
+        ``max_saved_logits_bytes``.
 
     Source: conventions.md §5 (EasyDeL streaming log-sum-exp; Tunix ``compute_chunked_logps``); the entropy
     identity is verl ``entropy_from_logits``.
@@ -568,10 +569,9 @@ def chunked_log_probs_and_entropy(
         raise ValueError(f"weight_layout must be 'dv' ([D, V]) or 'vd' ([V, D]), got {weight_layout!r}")
     d_axis = weight_layout.index("d")
     if lm_head_weight.ndim != 2 or lm_head_weight.shape[d_axis] != hidden.shape[-1]:
-        raise ValueError(
-            f"lm_head_weight must be {'[D, V]' if weight_layout == 'dv' else '[V, D]'} (weight_layout="
-            f"{weight_layout!r}) with D = hidden.shape[-1] = {hidden.shape[-1]}, got shape {tuple(lm_head_weight.shape)}"
-        )
+        raise ValueError(f"lm_head_weight must be {'[D, V]' if weight_layout == 'dv' else '[V, D]'} (weight_layout="
+                         f"{weight_layout!r}) with D = hidden.shape[-1] = {hidden.shape[-1]}, got shape "
+                         f"{tuple(lm_head_weight.shape)}")
     if tuple(token_ids.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"token_ids shape {tuple(token_ids.shape)} must equal hidden.shape[:2] = {hidden.shape[:2]}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):

@@ -52,6 +52,7 @@ __all__ = [
     "kl_has_own_denominator",
     "metric_pair",
     "POLICY_LOSSES",
+    "KL_COV_POLICY_LOSSES",
     "register_policy_loss",
     "safe_divide",
     "finalize_metrics",
@@ -463,11 +464,17 @@ def kl_loss(
 POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss", homes=("stapo_jax.algo.objectives",),
                                    packages=("stapo_jax.algo.policy_losses",))
 POLICY_LOSSES.register("vanilla")(compute_policy_loss)
+# the losses that take a selecting mask's ``kl_cov_selection`` (KL-Cov is verl's variant of the vanilla surrogate);
+# another loss with a selecting ``actor.token_mask`` is rejected when the config loads
+KL_COV_POLICY_LOSSES: set[str] = {"vanilla"}
 
 
-def register_policy_loss(name: str):
-    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`).
+def register_policy_loss(name: str, takes_kl_cov_selection: bool = False):
+    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`);
+    ``takes_kl_cov_selection``: it accepts a selecting mask's ``kl_cov_selection`` (:data:`KL_COV_POLICY_LOSSES`).
     Takes no arrays; returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    if takes_kl_cov_selection:
+        KL_COV_POLICY_LOSSES.add(name)
     return POLICY_LOSSES.register(name)
 
 

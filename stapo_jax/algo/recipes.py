@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from stapo_jax.algo import masks
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
-from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig
+from stapo_jax.algo.objectives import KL_COV_POLICY_LOSSES, POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.algo.settings_base import ConfigError
 
-__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field"]
+__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
 
 TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
 
@@ -67,6 +68,7 @@ class Recipe:
         masks.TOKEN_MASKS.lookup(self.token_mask, extra=("none",))
         POLICY_LOSSES.lookup(self.policy_loss)
         ADVANTAGE_ESTIMATORS.lookup(self.advantage.adv_estimator)
+        check_loss_takes_mask(self.policy_loss, self.token_mask)
 
     @property
     def renormalize(self) -> bool:
@@ -90,6 +92,21 @@ class Recipe:
             if isinstance(changes.get(section), dict):
                 changes[section] = dataclasses.replace(getattr(self, section), **changes[section])
         return dataclasses.replace(self, **changes)
+
+
+def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
+    """Reject a selecting token mask (``kl_cov``: registry field ``selects``) with a policy loss that takes no
+    ``kl_cov_selection`` (:data:`~stapo_jax.algo.objectives.KL_COV_POLICY_LOSSES`), e.g. ``gspo``: at config load,
+    not at the first update. Both names must be registered (looked up first). Takes no arrays (str names).
+    Raises: ConfigError naming ``actor.policy_loss`` and ``actor.token_mask``. Source: verl's KL-Cov, a
+    ``loss_mode`` of its own (``compute_policy_loss_kl_cov``) that no other loss combines with."""
+    if token_mask == "none" or not masks.get_token_mask(token_mask).selects:
+        return
+    if policy_loss not in KL_COV_POLICY_LOSSES:
+        raise ConfigError(f"actor.policy_loss={policy_loss} cannot be combined with actor.token_mask={token_mask}: "
+                          f"the mask selects tokens for the KL-Cov penalty, which only the policy losses "
+                          f"{sorted(KL_COV_POLICY_LOSSES)} take (set actor.policy_loss=vanilla or another "
+                          f"actor.token_mask)")
 
 
 def recipe_field(recipe: Recipe, dotted: str):

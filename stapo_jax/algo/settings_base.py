@@ -74,6 +74,9 @@ def unknown_keys(cls: type, raw: Any, prefix: str, root: type | None = None) -> 
     return out
 
 
+_MISMATCH = object()  # a coercion helper's "value does not have this type" (the caller raises the message)
+
+
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp`` and convert losslessly (int -> float, list -> tuple, a
     numeric string such as YAML 1.1's ``1e-6`` -> float).
@@ -84,73 +87,96 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, key + ".")
     if origin in (Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{key}: null is not allowed (expected {type_name(tp)})")
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, key)
-            except ConfigError as e:
-                if len(args) == 2 and type(None) in args and not str(e).startswith(f"{key}: expected "):
-                    raise  # Optional[X] and X's own complaint (e.g. "not a finite number"): keep it
-                continue
-        raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+        return _coerce_union(value, tp, args, key)
     if origin is Literal:
-        if isinstance(value, bool) and ("off" if not value else "on") in args:
-            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
-        for choice in args:
-            if value == choice and type(value) is type(choice):
-                return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        if isinstance(value, bool):  # e.g. actor.sampler_is=on: YAML 1.1 turned the word into a bool
-            hint = "; YAML reads a bare on/off/yes/no/true/false as a boolean: write one of the names above, quoted"
-        raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # also numpy ints
-            return int(value)
-    elif tp is float:
-        number = None
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):  # also numpy floats
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):  # nan/inf would train silently into a NaN model
-                raise ConfigError(f"{key}: {value!r} is not a finite number")
-            return number
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-            if len(value) == len(args):
-                return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    elif origin is dict:
-        if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise ConfigError(f"{key}: keys must be strings, got {k!r}")
-                out[k] = coerce(v, args[1], f"{key}.{k}")
-            return out
+        return _coerce_literal(value, args, key)
+    if tp in (bool, int, float, str):
+        out = _coerce_scalar(value, tp, key)
+    elif origin in (list, tuple, dict):
+        out = _coerce_container(value, origin, args, key)
     else:  # pragma: no cover - schema uses only the types above
         raise TypeError(f"unsupported annotation {tp!r} for {key}")
+    if out is _MISMATCH:
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+    return out
+
+
+def _coerce_union(value: Any, tp: Any, args: tuple, key: str) -> Any:
+    """``Optional[X]`` / ``X | Y``: null where allowed, else the first member type that takes ``value``."""
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{key}: null is not allowed (expected {type_name(tp)})")
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, key)
+        except ConfigError as e:
+            if len(args) == 2 and type(None) in args and not str(e).startswith(f"{key}: expected "):
+                raise  # Optional[X] and X's own complaint (e.g. "not a finite number"): keep it
+            continue
     raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _coerce_literal(value: Any, args: tuple, key: str) -> Any:
+    """A named choice: ``value`` must equal one of ``args`` with the same type (YAML's bare off/on bools mapped
+    back to the words); else a did-you-mean error."""
+    if isinstance(value, bool) and ("off" if not value else "on") in args:
+        value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
+    for choice in args:
+        if value == choice and type(value) is type(choice):
+            return value
+    close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    if isinstance(value, bool):  # e.g. actor.sampler_is=on: YAML 1.1 turned the word into a bool
+        hint = "; YAML reads a bare on/off/yes/no/true/false as a boolean: write one of the names above, quoted"
+    raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
+
+
+def _coerce_scalar(value: Any, tp: type, key: str) -> Any:
+    """bool / int / float / str; ``_MISMATCH`` when ``value`` is not one (a non-finite float raises)."""
+    if tp is bool:
+        return value if isinstance(value, bool) else _MISMATCH
+    if tp is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # also numpy ints
+            return int(value)
+        return _MISMATCH
+    if tp is str:
+        return value if isinstance(value, str) else _MISMATCH
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # also numpy floats
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        return _MISMATCH
+    if not math.isfinite(number):  # nan/inf would train silently into a NaN model
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
+    return number
+
+
+def _coerce_container(value: Any, origin: type, args: tuple, key: str) -> Any:
+    """``list[X]``, ``tuple[X, ...]`` / ``tuple[X, Y]`` and ``dict[str, X]``, each item coerced under
+    ``key[i]`` / ``key.k``; ``_MISMATCH`` when ``value`` is not such a container."""
+    if origin is list and isinstance(value, (list, tuple)):
+        return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple and isinstance(value, (list, tuple)):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) == len(args):
+            return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict and isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{key}: keys must be strings, got {k!r}")
+            out[k] = coerce(v, args[1], f"{key}.{k}")
+        return out
+    return _MISMATCH
 
 
 @functools.lru_cache(maxsize=None)

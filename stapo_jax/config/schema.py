@@ -30,7 +30,7 @@ from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t 
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
-    apply_token_mask_key, check_registered_names, recipe_violations, token_mask_name, token_mask_violations)
+    apply_token_mask_key, check_registered_names, token_mask_name)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
     ConfigError,
     build_dataclass,
@@ -43,6 +43,8 @@ from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass
     set_dotted,
     unknown_keys,
 )
+# the cross-field checks and the model-size keys they read (part of this module's API)
+from stapo_jax.config.validation import MODEL_SIZE_KEYS, validate  # noqa: F401
 
 CONFIG_FILENAME = "config.yaml"
 JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -86,13 +88,6 @@ class ModelConfig:
     # micro-batch's sequences packed end to end into rows (segment ids, RoPE restarting per sequence), so the
     # transformer computes no padding (stapo_jax.train.packing); results equal the padded batch's
     use_remove_padding: bool = True
-
-
-MODEL_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
-                   "max_position_embeddings", "rms_norm_eps")
-# a from-scratch model needs at least these (vocab_size may come from the tokenizer: stapo_jax.runtime.build)
-_REQUIRED_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -479,117 +474,3 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     validate(cfg)
     check_registered_names(cfg, source)
     return cfg
-
-
-# ---------------------------------------------------------------------------------- validation
-
-
-def validate(cfg: Config) -> None:
-    """Cross-field checks; each error names the keys involved.
-
-    Raises:
-      ConfigError: a range or consistency check failed.
-    Takes no arrays (a ``Config``). Source: stapo_spec.md §4-5, §10 (the ranges and recipe invariants).
-    """
-    errors: list[str] = []
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            errors.append(msg)
-
-    need(bool(cfg.trainer.run_dir.strip()), "trainer.run_dir is empty (it would write the run into the working "
-         "directory)")
-    m = cfg.model
-    sizes_set = [k for k in MODEL_SIZE_KEYS if getattr(m, k) is not None]
-    if m.path is not None and m.preset is not None:
-        errors.append("model.path and model.preset are both set; set one (model.preset=null to use a path)")
-    if m.path is not None and sizes_set:
-        errors.append(f"model.path cannot be combined with explicit size fields {['model.' + k for k in sizes_set]}")
-    if m.path is None and m.preset is None:
-        missing = [f"model.{k}" for k in _REQUIRED_SIZE_KEYS if getattr(m, k) is None]
-        need(not missing, f"a from-scratch model (model.path and model.preset unset) needs {missing}")
-    for k in ("vocab_size", "num_key_value_heads", "head_dim", "max_position_embeddings") + _REQUIRED_SIZE_KEYS:
-        v = getattr(m, k)
-        need(v is None or v >= 1, f"model.{k}={v} must be >= 1")
-    need(m.scan_unroll == "auto" or m.scan_unroll >= 1, f"model.scan_unroll={m.scan_unroll} must be 'auto' or >= 1")
-    if m.num_attention_heads and m.num_key_value_heads:
-        need(m.num_attention_heads % m.num_key_value_heads == 0,
-             f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
-             f"model.num_key_value_heads={m.num_key_value_heads}")
-
-    for k in ("data", "fsdp", "tensor"):
-        v = getattr(cfg.mesh, k)
-        need(v == -1 or v >= 1, f"mesh.{k}={v} must be -1 (all remaining devices) or >= 1")
-    need([getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")].count(-1) <= 1,
-         "at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-
-    d = cfg.data
-    need(d.max_prompt_length >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1")
-    if d.source == "gym":
-        need(bool(d.gym.task), "data.source=gym needs data.gym.task (a reasoning-gym dataset name)")
-        need(d.gym.size >= 1, f"data.gym.size={d.gym.size} must be >= 1")
-        need(d.gym.val_size >= 0, f"data.gym.val_size={d.gym.val_size} must be >= 0")
-
-    r = cfg.rollout
-    need(r.n >= 1, f"rollout.n={r.n} must be >= 1")
-    need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
-    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
-    need(r.top_k is None or r.top_k >= 1, f"rollout.top_k={r.top_k} must be null (off) or >= 1")
-    for k in ("max_new_tokens", "max_concurrent_decodes", "steps_per_sync", "prefill_batch_size"):
-        need(getattr(r, k) >= 1, f"rollout.{k}={getattr(r, k)} must be >= 1")
-    need(r.request_timeout_s > 0, f"rollout.request_timeout_s={r.request_timeout_s} must be > 0")
-    need(r.max_retries >= 0, f"rollout.max_retries={r.max_retries} must be >= 0")
-    if m.max_position_embeddings is not None:
-        need(d.max_prompt_length + r.max_new_tokens <= m.max_position_embeddings,
-             f"data.max_prompt_length + rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} exceeds "
-             f"model.max_position_embeddings={m.max_position_embeddings}")
-
-    al = cfg.algorithm  # its own ranges are checked by the section itself (stapo_jax.algo.recipe_settings)
-    need(not (al.adv_estimator == "rloo" and r.n < 2), "algorithm.adv_estimator=rloo needs rollout.n >= 2")
-
-    a = cfg.actor  # its own ranges (loss, batching, optimizer) are checked by the section itself
-    need(a.ppo_micro_batch_size <= a.ppo_mini_batch_size * r.n,
-         f"actor.ppo_micro_batch_size={a.ppo_micro_batch_size} exceeds the mini-batch's "
-         f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * r.n} sequences "
-         "(gradient accumulation would be 0)")
-    t = cfg.trainer
-    need(t.train_batch_size >= 1, f"trainer.train_batch_size={t.train_batch_size} must be >= 1")
-    if t.train_batch_size >= 1:
-        need(t.train_batch_size % a.ppo_mini_batch_size == 0,
-             f"trainer.train_batch_size={t.train_batch_size} is not divisible by "
-             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-
-    s = cfg.s2t  # its ranges are checked by the section itself (stapo_jax.algo.mask_settings)
-    need(not (s.enabled and cfg.top_entropy.enabled),
-         "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask")
-    errors.extend(token_mask_violations(cfg))
-
-    rw = cfg.reward  # its own ranges are checked by the section itself
-    need(rw.overlong_buffer_len <= r.max_new_tokens,
-         f"reward.overlong_buffer_len={rw.overlong_buffer_len} exceeds rollout.max_new_tokens={r.max_new_tokens}")
-    need(rw.kind != "gym" or d.source == "gym",
-         f"reward.kind=gym needs data.source=gym (got data.source={d.source})")
-
-    need(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps={t.total_steps} must be >= 1")
-    for k in ("log_every", "keep_checkpoints"):
-        need(getattr(t, k) >= 1, f"trainer.{k}={getattr(t, k)} must be >= 1")
-    for k in ("save_every", "eval_every"):
-        need(getattr(t, k) >= 0, f"trainer.{k}={getattr(t, k)} must be >= 0 (0 = off)")
-    bad_loggers = sorted(set(t.logger) - {"console", "tensorboard", "wandb", "jsonl"})
-    need(not bad_loggers, f"trainer.logger: unknown logger(s) {bad_loggers} (expected console, tensorboard, wandb; "
-         f"metrics.jsonl is always written)")
-    need(cfg.sft.steps >= 0, f"sft.steps={cfg.sft.steps} must be >= 0")
-    need(cfg.sft.lr > 0, f"sft.lr={cfg.sft.lr} must be > 0")
-    need(cfg.sft.batch_size >= 1, f"sft.batch_size={cfg.sft.batch_size} must be >= 1")
-    need(cfg.sft.warmup_steps >= 0, f"sft.warmup_steps={cfg.sft.warmup_steps} must be >= 0")
-    e = cfg.eval
-    need(e.max_new_tokens >= 1, f"eval.max_new_tokens={e.max_new_tokens} must be >= 1")
-    need(e.temperature > 0 and 0 < e.top_p <= 1, f"eval.temperature={e.temperature} must be > 0 and "
-         f"eval.top_p={e.top_p} in (0, 1]")
-    ns = e.n_samples
-    need(all(v >= 1 for v in (ns.values() if isinstance(ns, dict) else [ns])), f"eval.n_samples={ns} must be >= 1")
-
-    if al.strict_recipe:
-        errors.extend(recipe_violations(cfg))
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))

@@ -28,7 +28,8 @@ def token_mask_name(cfg) -> str:
 
 def check_registered_names(cfg, source: Optional[str] = None) -> None:
     """Check the names that select an extension against their live registries: ``actor.policy_loss``,
-    ``actor.token_mask``, ``algorithm.adv_estimator`` and ``reward.kind`` (imports the registries, hence jax).
+    ``actor.token_mask``, ``algorithm.adv_estimator`` and ``reward.kind`` (imports the registries, hence jax),
+    and that the policy loss takes the token mask (``kl_cov`` needs a loss that takes its selection).
 
     Raises: ConfigError ``"<source>: <key>: 'x' is not a registered <kind>; did you mean 'y'? (registered: [...])"``.
     Takes no arrays. Source: verl ``get_policy_loss_fn`` / ``get_adv_estimator_fn`` (lookup by name).
@@ -36,6 +37,7 @@ def check_registered_names(cfg, source: Optional[str] = None) -> None:
     from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first check
     from stapo_jax.algo.masks import TOKEN_MASKS
     from stapo_jax.algo.objectives import POLICY_LOSSES
+    from stapo_jax.algo.recipes import check_loss_takes_mask
     from stapo_jax.rewards.registry import REWARD_KINDS
 
     try:
@@ -43,6 +45,7 @@ def check_registered_names(cfg, source: Optional[str] = None) -> None:
         TOKEN_MASKS.lookup(token_mask_name(cfg), extra=("none",))
         ADVANTAGE_ESTIMATORS.lookup(cfg.algorithm.adv_estimator)
         REWARD_KINDS.lookup(cfg.reward.kind)
+        check_loss_takes_mask(cfg.actor.policy_loss, token_mask_name(cfg))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 

@@ -265,90 +265,127 @@ class RolloutDriver:
         limit = eng.config.max_decode_length
         max_new_tokens = limit if max_new_tokens is None else max_new_tokens
         check_generation_args(num_samples, max_new_tokens, limit)
-        if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
-            raise RolloutInputError(f"row_offset must be an int >= 0, got {row_offset!r}")
-        if row_offset + len(prompts) * num_samples > np.iinfo(np.int32).max:
-            raise RolloutInputError(f"row_offset={row_offset} + {len(prompts)} prompts x num_samples={num_samples} "
-                                    f"exceeds the int32 sample ids ({np.iinfo(np.int32).max})")
+        _check_row_offset(row_offset, len(prompts), num_samples)
         prompts = validate_prompts(prompts, eng.max_prefill_length, eng.model_config.vocab_size,
                                    self.prompt_truncation)
-        g_size, n_slots = int(num_samples), eng.max_concurrent_decodes
-        n_rows = len(prompts) * g_size
-        tokens = np.zeros((n_rows, max_new_tokens), np.int32)  # filled per step, vectorised over slots
-        lps = np.zeros((n_rows, max_new_tokens), np.float32)
-        lengths = np.zeros((n_rows,), np.int64)
-        pending = deque(range(n_rows))
-        prefixes: dict[int, tuple] = {}  # prompt -> (batched Prefix, its row), until its G samples are inserted
-        slot_row = np.full((n_slots,), -1, np.int64)
-        free = deque(range(n_slots))
-        params = eng.load_params()
-        k = self.steps_per_sync
-        state = eng.init_decode_state(seed, length=eng.kv_length_buckets[0])
+        run = _SlotLoop(eng, prompts, int(num_samples), max_new_tokens, self.steps_per_sync, row_offset, seed)
+        while run.pending or run.n_active:
+            run.refill()
+            run.record(*run.decode(sampling))
+        rows = [run.tokens[r, :n] for r, n in enumerate(run.lengths)]
+        row_lps = [run.lps[r, :n] for r, n in enumerate(run.lengths)]
+        return assemble_batch(prompts, run.g_size, max_new_tokens, rows, row_lps, eng.eos_token_ids,
+                              self.pad_token_id)
+
+
+def _check_row_offset(row_offset: int, n_prompts: int, num_samples: int) -> None:
+    """``row_offset`` is an int >= 0 and the call's sample ids fit int32; else RolloutInputError naming it."""
+    if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) or row_offset < 0:
+        raise RolloutInputError(f"row_offset must be an int >= 0, got {row_offset!r}")
+    if row_offset + n_prompts * num_samples > np.iinfo(np.int32).max:
+        raise RolloutInputError(f"row_offset={row_offset} + {n_prompts} prompts x num_samples={num_samples} "
+                                f"exceeds the int32 sample ids ({np.iinfo(np.int32).max})")
+
+
+class _SlotLoop:
+    """The continuous-batching state of one ``generate`` call: which row each slot decodes, the rows still
+    pending, the prompts' prefixes awaiting their G inserts, the decode state and the tokens / log-probs read
+    back so far (``[n_rows, max_new_tokens]`` int32 / float32, ``lengths`` ``[n_rows]``)."""
+
+    def __init__(self, eng: Qwen3Engine, prompts: list, g_size: int, max_new_tokens: int, k: int,
+                 row_offset: int, seed: int):
+        self.eng, self.prompts, self.g_size, self.max_new_tokens, self.k = eng, prompts, g_size, max_new_tokens, k
+        self.row_offset = row_offset
+        n_rows, n_slots = len(prompts) * g_size, eng.max_concurrent_decodes
+        self.tokens = np.zeros((n_rows, max_new_tokens), np.int32)  # filled per step, vectorised over slots
+        self.lps = np.zeros((n_rows, max_new_tokens), np.float32)
+        self.lengths = np.zeros((n_rows,), np.int64)
+        self.pending = deque(range(n_rows))
+        self.prefixes: dict[int, tuple] = {}  # prompt -> (batched Prefix, its row), until its G samples are inserted
+        self.slot_row = np.full((n_slots,), -1, np.int64)
+        self.free = deque(range(n_slots))
+        self.params = eng.load_params()
+        self.state = eng.init_decode_state(seed, length=eng.kv_length_buckets[0])
         # KV cache sized to the active slots (EngineConfig.kv_cache_buckets): slot s holds prompt_cached[s] +
         # (tokens generated) positions; k more steps need that + k, at most prompt_cached[s] + max_new_tokens
         # (the prefix itself must fit at insert).
-        prompt_cached = np.zeros((n_slots,), np.int64)
-        n_active = 0
-        while pending or n_active:
-            unawaited = 0  # programs dispatched since the last wait (the last step's results were read)
-            while free and pending:  # refill every free slot before the next step
-                if unawaited >= DISPATCH_WINDOW:  # bounded async dispatch, see DISPATCH_WINDOW
-                    state = jax.block_until_ready(state)
-                    unawaited = 0
-                row = pending.popleft()
-                i, g = divmod(row, g_size)
-                bucket = eng.prefill_bucket(len(prompts[i]))
-                if i not in prefixes:  # prefill i with the next not-yet-prefilled prompts of its bucket
-                    group = [i, *itertools.islice((j for j in range(i + 1, len(prompts)) if j not in prefixes
-                                                   and eng.prefill_bucket(len(prompts[j])) == bucket),
-                                                  eng.prefill_rows(bucket) - 1)]
-                    batch_prefix = eng.prefill_batch(params, [prompts[j] for j in group])
-                    unawaited += 1
-                    prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
-                slot = free.popleft()
-                prefix, prefix_row = prefixes[i]
-                need = max(bucket, len(prompts[i]) - 1 + min(k, max_new_tokens))  # the prefix must fit
-                if need > state.cache.max_length:
-                    state = eng.resize_decode_state(state, eng.kv_bucket(need))
-                    unawaited += 1
-                state = eng.insert_sample(prefix, state, slot, row_offset + row, max_new_tokens, prefix_row)
+        self.prompt_cached = np.zeros((n_slots,), np.int64)
+        self.n_active = 0
+
+    def _prefill_group(self, i: int, bucket: int) -> int:
+        """Prefill prompt ``i`` with the next not-yet-prefilled prompts of its bucket; returns programs dispatched."""
+        eng, prompts = self.eng, self.prompts
+        group = [i, *itertools.islice((j for j in range(i + 1, len(prompts)) if j not in self.prefixes
+                                       and eng.prefill_bucket(len(prompts[j])) == bucket),
+                                      eng.prefill_rows(bucket) - 1)]
+        batch_prefix = eng.prefill_batch(self.params, [prompts[j] for j in group])
+        self.prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
+        return 1
+
+    def refill(self) -> None:
+        """Insert the next pending sample into every free slot before the next step, waiting for the device after
+        every ``DISPATCH_WINDOW`` dispatched programs (prefills, cache resizes, inserts)."""
+        eng, k = self.eng, self.k
+        unawaited = 0  # programs dispatched since the last wait (the last step's results were read)
+        while self.free and self.pending:
+            if unawaited >= DISPATCH_WINDOW:  # bounded async dispatch, see DISPATCH_WINDOW
+                self.state = jax.block_until_ready(self.state)
+                unawaited = 0
+            row = self.pending.popleft()
+            i, g = divmod(row, self.g_size)
+            bucket = eng.prefill_bucket(len(self.prompts[i]))
+            if i not in self.prefixes:
+                unawaited += self._prefill_group(i, bucket)
+            slot = self.free.popleft()
+            prefix, prefix_row = self.prefixes[i]
+            need = max(bucket, len(self.prompts[i]) - 1 + min(k, self.max_new_tokens))  # the prefix must fit
+            if need > self.state.cache.max_length:
+                self.state = eng.resize_decode_state(self.state, eng.kv_bucket(need))
                 unawaited += 1
-                if g == g_size - 1:
-                    del prefixes[i]
-                slot_row[slot] = row
-                prompt_cached[slot] = len(prompts[i]) - 1
-                n_active += 1
-            busy = np.nonzero(slot_row >= 0)[0]
-            target = eng.kv_bucket(int((prompt_cached[busy] + np.minimum(lengths[slot_row[busy]] + k,
-                                                                         max_new_tokens)).max()))
-            if target != state.cache.max_length:
-                state = eng.resize_decode_state(state, target)
-            if k == 1:
-                state, out = eng.step(params, state, sampling)
-            else:
-                state, out = eng.multi_step(params, state, k, sampling)
-            data, log_probs, done = jax.device_get((out.result.data, out.log_probs, out.done))
-            progress()  # the stall watchdog (runtime/watchdog.py): a decode step finished
-            if k == 1:
-                data, log_probs, done = data[None], log_probs[None], done[None]
-            for j in range(k):
-                slots = np.nonzero(slot_row >= 0)[0]
-                if not slots.size:
-                    break
-                row_ids = slot_row[slots]
-                valid = data[j, slots, 1].astype(bool)
-                if not valid.all():
-                    row = int(row_ids[~valid][0])
-                    raise RuntimeError(f"engine rejected prompt {row // g_size} (sample {row}); this is a bug")
-                pos = lengths[row_ids]
-                tokens[row_ids, pos] = data[j, slots, 0]
-                lps[row_ids, pos] = log_probs[j, slots]
-                lengths[row_ids] = pos + 1
-                finished = slots[done[j, slots].astype(bool)]
-                slot_row[finished] = -1
-                free.extend(finished.tolist())
-                n_active -= finished.size
-        rows = [tokens[r, :n] for r, n in enumerate(lengths)]
-        row_lps = [lps[r, :n] for r, n in enumerate(lengths)]
-        return assemble_batch(prompts, g_size, max_new_tokens, rows, row_lps, eng.eos_token_ids,
-                              self.pad_token_id)
+            self.state = eng.insert_sample(prefix, self.state, slot, self.row_offset + row, self.max_new_tokens,
+                                           prefix_row)
+            unawaited += 1
+            if g == self.g_size - 1:
+                del self.prefixes[i]
+            self.slot_row[slot] = row
+            self.prompt_cached[slot] = len(self.prompts[i]) - 1
+            self.n_active += 1
+
+    def decode(self, sampling: Optional[SamplingParams]):
+        """Resize the KV cache to the active slots' bucket, run k decode steps and read their results back:
+        ``(data [k, slots, 2] int32, log_probs [k, slots] float32, done [k, slots] bool)``; marks watchdog
+        progress."""
+        eng, k, busy = self.eng, self.k, np.nonzero(self.slot_row >= 0)[0]
+        target = eng.kv_bucket(int((self.prompt_cached[busy] + np.minimum(self.lengths[self.slot_row[busy]] + k,
+                                                                          self.max_new_tokens)).max()))
+        if target != self.state.cache.max_length:
+            self.state = eng.resize_decode_state(self.state, target)
+        if k == 1:
+            self.state, out = eng.step(self.params, self.state, sampling)
+        else:
+            self.state, out = eng.multi_step(self.params, self.state, k, sampling)
+        data, log_probs, done = jax.device_get((out.result.data, out.log_probs, out.done))
+        progress()  # the stall watchdog (runtime/watchdog.py): a decode step finished
+        if k == 1:
+            data, log_probs, done = data[None], log_probs[None], done[None]
+        return data, log_probs, done
+
+    def record(self, data: np.ndarray, log_probs: np.ndarray, done: np.ndarray) -> None:
+        """Append each step's token and log-prob to its slot's row and free the slots whose row finished."""
+        for j in range(self.k):
+            slots = np.nonzero(self.slot_row >= 0)[0]
+            if not slots.size:
+                break
+            row_ids = self.slot_row[slots]
+            valid = data[j, slots, 1].astype(bool)
+            if not valid.all():
+                row = int(row_ids[~valid][0])
+                raise RuntimeError(f"engine rejected prompt {row // self.g_size} (sample {row}); this is a bug")
+            pos = self.lengths[row_ids]
+            self.tokens[row_ids, pos] = data[j, slots, 0]
+            self.lps[row_ids, pos] = log_probs[j, slots]
+            self.lengths[row_ids] = pos + 1
+            finished = slots[done[j, slots].astype(bool)]
+            self.slot_row[finished] = -1
+            self.free.extend(finished.tolist())
+            self.n_active -= finished.size

@@ -15,7 +15,9 @@ reading logs:
 
 These event names are those of jax 0.10 - 0.12 (``jax/_src/dispatch.py``, ``jax/_src/compiler.py``). Compile seconds
 are also charged to the current *phase* (``with stats.phase("update"):``) so the trainer can report step times
-without them (``time/compile/<phase>``).
+without them (``time/compile/<phase>``); the block's own compile seconds are on the object ``phase`` yields. Each
+executable is also listed (:attr:`CompileStats.executables`) under that phase, or outside every phase under the
+phase the stall watchdog last marked (``eval``, ``export``, ``checkpoint``; :func:`runtime.watchdog.current_phase`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import jax
+
+from stapo_jax.runtime.watchdog import current_phase
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,26 @@ class ProgramStats:
     n_compiles: int = 0    # XLA backend compiles (not served by the persistent cache)
     cache_hits: int = 0    # executables loaded from the persistent compilation cache
     compile_s: float = 0.0  # tracing + lowering + backend compile (or cache load) seconds
+
+
+class PhaseCompile:
+    """What :meth:`CompileStats.phase` yields: ``compile_s``, the seconds the starting thread waited on compiles
+    charged to that phase inside the block (read live inside it, fixed when it ends; inner phases' excluded)."""
+
+    def __init__(self, stats: "CompileStats", name: str):
+        self._stats, self.name, self._start = stats, name, stats.phase_total(name)
+        self._final: Optional[float] = None
+
+    @property
+    def compile_s(self) -> float:
+        """Compile seconds of this block so far (float, seconds)."""
+        if self._final is not None:
+            return self._final
+        return self._stats.phase_total(self.name) - self._start
+
+    def end(self) -> None:
+        """Fix :attr:`compile_s` (called when the block ends)."""
+        self._final = self.compile_s
 
 
 def program_name(fun_name: str) -> str:
@@ -72,6 +96,7 @@ class CompileStats:
         self._phase = "other"
         self._step = {"compiles": 0, "cache_hits": 0, "compile_s": 0.0}
         self._step_phase: dict[str, float] = {}
+        self._phase_total: dict[str, float] = {}  # the whole run's, never reset (PhaseCompile reads differences)
         self._started = False
         self._owner = threading.get_ident()  # the thread whose waits on compiles are taken out of step times
         self.steps_taken = 0  # take_step calls so far
@@ -105,6 +130,7 @@ class CompileStats:
             if wall:
                 self._step["compile_s"] += float(duration)
                 self._step_phase[self._phase] = self._step_phase.get(self._phase, 0.0) + float(duration)
+                self._phase_total[self._phase] = self._phase_total.get(self._phase, 0.0) + float(duration)
             if event == BACKEND_COMPILE_EVENT:
                 hit = getattr(self._local, "hits", 0) > 0
                 self._local.hits = 0
@@ -112,7 +138,8 @@ class CompileStats:
                 p.cache_hits += int(hit)
                 p.n_compiles += int(not hit)
                 self._step["cache_hits" if hit else "compiles"] += 1
-                self.executables.append((self.steps_taken, self._phase, name, hit))
+                label = self._phase if self._phase != "other" else (current_phase() or "other")
+                self.executables.append((self.steps_taken, label, name, hit))
 
     def start(self) -> "CompileStats":
         """Register the listeners (idempotent). Returns self."""
@@ -141,14 +168,22 @@ class CompileStats:
         self.close()
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> Iterator[PhaseCompile]:
         """Charge compile seconds inside the block to phase ``name`` (``rollout``, ``update``, ``sync``, ``eval``,
-        ``precompile``); an inner phase takes over until it ends (the outer one is restored on exit)."""
+        ``precompile``); an inner phase takes over until it ends (the outer one is restored on exit). Yields a
+        :class:`PhaseCompile` whose ``compile_s`` is the block's own compile seconds."""
         prev, self._phase = self._phase, name
+        block = PhaseCompile(self, name)
         try:
-            yield
+            yield block
         finally:
             self._phase = prev
+            block.end()
+
+    def phase_total(self, name: str) -> float:
+        """Compile seconds the starting thread waited on in phase ``name`` over the whole run (float, seconds)."""
+        with self._lock:
+            return self._phase_total.get(name, 0.0)
 
     def phase_seconds(self, name: str) -> float:
         """Compile seconds charged to phase ``name`` since the last :meth:`take_step` (float, seconds)."""

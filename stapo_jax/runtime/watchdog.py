@@ -187,6 +187,13 @@ class StallWatchdog:
             self.exit_fn(EXIT_STALL)
 
 
+def current_phase() -> Optional[str]:
+    """The phase last marked on the running :class:`StallWatchdog` (``eval``, ``export``, ...), or None without one.
+    No arrays: returns a str or None; never raises. Source: this module's phase protocol."""
+    wd = _active
+    return None if wd is None else wd.phase
+
+
 def progress(phase: Optional[str] = None, step: Optional[int] = None) -> None:
     """Mark progress on the running :class:`StallWatchdog` (no-op without one): at phase boundaries and from inside
     long phases (decode steps, verified items). ``phase`` (str) / ``step`` (int, the RL step), when given, become

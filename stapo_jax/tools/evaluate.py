@@ -371,6 +371,83 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_settings(spec: str, eval_cfg) -> list[DecodingSetting]:
+    """The ``--settings`` list (``a``, ``b``, ``config``) as decoding settings; raises ConfigError on another name."""
+    from stapo_jax.config.schema import ConfigError
+
+    settings = []
+    for s in (x.strip() for x in spec.split(",") if x.strip()):
+        if s == "config":
+            settings.append(DecodingSetting("config", eval_cfg.temperature, eval_cfg.top_p))
+        elif s in SETTINGS:
+            settings.append(SETTINGS[s])
+        else:
+            raise ConfigError(f"--settings: unknown setting {s!r} (expected a, b or config)")
+    return settings
+
+
+def _model_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of the command line, plus ``--model``'s (its config.json defines the model)."""
+    overrides = list(args.overrides)
+    if args.model:  # the checkpoint's config.json defines the model: drop the config's preset / size fields
+        from stapo_jax.config.schema import MODEL_SIZE_KEYS
+
+        overrides += [f"model.path={args.model}", "model.preset=null"] + [f"model.{k}=null" for k in MODEL_SIZE_KEYS]
+    return overrides
+
+
+def _load_inputs(args: argparse.Namespace, overrides: list[str]):
+    """(config, settings, grader names, problems per benchmark); raises ConfigError / DataError / EvalDataError /
+    FileNotFoundError."""
+    from stapo_jax.config.schema import load_config
+
+    cfg = load_config(args.config, overrides)
+    settings = _parse_settings(args.settings, cfg.eval)
+    grader_names = ([g.strip() for g in args.graders.split(",") if g.strip()] if args.graders else
+                    [cfg.eval.grader] + [g for g in ("math_verify", "boxed_exact") if g != cfg.eval.grader])
+    names = ([b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks
+             else list(cfg.eval.benchmarks))
+    problems = {b: load_problems(b, data_dir=cfg.eval.data_dir, prompt_key=cfg.data.prompt_key,
+                                 answer_key=cfg.data.answer_key, limit=args.limit) for b in names}
+    return cfg, settings, grader_names, problems
+
+
+def _length_error(longest: int, max_new: int, limit: int) -> Optional[str]:
+    """Why prompts of ``longest`` tokens + ``max_new`` new tokens do not fit ``limit`` positions, or None."""
+    if longest >= limit:
+        return (f"the longest prompt ({longest} tokens) alone reaches the model's max_position_embeddings "
+                f"({limit}); this model cannot read these benchmarks' prompts: choose other --benchmarks or a model "
+                f"with a longer context")
+    if longest + max_new > limit:
+        return (f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new}) exceeds the model's "
+                f"max_position_embeddings ({limit}); lower --max-new-tokens to at most {limit - longest}")
+    return None
+
+
+def _run_meta(cfg, args: argparse.Namespace, overrides: list[str], label: str, max_new: int) -> dict:
+    """The ``meta`` block of ``results.json``: model, config, decoding length, devices, versions, date."""
+    from importlib.metadata import version
+
+    import jax
+
+    return {"model_path": cfg.model.path, "model_preset": cfg.model.preset,
+            "model_name": _paper_size(cfg) or Path(str(label)).name,
+            "config_file": args.config, "overrides": overrides, "recipe": cfg.algorithm.recipe,
+            "max_new_tokens": max_new, "limit": args.limit, "seed": args.seed,
+            "prompt_suffix": cfg.data.prompt_suffix, "apply_chat_template": cfg.data.apply_chat_template,
+            "enable_thinking": cfg.data.enable_thinking, "devices": [str(x) for x in jax.devices()],
+            "versions": {p: version(p) for p in ("jax", "flax", "math-verify")},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _close_graders(graders: Mapping[str, Grader]) -> None:
+    """Close the graders that hold a worker pool."""
+    for g in graders.values():
+        close = getattr(g, "close", None)
+        if close:
+            close()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``stapo-jax eval``; returns the exit code (0 on success, 2 on a configuration or data error).
 
@@ -379,30 +456,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import ConfigError
     from stapo_jax.data.prompts import DataError
 
-    overrides = list(args.overrides)
-    if args.model:  # the checkpoint's config.json defines the model: drop the config's preset / size fields
-        from stapo_jax.config.schema import MODEL_SIZE_KEYS
-
-        overrides += [f"model.path={args.model}", "model.preset=null"] + [f"model.{k}=null" for k in MODEL_SIZE_KEYS]
+    overrides = _model_overrides(args)
     try:
-        cfg = load_config(args.config, overrides)
-        settings = []
-        for s in (x.strip() for x in args.settings.split(",") if x.strip()):
-            if s == "config":
-                settings.append(DecodingSetting("config", cfg.eval.temperature, cfg.eval.top_p))
-            elif s in SETTINGS:
-                settings.append(SETTINGS[s])
-            else:
-                raise ConfigError(f"--settings: unknown setting {s!r} (expected a, b or config)")
-        grader_names = ([g.strip() for g in args.graders.split(",") if g.strip()] if args.graders else
-                        [cfg.eval.grader] + [g for g in ("math_verify", "boxed_exact") if g != cfg.eval.grader])
-        names = ([b.strip() for b in args.benchmarks.split(",") if b.strip()] if args.benchmarks
-                 else list(cfg.eval.benchmarks))
-        problems = {b: load_problems(b, data_dir=cfg.eval.data_dir, prompt_key=cfg.data.prompt_key,
-                                     answer_key=cfg.data.answer_key, limit=args.limit) for b in names}
+        cfg, settings, grader_names, problems = _load_inputs(args, overrides)
     except (ConfigError, DataError, EvalDataError, FileNotFoundError) as e:
         print(f"stapo-jax eval: {e}", file=sys.stderr)
         return 2
@@ -434,16 +493,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.warning("model.path is unset: evaluating a RANDOMLY INITIALISED %s model (smoke test only)",
                     cfg.model.preset or "from-scratch")
     model = build_model(cfg, mesh, tokenizer, seed=cfg.trainer.seed)
-    limit = model.config.max_position_embeddings
-    if longest >= limit:
-        print(f"stapo-jax eval: the longest prompt ({longest} tokens) alone reaches the model's "
-              f"max_position_embeddings ({limit}); this model cannot read these benchmarks' prompts: choose other "
-              f"--benchmarks or a model with a longer context", file=sys.stderr)
-        return 2
-    if longest + max_new > limit:
-        print(f"stapo-jax eval: the longest prompt ({longest} tokens) + max_new_tokens ({max_new}) exceeds the "
-              f"model's max_position_embeddings ({limit}); lower --max-new-tokens to at most {limit - longest}",
-              file=sys.stderr)
+    error = _length_error(longest, max_new, model.config.max_position_embeddings)
+    if error is not None:
+        print(f"stapo-jax eval: {error}", file=sys.stderr)
         return 2
     # the same sampler as training (stapo_jax.rollout): sampling settings come with each generate call
     engine_cfg = engine_config(cfg, tokenizer, max_prefill_length=longest, max_decode_length=max_new, seed=args.seed)
@@ -454,27 +506,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     generate = engine_generator(driver, tokenizer, batch_prompts=args.batch_prompts, on_progress=bar.update)
     graders = make_graders(grader_names, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
     label = args.label or cfg.model.path or random_init_label(cfg)
-    from importlib.metadata import version
-
-    meta = {"model_path": cfg.model.path, "model_preset": cfg.model.preset,
-            "model_name": _paper_size(cfg) or Path(str(label)).name,
-            "config_file": args.config, "overrides": overrides, "recipe": cfg.algorithm.recipe,
-            "max_new_tokens": max_new, "limit": args.limit, "seed": args.seed,
-            "prompt_suffix": cfg.data.prompt_suffix, "apply_chat_template": cfg.data.apply_chat_template,
-            "enable_thinking": cfg.data.enable_thinking, "devices": [str(x) for x in jax.devices()],
-            "versions": {p: version(p) for p in ("jax", "flax", "math-verify")},
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out_dir = args.out or os.path.join(cfg.trainer.run_dir, "eval")
     writer = jax.process_index() == 0  # every process evaluates (same results); process 0 writes them
     report = evaluate(benches, generate, graders, settings=settings, n_samples=n_samples,
-                      max_new_tokens=max_new, seed=args.seed, label=str(label), meta=meta,
-                      out_dir=out_dir if writer else None,
+                      max_new_tokens=max_new, seed=args.seed, label=str(label),
+                      meta=_run_meta(cfg, args, overrides, label, max_new), out_dir=out_dir if writer else None,
                       paper_rows=paper_rows, save_samples=args.save_samples, progress=bar)
     bar.close()
-    for g in graders.values():
-        close = getattr(g, "close", None)
-        if close:
-            close()
+    _close_graders(graders)
     if writer:
         print(report.markdown())
         print(f"wrote {Path(out_dir) / 'results.json'} and {Path(out_dir) / 'results.md'}")

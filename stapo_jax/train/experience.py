@@ -111,7 +111,9 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
       max_prompt_length: fixed prompt width P (default: longest prompt rounded up to 64).
       fixed_response_length: R = ``max_new_tokens`` rounded up to 8 for every batch (``build_experience``).
       compile_phase: ``name -> context manager`` (``runtime.compile_stats.CompileStats.phase``): the sampling
-        calls run inside ``compile_phase("rollout")``, so their compile time can be told apart; None: nothing.
+        calls run inside ``compile_phase("rollout")``, so their compile time can be told apart (the trainer takes
+        it out of ``time/rollout``; ``rollout/tokens_per_s`` leaves out the seconds the context's ``compile_s``
+        reports); None: nothing.
     Returns:
       :class:`Experience`.
     Raises:
@@ -121,16 +123,17 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
     """
     t0 = time.perf_counter()
     examples, parts, offsets, scores_parts, stats_all = [], [], [], [], []
-    target, rounds, t_rollout, t_reward = None, 0, 0.0, 0.0
+    target, rounds, t_rollout, t_reward, t_compile = None, 0, 0.0, 0.0, 0.0
     while True:
         batch = next(batches)
         target = len(batch) if target is None else target
         t1 = time.perf_counter()
         watchdog.progress("rollout")
-        with compile_phase("rollout") if compile_phase is not None else contextlib.nullcontext():
+        with compile_phase("rollout") if compile_phase is not None else contextlib.nullcontext() as compiled:
             ro = rollout_source.generate([ex["prompt_ids"] for ex in batch], num_samples=group_size,
                                          max_new_tokens=max_new_tokens, seed=seed + 7919 * rounds, sampling=sampling)
         t2 = time.perf_counter()
+        t_compile += getattr(compiled, "compile_s", 0.0)  # seconds of this call spent compiling
         scores, stats = score_rollout(ro, batch, tokenizer, scorer)
         t_rollout, t_reward, rounds = t_rollout + t2 - t1, t_reward + time.perf_counter() - t2, rounds + 1
         stats_all.append(stats)
@@ -167,7 +170,8 @@ def collect_experience(rollout_source, batches: Iterator[list[dict]], scorer, to
         "reward/n_pool_restarts": sum(s.get("n_pool_restarts", 0.0) for s in stats_all),
         "sampling/gen_rounds": float(rounds), "sampling/prompts": float(len(examples)),
         "time/rollout": t_rollout, "time/reward": t_reward, "time/experience": time.perf_counter() - t0,
-        "rollout/tokens_per_s": float(ro.response_lengths.sum()) / max(t_rollout, 1e-9),
+        # generated tokens per second of sampling, compile time left out (as the trainer's time/rollout)
+        "rollout/tokens_per_s": float(ro.response_lengths.sum()) / max(t_rollout - t_compile, 1e-9),
     })
     return exp
 

@@ -85,12 +85,30 @@ def format_steady_state(s: dict) -> str:
             f"({s['chip']}), compile in them {num(s['compile_s'], '.2f')} s")
 
 
+def compiles_after_warmup(executables: list, steps_taken: int, first_step: int) -> list[dict]:
+    """Every XLA compile after the warm-up, labelled by when it happened: ``{"step", "phase", "program", "when"}``.
+    ``executables``: ``CompileStats.executables`` (``(steps counted before it, phase, program, cache hit)``);
+    ``steps_taken``: the RL steps counted in all (``CompileStats.steps_taken``); ``first_step``: the warm-up step.
+    A compile during RL step s has ``step`` s and ``when`` ``"step s"``; one after the last step's metrics (the
+    held-out pass and HF export after RL, the last checkpoint) has ``step`` None and ``when`` ``"after RL"``.
+    Cache hits and warm-up compiles are left out. No arrays: int / str values. Never raises. Source: issue 33's
+    end-of-run report."""
+    out = []
+    for n, phase, name, hit in executables:
+        if n < 1 or hit:
+            continue
+        after = n >= steps_taken
+        step = None if after else first_step + n
+        out.append({"step": step, "phase": phase, "program": name, "when": "after RL" if after else f"step {step}"})
+    return out
+
+
 def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print) -> dict:
     """The end-of-run ``compile`` table (``stats``: a ``runtime.compile_stats.CompileStats``) and
     ``steady_state`` figures (:func:`steady_state` over ``rows`` after ``first_step``, the chip peak of
     ``runtime.chips.device_peak`` at compute ``dtype``), each also written as lines with ``write``.
-    Also lists every XLA compile after the warm-up (``compile_after_warmup``: ``{"step", "phase", "program"}``,
-    ``step`` the RL step it happened in, or the last step + 1 for the pass after RL).
+    Also lists every XLA compile after the warm-up (``compile_after_warmup``, :func:`compiles_after_warmup`: by RL
+    step, or ``after RL`` with its phase, e.g. ``eval`` or ``export``).
     Returns ``{"compile": [...], "compile_after_warmup": [...], "steady_state": {...}}`` (JSON-able). Never raises
     for well-formed rows. Source: issue 33's end-of-run report."""
     from stapo_jax.runtime.chips import device_peak
@@ -100,11 +118,10 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
     totals = stats.totals()
     write(f"compiled programs ({totals['compiles']} compiles, {totals['cache_hits']} persistent-cache hits, "
           f"{totals['compile_s']:.1f} s):\n" + format_table(table))
-    late = [{"step": first_step + n, "phase": phase, "program": name}
-            for n, phase, name, hit in stats.executables if n >= 1 and not hit]
+    late = compiles_after_warmup(stats.executables, stats.steps_taken, first_step)
     if late:
         write(f"compiled after the warm-up (RL step {first_step}): " + ", ".join(
-            f"{e['program']} ({e['phase']}, step {e['step']})" for e in late))
+            f"{e['program']} ({e['when']}: {e['phase']})" for e in late))
     steady = steady_state(rows, first_step, device_peak(dtype))
     write(format_steady_state(steady))
     return {"compile": table, "compile_after_warmup": late, "steady_state": steady}

@@ -245,35 +245,8 @@ def make_train_step(
         strategy = mask_strategy(recipe, has_old_entropy=batch.old_entropy is not None)
         mask_state, per_micro = strategy.prepare(ctx, params, batch)
         mbs = jax.tree.map(lambda x: split_micro_batches(x, k), batch)
-
-        def micro(grad_acc, xs):
-            mb, pm, j = xs
-
-            def loss_fn(p):
-                lp, ent = forward(p, mb)
-                sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
-                keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
-                return surrogate(lp, ent, mb, keep)[0], (sg_lp, sg_ent, keep, tau)
-
-            g, out = _grad(loss_fn, params)
-            return jax.tree.map(jnp.add, grad_acc, g), out
-
-        def micro_kl_apart(accs, xs):  # one forward, two backward passes: the policy gradient's and the KL term's
-            mb, pm, j = xs
-            (lp, ent), pull = jax.vjp(lambda p: forward(p, mb), params)
-            sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
-            keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
-            cot = jax.grad(lambda a, b: surrogate(a, b, mb, keep)[0], argnums=(0, 1))(lp, ent)
-            cot_kl = (jax.grad(kl_sum)(lp, mb), jnp.zeros_like(ent))
-            g, g_kl = pull(cot)[0], pull(cot_kl)[0]
-            return jax.tree.map(jnp.add, accs, (g, g_kl)), (sg_lp, sg_ent, keep, tau)
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        if apart:
-            (grad_sum, kl_grad_sum), (lps, ents, keeps, taus) = jax.lax.scan(
-                micro_kl_apart, (zeros, zeros), (mbs, per_micro, jnp.arange(k)))
-        else:
-            grad_sum, (lps, ents, keeps, taus) = jax.lax.scan(micro, zeros, (mbs, per_micro, jnp.arange(k)))
+        grad_sum, kl_grad_sum, (lps, ents, keeps, taus) = _micro_batch_gradients(
+            strategy, ctx, mask_state, params, mbs, per_micro, forward, surrogate, kl_sum if apart else None)
         lp_all, ent_all = join_micro_batches(lps), join_micro_batches(ents)
         out = strategy.finish(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs, batch)
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
@@ -283,42 +256,13 @@ def make_train_step(
         if apart:  # the KL term's value over its own denominator (also when no token is kept)
             loss_value = loss_value + loss.kl_loss_coef * safe_divide(*m["kl_loss"])
         m = {**m, **mask_metrics(recipe, out, batch, vocab_size)}
-        # the gradient of the mean is grad_sum / den: one scalar reciprocal and a multiply (a per-element divide
-        # was a pass of its own on XLA:CPU). The product stays materialised: it is an operand of the branch below
-        # (computing it inside the branch made XLA copy the branch's operands, 8.6 -> 11.9 s per Qwen3-0.6B update,
-        # bench/bench_update.py --preset qwen3-0.6b; recomputing it in each of the branch's per-leaf AdamW loops
-        # raised that update's XLA temporaries by 470 MiB). make_optimizer's clip-first optimizer gets the norm
-        # computed here as ``global_norm`` (optax extra argument), so the clip reads no gradient inside the
-        # branch: one pass over the 0.6B gradients fewer, bitwise the same update. Any other optimizer is called
-        # as optax defines it (its clip, wherever it sits, computes its own norm): ``optim.update_with_norm``.
-        inv_den = safe_divide(jnp.ones((), jnp.float32), den)
-        grads = jax.tree.map(lambda g: g * inv_den, out.grad_sum)  # float32, as g / den was for bf16 gradients
-        if apart:  # + kl_loss_coef * grad(KL sum) / (the KL term's own global denominator)
-            kl_scale = loss.kl_loss_coef * safe_divide(jnp.ones((), jnp.float32), m["kl_loss"][1])
-            grads = jax.tree.map(lambda g, gk: g + gk * kl_scale, grads, kl_grad_sum)
+        grads = _mean_gradients(out.grad_sum, den, kl_grad_sum, m["kl_loss"][1] if apart else None,
+                                loss.kl_loss_coef)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-
-        def apply(params_and_opt):
-            updates, new_opt = update_with_norm(optimizer, grads, params_and_opt[1], params_and_opt[0], grad_norm)
-            return optax.apply_updates(params_and_opt[0], updates), new_opt
-
-        updated_types = jax.eval_shape(apply, (params, state.opt_state))
-
-        def skip(params_and_opt):  # the old values, in the dtypes the update returns (f32 moments of bf16 params)
-            return jax.tree.map(lambda old, new: old.astype(new.dtype), params_and_opt, updated_types)
-
-        # a non-finite gradient skips the update: parameters and moments stay as they were (bitwise, up to that
-        # dtype). A branch, not a select of new against old values: with the select XLA:CPU copied every moment
-        # buffer (the new parameters re-derive the moments from the old ones, which the donated update overwrites)
-        new_params, new_opt = jax.lax.cond(finite, apply, skip, (params, state.opt_state))
+        new_params, new_opt = _apply_unless_nonfinite(optimizer, grads, grad_norm, finite, params, state.opt_state)
         new_state = state.replace(params=new_params, opt_state=new_opt, step=state.step + finite.astype(jnp.int32))
-        metrics = finalize_metrics(m, den)
-        metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
-        metrics.update(out.metrics)
-        metrics.update({"loss": loss_value, "loss_denominator": den, "grad_norm": grad_norm,
-                        "nonfinite_grad": (~finite).astype(jnp.float32)})
-        return new_state, metrics
+        return new_state, _step_metrics(m, den, out.metrics, loss_value, grad_norm, finite)
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,) if donate else ())
@@ -328,6 +272,90 @@ def make_train_step(
     return jax.jit(step, in_shardings=(state_shardings, bs), out_shardings=(state_shardings, rep),
                    donate_argnums=(0,) if donate else ())
 
+
+def _micro_batch_gradients(strategy, ctx, mask_state, params, mbs, per_micro, forward, surrogate, kl_sum):
+    """Scan the K micro-batches: ``(grad_sum, kl_grad_sum, (log_probs, entropy, keep, tau) per micro-batch)``.
+    With ``kl_sum`` (the KL term differentiated apart) each micro-batch is one forward and two backward passes,
+    the policy gradient's and the KL term's; without it ``kl_grad_sum`` is None."""
+    k = ctx.num_micro_batches
+
+    def micro(grad_acc, xs):
+        mb, pm, j = xs
+
+        def loss_fn(p):
+            lp, ent = forward(p, mb)
+            sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
+            keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
+            return surrogate(lp, ent, mb, keep)[0], (sg_lp, sg_ent, keep, tau)
+
+        g, out = _grad(loss_fn, params)
+        return jax.tree.map(jnp.add, grad_acc, g), out
+
+    def micro_kl_apart(accs, xs):  # one forward, two backward passes: the policy gradient's and the KL term's
+        mb, pm, j = xs
+        (lp, ent), pull = jax.vjp(lambda p: forward(p, mb), params)
+        sg_lp, sg_ent = jax.lax.stop_gradient(lp), jax.lax.stop_gradient(ent)
+        keep, tau = strategy.micro_mask(ctx, mask_state, pm, sg_lp, sg_ent, mb, j)
+        cot = jax.grad(lambda a, b: surrogate(a, b, mb, keep)[0], argnums=(0, 1))(lp, ent)
+        cot_kl = (jax.grad(kl_sum)(lp, mb), jnp.zeros_like(ent))
+        g, g_kl = pull(cot)[0], pull(cot_kl)[0]
+        return jax.tree.map(jnp.add, accs, (g, g_kl)), (sg_lp, sg_ent, keep, tau)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    if kl_sum is not None:
+        (grad_sum, kl_grad_sum), outs = jax.lax.scan(micro_kl_apart, (zeros, zeros), (mbs, per_micro, jnp.arange(k)))
+        return grad_sum, kl_grad_sum, outs
+    grad_sum, outs = jax.lax.scan(micro, zeros, (mbs, per_micro, jnp.arange(k)))
+    return grad_sum, None, outs
+
+
+def _mean_gradients(grad_sum, den, kl_grad_sum, kl_den, kl_loss_coef: float):
+    """The gradient of the mean loss: ``grad_sum / den``, plus ``kl_loss_coef * kl_grad_sum / kl_den`` when the KL
+    term was differentiated apart (``kl_grad_sum`` not None; float32 trees like the parameters)."""
+    # the gradient of the mean is grad_sum / den: one scalar reciprocal and a multiply (a per-element divide
+    # was a pass of its own on XLA:CPU). The product stays materialised: it is an operand of the branch below
+    # (computing it inside the branch made XLA copy the branch's operands, 8.6 -> 11.9 s per Qwen3-0.6B update,
+    # bench/bench_update.py --preset qwen3-0.6b; recomputing it in each of the branch's per-leaf AdamW loops
+    # raised that update's XLA temporaries by 470 MiB). make_optimizer's clip-first optimizer gets the norm
+    # computed here as ``global_norm`` (optax extra argument), so the clip reads no gradient inside the
+    # branch: one pass over the 0.6B gradients fewer, bitwise the same update. Any other optimizer is called
+    # as optax defines it (its clip, wherever it sits, computes its own norm): ``optim.update_with_norm``.
+    inv_den = safe_divide(jnp.ones((), jnp.float32), den)
+    grads = jax.tree.map(lambda g: g * inv_den, grad_sum)  # float32, as g / den was for bf16 gradients
+    if kl_grad_sum is not None:  # + kl_loss_coef * grad(KL sum) / (the KL term's own global denominator)
+        kl_scale = kl_loss_coef * safe_divide(jnp.ones((), jnp.float32), kl_den)
+        grads = jax.tree.map(lambda g, gk: g + gk * kl_scale, grads, kl_grad_sum)
+    return grads
+
+
+def _apply_unless_nonfinite(optimizer, grads, grad_norm, finite, params, opt_state):
+    """``(new_params, new_opt_state)``: the optimizer's update, or the old values when the gradient is not finite
+    (``finite`` a bool scalar)."""
+
+    def apply(params_and_opt):
+        updates, new_opt = update_with_norm(optimizer, grads, params_and_opt[1], params_and_opt[0], grad_norm)
+        return optax.apply_updates(params_and_opt[0], updates), new_opt
+
+    updated_types = jax.eval_shape(apply, (params, opt_state))
+
+    def skip(params_and_opt):  # the old values, in the dtypes the update returns (f32 moments of bf16 params)
+        return jax.tree.map(lambda old, new: old.astype(new.dtype), params_and_opt, updated_types)
+
+    # a non-finite gradient skips the update: parameters and moments stay as they were (bitwise, up to that
+    # dtype). A branch, not a select of new against old values: with the select XLA:CPU copied every moment
+    # buffer (the new parameters re-derive the moments from the old ones, which the donated update overwrites)
+    return jax.lax.cond(finite, apply, skip, (params, opt_state))
+
+
+def _step_metrics(m: dict, den, strategy_metrics: dict, loss_value, grad_norm, finite) -> dict:
+    """The step's float32 scalar metrics: the loss's ``(sum, weight)`` pairs finalised over ``den``, the counts,
+    the mask strategy's own, and ``loss`` / ``loss_denominator`` / ``grad_norm`` / ``nonfinite_grad``."""
+    metrics = finalize_metrics(m, den)
+    metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
+    metrics.update(strategy_metrics)
+    metrics.update({"loss": loss_value, "loss_denominator": den, "grad_norm": grad_norm,
+                    "nonfinite_grad": (~finite).astype(jnp.float32)})
+    return metrics
 
 def _grad(fn, params):
     """``(grad of fn's first output w.r.t. params, fn's second output)``: every gradient of the update goes

@@ -160,41 +160,15 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5).
     Raises: ConfigError when ``mini_rows`` does not split into shards and micro-batches; ValueError from the step
     for misshaped arrays."""
-    a, num_rows = exp.arrays, exp.num_rows
-    R = a["response_mask"].shape[1]
-    if use_remove_padding and slots is not None:
-        if len(slots) % (num_rows // mini_rows):
-            raise ValueError(f"update_policy: {len(slots)} slots for {num_rows // mini_rows} mini-batches")
-        a = {key: gather_slots(v, slots) if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
-        num_rows, mini_rows = len(slots), len(slots) // (num_rows // mini_rows)
-    elif use_remove_padding and balance_micro_batches and num_micro_batches > 1:
-        perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=mini_rows,
-                                  num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
-        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
+    a, num_rows, mini_rows = _arrange_rows(exp.arrays, exp.num_rows, mini_rows, mesh, num_micro_batches,
+                                           use_remove_padding, balance_micro_batches, slots)
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
     # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
     put = lambda x: place_rows(x, mesh)  # noqa: E731
-    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if mesh is not None \
-        else np.asarray
-    old_lp, old_ent, layouts = [], [], {}
-    for s in range(0, num_rows, mini_rows):
-        if use_remove_padding:
-            lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
-                                     num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh),
-                                     long_rows=long_rows, geometries=geometries)
-            layouts[s] = jax.tree.map(put, lay)
-        args = (state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
-                put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
-        if compile_only:
-            if s == 0:
-                log_prob_fn.lower(*args).compile()
-            old_lp.append(np.zeros((mini_rows, R), np.float32))
-            old_ent.append(np.zeros((mini_rows, R), np.float32))
-            continue
-        lp, ent = log_prob_fn(*args)
-        old_lp.append(get(lp))
-        old_ent.append(get(ent))
-    old_lp, old_ent = np.concatenate(old_lp), np.concatenate(old_ent)
+    packing = dict(num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh), long_rows=long_rows,
+                   geometries=geometries) if use_remove_padding else None
+    old_lp, old_ent, layouts = _old_log_probs(state, a, log_prob_fn, num_rows, mini_rows, mesh, put, packing,
+                                              compile_only)
     metrics: list[dict] = []
     compiled: list = []
     rollout_lp = a.get("rollout_log_probs")
@@ -216,15 +190,62 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
             metrics.append(m)  # device scalars: no host round trip between mini-batches
     if compile_only:
         return state, {}
-    metrics = jax.device_get(metrics)  # one transfer per update, after the last mini-batch is dispatched
+    return state, _update_metrics(jax.device_get(metrics), a, old_lp)
+
+
+def _arrange_rows(a: dict, num_rows: int, mini_rows: int, mesh, num_micro_batches: int, use_remove_padding: bool,
+                  balance_micro_batches: bool, slots) -> tuple[dict, int, int]:
+    """``(arrays, num_rows, mini_rows)`` in the row order the packed update uses: gathered into ``slots`` (rows
+    per mini-batch change), or balanced within each mini-batch, or as they are."""
+    if use_remove_padding and slots is not None:
+        if len(slots) % (num_rows // mini_rows):
+            raise ValueError(f"update_policy: {len(slots)} slots for {num_rows // mini_rows} mini-batches")
+        a = {key: gather_slots(v, slots) if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
+        return a, len(slots), len(slots) // (num_rows // mini_rows)
+    if use_remove_padding and balance_micro_batches and num_micro_batches > 1:
+        perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=mini_rows,
+                                  num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
+        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
+    return a, num_rows, mini_rows
+
+
+def _old_log_probs(state: TrainState, a: dict, log_prob_fn, num_rows: int, mini_rows: int, mesh, put,
+                   packing: Optional[dict], compile_only: bool):
+    """``(old_log_probs, old_entropy, layouts)``: the θ_old pass per mini-batch, gathered to ``[B, R]`` float32 on
+    the host (zeros with ``compile_only``, which compiles the pass once), and each mini-batch's packed layout
+    (``packing``: ``pack_micro_batches``' keyword arguments, None = padded rows) by its first row."""
+    R = a["response_mask"].shape[1]
+    get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if mesh is not None \
+        else np.asarray
+    old_lp, old_ent, layouts = [], [], {}
+    for s in range(0, num_rows, mini_rows):
+        if packing is not None:
+            lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
+                                     **packing)
+            layouts[s] = jax.tree.map(put, lay)
+        args = (state.params, state.graphdef, put(a["input_ids"][s:s + mini_rows]),
+                put(a["attention_mask"][s:s + mini_rows]), R, layouts.get(s))
+        if compile_only:
+            if s == 0:
+                log_prob_fn.lower(*args).compile()
+            old_lp.append(np.zeros((mini_rows, R), np.float32))
+            old_ent.append(np.zeros((mini_rows, R), np.float32))
+            continue
+        lp, ent = log_prob_fn(*args)
+        old_lp.append(get(lp))
+        old_ent.append(get(ent))
+    return np.concatenate(old_lp), np.concatenate(old_ent), layouts
+
+
+def _update_metrics(metrics: list[dict], a: dict, old_lp: np.ndarray) -> dict[str, float]:
+    """The mini-batches' metrics averaged (``COUNT_METRICS`` summed), plus the sampler-trainer log-prob gap."""
     out = {k: float((np.sum if k in COUNT_METRICS else np.mean)([m[k] for m in metrics])) for k in metrics[0]}
     if "rollout_log_probs" in a:  # sampler vs trainer log-prob gap on valid tokens (conventions.md §5)
         mask = a["response_mask"]
         gap = np.abs(old_lp - a["rollout_log_probs"])[mask]
         out["sampler_trainer/logp_diff_mean"] = float(gap.mean()) if gap.size else 0.0
         out["sampler_trainer/logp_diff_max"] = float(gap.max()) if gap.size else 0.0
-    return state, out
-
+    return out
 
 @jax.jit
 def all_finite(tree) -> jax.Array:
