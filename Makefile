@@ -29,8 +29,10 @@ $(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-peers.txt
 run: setup
 	$(BIN)/stapo-jax train --config configs/tiny_cpu.yaml
 
+# two pytest-xdist workers (the CI machine's 2 cores; XLA:CPU compiles on one thread); a file stays on one worker
+TEST_WORKERS ?= 2
 test: setup-test
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-quick: setup-test
 	$(BIN)/python -m pytest -v $(QUICK_TESTS)

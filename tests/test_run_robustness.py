@@ -187,23 +187,28 @@ def test_run_that_raises_in_step_one_exits(tmp_path):
     assert took < 60, took
 
 
-STALL_S = 90
+STALL_S = 30  # the hanging start's bound: above its (cached) model build before the first setup mark
 
 
-def _start_pair(run_dir: Path, port: int, log_paths, steps: int, **env) -> list[subprocess.Popen]:
+def _start_pair(run_dir: Path, port: int, log_paths, steps: int, stall_s: float | None = None,
+                **env) -> list[subprocess.Popen]:
+    """The pair's command; ``stall_s`` sets ``trainer.stall_timeout_s`` (None: the backend's default, 600 s on
+    CPU, for the starts that must finish whatever the machine's load)."""
+    stall = [] if stall_s is None else [f"trainer.stall_timeout_s={stall_s}"]
     args = [sys.executable, "-m", "stapo_jax", "train", "--config", CONFIG, *OVERRIDES,
             f"trainer.total_steps={steps}", "trainer.save_every=1", "trainer.train_batch_size=4",
-            "actor.ppo_mini_batch_size=2", f"trainer.stall_timeout_s={STALL_S}", f"trainer.run_dir={run_dir}"]
+            "actor.ppo_mini_batch_size=2", *stall, f"trainer.run_dir={run_dir}"]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", HANG_ENV))}
     base.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S="300", **env)
     return [subprocess.Popen(args, cwd=REPO, env=process_env(i, 2, port, 1, base),
                              stdout=open(log_paths[i], "a"), stderr=subprocess.STDOUT) for i in range(2)]
 
 
-def _run_pair(run_dir: Path, log_paths, steps: int, **env) -> tuple[list[int], list[str]]:
+def _run_pair(run_dir: Path, log_paths, steps: int, stall_s: float | None = None,
+              **env) -> tuple[list[int], list[str]]:
     """Start the pair, wait for both; returns the exit codes and what each log got from this start."""
     offsets = [len(x.read_text()) if x.exists() else 0 for x in log_paths]
-    procs = _start_pair(run_dir, portpicker.pick_unused_port(), log_paths, steps, **env)
+    procs = _start_pair(run_dir, portpicker.pick_unused_port(), log_paths, steps, stall_s, **env)
     codes = [p.wait(timeout=1500) for p in procs]
     return codes, [x.read_text()[o:] for x, o in zip(log_paths, offsets)]
 
@@ -219,7 +224,7 @@ def test_stall_watchdog_ends_both_processes_and_restart_resumes(tmp_path):
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
     codes, texts = _run_pair(run, logs, 1)
     assert codes == [0, 0], [t[-2000:] for t in texts]
-    codes, texts = _run_pair(run, logs, 3, **{HANG_ENV: "1:setup"})
+    codes, texts = _run_pair(run, logs, 3, STALL_S, **{HANG_ENV: "1:setup"})
     assert all(c != 0 for c in codes) and EXIT_STALL in codes, (codes, [t[-2000:] for t in texts])
     assert "sleeps forever in phase 'setup'" in texts[1] and "sleeps forever" not in texts[0]
     for i, t in enumerate(texts):
