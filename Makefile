@@ -6,8 +6,9 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-QUICK_TESTS := tests/test_advantages.py tests/test_masks.py tests/test_objectives.py tests/test_logprobs.py \
-	tests/test_diagnostics.py tests/test_passk.py tests/test_config.py tests/test_qwen3.py
+QUICK_TESTS := tests/algo/test_advantages.py tests/algo/test_masks.py tests/algo/test_objectives.py \
+	tests/algo/test_logprobs.py tests/algo/test_diagnostics.py tests/tools/test_passk.py tests/config/test_config.py \
+	tests/models/test_qwen3.py
 
 .PHONY: run test test-quick soak setup setup-test
 setup: $(VENV)/.runtime
@@ -29,8 +30,10 @@ $(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-peers.txt
 run: setup
 	$(BIN)/stapo-jax train --config configs/tiny_cpu.yaml
 
+# two pytest-xdist workers (the CI machine's 2 cores; XLA:CPU compiles on one thread); a file stays on one worker
+TEST_WORKERS ?= 2
 test: setup-test
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-quick: setup-test
 	$(BIN)/python -m pytest -v $(QUICK_TESTS)

@@ -4,7 +4,7 @@ scores and the SIGTERM flag, and the weight-sync gathers; docs/benchmarks.md, "M
 
 ``python bench/multihost_layouts.py [--layouts 1x4,2x2] [--repeats 1] [--steps 3] [--sft-steps 40]`` runs
 ``stapo-jax launch --local N --devices-per-process D train`` on ``configs/tiny_cpu.yaml`` with the settings of
-``tests/test_multihost.py`` (SFT warm-up, held-out evaluation of 6 problems before and after, RL steps of 4
+``tests/runtime/test_multihost.py`` (SFT warm-up, held-out evaluation of 6 problems before and after, RL steps of 4
 prompts x 4 samples, checkpoints, HF export) once per layout and repeat, the layouts interleaved, and prints per
 layout the median wall time (start-up and compiles included), the median ``time/step`` and
 ``time/coordination`` / ``time/sync`` of the RL steps after the first (step 1 holds the compiles), and the ratio
@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def overrides(steps: int, sft_steps: int) -> list[str]:
-    """The ``tests/test_multihost.py`` run (``OVERRIDES`` there), with ``steps`` RL and ``sft_steps`` SFT steps."""
+    """The ``tests/runtime/test_multihost.py`` run (``OVERRIDES`` there), with ``steps`` RL and ``sft_steps`` SFT steps."""
     return [f"sft.steps={sft_steps}", "sft.lr=1.0e-2", "sft.batch_size=16", f"trainer.total_steps={steps}",
             "trainer.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
             "actor.ppo_micro_batch_size=2", "trainer.eval_every=0", "trainer.save_every=1",

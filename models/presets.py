@@ -1,7 +1,7 @@
 """Named Qwen3 presets (0.6B, 1.7B, 8B, 14B and their -Base variants) as ``Qwen3Config``.
 
 The architecture numbers are those of the official HF ``config.json`` files, shipped as package data in
-``stapo_jax/assets/qwen3_configs`` (sources in DATA.md); ``tests/test_presets.py`` checks that every number
+``stapo_jax/assets/qwen3_configs`` (sources in DATA.md); ``tests/models/test_presets.py`` checks that every number
 embedded here equals them. :func:`from_hf_config` reads such a file (a preset name looked up in a config
 directory, by default the shipped one, or any user path) instead.
 

@@ -1,7 +1,9 @@
 """Test-wide setup: 8 simulated CPU devices (set before jax is imported), offline HF, derandomized hypothesis.
 
 Every test process sees 8 host devices, so mesh tests run in-process; single-device code still runs on
-device 0. Shared fixtures live in tests/fixtures_*.py modules and are imported where needed.
+device 0. Shared fixtures live in tests/fixtures_*.py modules and are imported where needed. The files with the
+longest runs (``SLOW_FIRST``) are collected first, so that ``make test``'s two pytest-xdist workers (``-n 2 --dist
+loadfile``: a file's tests, and its module-scoped runs, stay on one worker) start them at once and end together.
 """
 import os
 
@@ -22,3 +24,15 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("stapo_jax", derandomize=True, database=None, deadline=None)
 settings.load_profile("stapo_jax")
+
+# the longest files of a full run (pytest --durations), longest first; every other file keeps its place after them
+SLOW_FIRST = ("test_multihost.py", "test_run_robustness.py", "test_resume.py", "test_remove_padding.py",
+              "test_gpu_check.py", "test_soak.py", "test_compile_accounting.py", "test_train_step.py",
+              "test_objectives.py", "test_trainer_e2e.py", "test_attention.py", "test_packing.py",
+              "test_verifiers_benchmarks.py", "test_readme_outputs.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Put the tests of ``SLOW_FIRST`` files first (in that order), the others after them in collection order."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))

@@ -1,4 +1,4 @@
-"""Worker program of tests/test_distributed.py: a few STAPO updates (``stapo_jax.train.train_step.make_train_step``:
+"""Worker program of tests/runtime/test_distributed.py: a few STAPO updates (``stapo_jax.train.train_step.make_train_step``:
 S2T pre-pass with the global entropy quantile, 2 micro-batches, AdamW) of a tiny Qwen3 on a (data, fsdp) mesh over
 all devices of all processes, started through ``stapo_jax.runtime.distributed.initialize``.
 

@@ -9,7 +9,7 @@ A quoted output is a fenced block right after a marker comment naming the comman
     ```
 
 ``output[slow]:`` marks a command too slow for the test suite (``stapo-jax plan`` of a 14B model: about a
-minute each on 2 cores): ``tests/test_readme_outputs.py`` runs every other block, and this script runs all of
+minute each on 2 cores): ``tests/project/test_readme_outputs.py`` runs every other block, and this script runs all of
 them (``python tests/readme_outputs.py [--slow] [FILE ...]``, exit 1 on a mismatch, printing the differences).
 
 Matching rules (the same for the test and the script):

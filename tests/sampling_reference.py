@@ -1,5 +1,5 @@
 """The sort-based top-k/top-p truncation that ``stapo_jax.rollout.sampling`` used before its bisection,
-re-created verbatim as the reference of tests/test_sampling.py and the "before" side of
+re-created verbatim as the reference of tests/rollout/test_sampling.py and the "before" side of
 bench/bench_weight_sync.py (``--sections sampler``). Used only by tests and benches.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ counts that do not split evenly over the processes, DAPO dynamic sampling, the r
 
 Usage (``make soak``): ``python tests/soak.py [--configs 8] [--seed 0] [--layouts 2x2,4x1] [--out DIR]
 [--timeout-s 900]``; prints one line per run and exits non-zero when a run failed, hung or differed.
-``tests/test_soak.py`` runs the first configuration in 2 x 2 against 1 x 4 in the normal suite.
+``tests/runtime/test_soak.py`` runs the first configuration in 2 x 2 against 1 x 4 in the normal suite.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def compare_runs(ref: Path, other: Path) -> list[str]:
     ``ref`` / ``other``: run directories with ``dump/step_<k>.npz`` and ``hf/model.safetensors``. Keys
     ``EXACT_KEYS`` must be equal, ``CLOSE_KEYS`` and every exported tensor within ``ATOL`` (float32). Returns
     one line per difference. Never raises for missing files (reported as a difference). Source: the
-    layout-equality checks of tests/test_multihost.py."""
+    layout-equality checks of tests/runtime/test_multihost.py."""
     from safetensors.numpy import load_file
 
     problems = []

@@ -11,7 +11,7 @@
   ``stapo_jax.tools.dump.dump_trl_step``.
 
 The policy is a fixed random one over a 50-token vocabulary: 2 prompts x 4 responses of at most 12 tokens,
-rewards 0/1. Run from the repository root (the files are committed; ``tests/test_readme_outputs.py`` checks the
+rewards 0/1. Run from the repository root (the files are committed; ``tests/project/test_readme_outputs.py`` checks the
 the ``check`` output docs/check.md quotes on them)::
 
     .venv/bin/python examples/check/make_dumps.py

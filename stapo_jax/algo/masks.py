@@ -309,7 +309,7 @@ def clip_cov_mask(
     denominator: use the objective with ``renormalize=False``. The random choice takes the candidates of highest
     ``priority`` (default: uniform draws from ``key``); verl draws ``torch.randperm`` over the candidates in
     row-major order, so a ``priority`` built from the same permutation replays verl's draw exactly
-    (tests/test_peer_parity.py). Local population only.
+    (tests/algo/test_peer_parity.py). Local population only.
 
     Args: log_probs/old_log_probs ``[B, T]`` float; advantages ``[B]``/``[B, T]``; response_mask ``[B, T]``;
       key: a ``jax.random`` key; the clip and cov settings as verl ``policy_loss``; priority: optional

@@ -263,7 +263,7 @@ def prefill_jit(spec: DecodeSpec, params, tokens, true_length, ok) -> Prefix:
 
     Rows are independent: row ``r`` depends only on row ``r`` of the inputs (and, numerically, on the shape
     [k, P]: XLA computes every row of a fixed-shape batch alike, whatever its neighbours or position; checked
-    by tests/test_batched_prefill.py). Never raises on bad requests (invalid ones give ``valid = False``; a
+    by tests/rollout/test_batched_prefill.py). Never raises on bad requests (invalid ones give ``valid = False``; a
     JetStream orchestrator thread must not raise). Source: JetStream ``Engine.prefill`` (prefix = KV cache +
     first token), batched as HF ``generate`` prefills all prompts in one forward.
     """

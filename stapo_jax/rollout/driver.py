@@ -6,7 +6,7 @@
   in batches (``Qwen3Engine.prefill_rows``: ``EngineConfig.prefill_batch_size``, fewer for long prompts): the
   prompt a free slot needs next together with the following not-yet-prefilled prompts of its prefill bucket.
   A prompt's prefix does not depend on its batch neighbours or row (fixed-shape batches;
-  tests/test_batched_prefill.py);
+  tests/rollout/test_batched_prefill.py);
 * all slots decode together with one jitted step per token; after every step the host reads the step's
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
   refilled with the next pending sample **before the next step** (continuous batching; with

@@ -178,7 +178,7 @@ class Qwen3Engine(engine_api.Engine):
           :class:`Prefix` of exactly ``k = prefill_rows(bucket)`` rows (cache [k, Nkv, bucket, H]); row ``r`` is
           ``prompts[r]``, the rows after ``len(prompts)`` are dummies (``valid`` False). Every call has the same
           shape per bucket (one compiled program each), and a prompt's row does not depend on the other rows or
-          on its position (tests/test_batched_prefill.py).
+          on its position (tests/rollout/test_batched_prefill.py).
         Raises:
           ValueError: no prompts, more than ``prefill_rows(bucket)``, or prompts of different buckets.
         Source: HF ``generate`` (all prompts prefilled in one forward), with JetStream's fixed padding buckets.

@@ -9,7 +9,7 @@ over its truncation, ``argmax(gumbel(key, [V]) + truncated)``, exactly what ``ja
 (same noise, same sum, so the same tokens for the same keys), and the log-prob is taken from the untruncated
 scaled logits; greedy decoding takes the row maximum from its argmax, and truncation from the maximum its
 bisection needs anyway, instead of a second max pass over the vocabulary, giving the same float
-(tests/test_sampling.py).
+(tests/rollout/test_sampling.py).
 
 Truncation follows transformers' logits processors in the order ``generate`` applies them:
 temperature -> top-k (``TopKLogitsWarper``: keep logits >= the k-th largest, ties kept) -> top-p
@@ -89,7 +89,7 @@ def truncate_logits(scaled_logits: jax.Array, top_k: int = 0, top_p: float = 1.0
     small tail (mass ``<= 1 - top_p`` at the boundary), so for top_p near 1 the keep-masks equal a float64
     reference and transformers' where the sort-based cumulative sum of the head mass (this module before the
     bisection) dropped or kept one boundary token wrongly; a row whose boundary mass equals ``1 - top_p`` to
-    within float32 rounding (~1e-7 relative) may still land on either side (tests/test_sampling.py measures
+    within float32 rounding (~1e-7 relative) may still land on either side (tests/rollout/test_sampling.py measures
     it). The sort-based top-p normalised over exactly ``k`` top-k candidates; here, as in transformers, every
     entry tied with the k-th value is in the softmax.
 
@@ -167,7 +167,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     a max and a min over the row instead of XLA's two-operand (value, index) reduction: 3.2 vs 7.7 ms over
     ``[32, 151,936]`` float32 on a 2-core Intel Xeon (the greedy pick and the Gumbel-max draw of every decode
     step). Shapes: ``[..., V]`` float -> ``[...]`` int32. Never raises (traced). Source: ``jnp.argmax``'s
-    tie and NaN rule (tests/test_sampling.py checks equality on ties, NaN and all ``-inf`` rows)."""
+    tie and NaN rule (tests/rollout/test_sampling.py checks equality on ties, NaN and all ``-inf`` rows)."""
     row_max = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     hit = (x == row_max) | jnp.isnan(x)
@@ -193,7 +193,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams) ->
       ``(tokens, log_probs)``: ``[B]`` int32 token ids and ``[B]`` float32
       ``log softmax(logits / temperature)[token]`` in nats, before truncation (conventions.md §5). The tokens
       equal ``jax.vmap(jax.random.categorical)(keys, truncate_logits(logits / temperature, ...))`` and the
-      log-probs ``logits_to_log_probs(logits, tokens, temperature)`` (tests/test_sampling.py).
+      log-probs ``logits_to_log_probs(logits, tokens, temperature)`` (tests/rollout/test_sampling.py).
     Raises:
       ValueError: ``logits`` is not rank 2 or ``keys`` does not have B entries.
     Source: conventions.md §5; transformers logits warpers (see :func:`truncate_logits`); Tunix sampler;

@@ -40,7 +40,7 @@ LOSS_SETTING_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_
                      "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")
 SETTINGS_METADATA_KEY = "stapo_jax.loss_settings"  # safetensors metadata: JSON {key: value}
 # TRL 1.16 GRPOTrainer loss_type -> our loss_agg_mode (dr_grpo: loss_scale_factor = max_completion_length);
-# checked against TRL's own loss in tests/test_peer_parity.py
+# checked against TRL's own loss in tests/algo/test_peer_parity.py
 TRL_LOSS_AGG_MODES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
                       "dapo": "token-mean", "luspo": "seq-mean-token-sum"}
 

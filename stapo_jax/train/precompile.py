@@ -8,7 +8,7 @@ holds the batch. In RL step 1, before its update, every one of those geometries 
 old-log-prob pass and the update steps (``update_policy(compile_only=True)`` on the step's own experience with
 empty masks, so shapes, dtypes and shardings are exactly those of the later calls), under a progress bar.
 
-Programs per phase after the warm-up (documented bound, checked by tests/test_compile_accounting.py):
+Programs per phase after the warm-up (documented bound, checked by tests/runtime/test_compile_accounting.py):
 update: at most 3 ``step`` (x2 with ``s2t.minibatch_method=prepass``) and 3 old-log-prob ``fn``; rollout
 (in-process sampler, compiled before the held-out pass by :func:`precompile_sampler`): with P prefill buckets,
 K KV-cache lengths (``rollout.kv_cache_buckets: false``: K = 1) and S sampling settings (RL, + greedy with a
