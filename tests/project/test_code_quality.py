@@ -2,10 +2,15 @@
 
 * Every public function, class and public method has a docstring; in ``STRICT_DIRS`` (every directory of
   ``DOCSTRING_DIRS``, less the files in ``STRICT_PENDING``) every public module-level
-  function's docstring also names its source (paper / peer) and states shapes (``[B, T]``-style or the word
-  "shape"/"scalar"), dtypes (``float32``, ``bool``, ``int``, ... or "no arrays"), and says what it raises (a
-  ``Raises`` line, or "raises"/"never raises"/"errors"). The files in ``STRICT_PENDING`` need a docstring only
-  (their strict findings are printed by the script run, as ``docstring-pending``).
+  function's docstring also names its source (paper / peer) and says what it raises (a ``Raises`` line, or words
+  with "raises"/"errors"); a function that handles arrays must also state shapes (``[B, T]``-style or the word
+  "shape"/"scalar") and dtypes (``float32``, ``bool``, ``int``, ...). Whether a function handles arrays is read
+  from the code, not from its docstring (``handles_arrays``): a parameter or return annotation names an array
+  type (``Array``, ``ndarray``, ``ArrayLike``, ``PyTree``, ``Tensor``), or the function passes one of its own
+  parameters to an array call (``jnp.``, ``np.``, ``lax.``, ``jax.numpy.``, ``jax.lax.``, ``jax.nn.``,
+  ``jax.random.``, ``jax.tree.``, ``jax.device_put`` / ``device_get``: ``ARRAY_CALL_PREFIXES``); ``jax.config``
+  or ``jax.checkpoint`` calls do not count. Other functions need no ritual "no arrays" line. The files in ``STRICT_PENDING`` need a docstring only (their strict findings are
+  printed by the script run, as ``docstring-pending``).
 * No module imports another project module's private (``_name``) names.
 * No file in ``stapo_jax/`` or ``models/`` is over 600 lines.
 * No function in ``stapo_jax/`` or ``models/`` has over 60 lines of code: the lines after its docstring that are
@@ -49,10 +54,15 @@ MAX_FUNCTION_CODE_LINES = 60
 
 SOURCE_RE = re.compile(r"source|arxiv|verl|trl\b|paper|eq\.|equation|spec|peer|convention|§|pytorch|torch|"
                        r"official|stapo|definition", re.I)
-SHAPE_RE = re.compile(r"\[[^\]]*\]|shape|scalar|float|int\b|bool|array", re.I)   # incl. "no arrays"
+SHAPE_RE = re.compile(r"\[[^\]]*\]|shape|scalar|float|int\b|bool|array", re.I)
 RAISES_RE = re.compile(r"raise|error", re.I)
-DTYPE_RE = re.compile(r"float32|float64|bfloat16|float16|int32|int64|\bbool\b|dtype|\bfloat\b|\bint\b|no arrays|"
+DTYPE_RE = re.compile(r"float32|float64|bfloat16|float16|int32|int64|\bbool\b|dtype|\bfloat\b|\bint\b|"
                       r"\bstr\b|pytree|string", re.I)
+# An annotation naming one of these marks a function as handling arrays (see handles_arrays).
+ARRAY_ANNOTATION_RE = re.compile(r"\b(Array|ndarray|ArrayLike|PyTree|Tensor)\b")
+# Calls (dotted-name prefixes) that, given one of a function's own parameters, mark it as handling arrays.
+ARRAY_CALL_PREFIXES = ("jnp.", "np.", "lax.", "jax.numpy.", "jax.lax.", "jax.nn.", "jax.random.",
+                       "jax.device_put", "jax.device_get", "jax.tree.", "jax.tree_util.")
 
 
 def _py_files(d: str):
@@ -74,6 +84,33 @@ def _public_defs(tree: ast.Module):
                         yield f"{node.name}.{sub.name}", sub
 
 
+def _dotted(func: ast.expr) -> str:
+    """A call's dotted name (``jnp.linalg.norm``), or "" when it is not a plain attribute chain."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    return ".".join([func.id, *reversed(parts)]) if isinstance(func, ast.Name) else ""
+
+
+def handles_arrays(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """True when an annotation names an array type, or a call named in ``ARRAY_CALL_PREFIXES`` (``jnp.``, ``np.``,
+    ``lax.``, ``jax.numpy.``, ``jax.device_put``, ...) takes one of the function's parameters in its arguments."""
+    a = node.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+              *([a.kwarg] if a.kwarg else [])]
+    annotations = [p.annotation for p in params if p.annotation is not None] + ([node.returns] if node.returns else [])
+    if any(ARRAY_ANNOTATION_RE.search(ast.unparse(t)) for t in annotations):
+        return True
+    names = {p.arg for p in params} - {"self", "cls"}
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call) and _dotted(call.func).startswith(ARRAY_CALL_PREFIXES):
+            args = [*call.args, *(k.value for k in call.keywords)]
+            if any(isinstance(n, ast.Name) and n.id in names for arg in args for n in ast.walk(arg)):
+                return True
+    return False
+
+
 def docstring_findings(path: Path, exempt: tuple[str, ...] | None = None) -> list[str]:
     """Findings of one file; ``exempt`` (default ``STRICT_PENDING``) lists files held to the plain rule."""
     rel = _rel(path)
@@ -88,8 +125,10 @@ def docstring_findings(path: Path, exempt: tuple[str, ...] | None = None) -> lis
             continue
         if not strict or isinstance(node, ast.ClassDef) or "." in qual:
             continue
-        missing = [part for part, rx in (("source", SOURCE_RE), ("shapes", SHAPE_RE), ("dtypes", DTYPE_RE),
-                                         ("raises", RAISES_RE)) if not rx.search(doc)]
+        rules = (("source", SOURCE_RE), ("raises", RAISES_RE))
+        if handles_arrays(node):
+            rules = (("source", SOURCE_RE), ("shapes", SHAPE_RE), ("dtypes", DTYPE_RE), ("raises", RAISES_RE))
+        missing = [part for part, rx in rules if not rx.search(doc)]
         if missing:
             out.append(f"{where}: docstring lacks {', '.join(missing)}")
     return out
@@ -212,10 +251,17 @@ def test_checker_sees_a_missing_docstring_and_a_private_import(tmp_path, monkeyp
     pkg.mkdir(parents=True)
     f = pkg / "m.py"
     f.write_text("from stapo_jax.data.prompts import _hidden\nimport stapo_jax.rewards as r\n"
-                 "def f(x):\n    return r._p(x)\n\ndef g(x):\n    '''Doc.'''\n    return x\n")
+                 "def f(x):\n    return r._p(x)\n\ndef g(x):\n    '''Doc.'''\n    return x\n\n"
+                 "def h(x):\n    '''Doc.'''\n    return jnp.sum(x * 2)\n\n"
+                 "def k(x: jax.Array) -> int:\n    '''Doc.'''\n    return 1\n\n"
+                 "def n(path: str) -> str:\n    '''Doc. Source: convention. Raises OSError.'''\n"
+                 "    return str(jax.devices())\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    # g, n: no array annotation and no jnp/np/jax call on a parameter, so no shapes/dtypes asked; h, k: arrays.
     assert docstring_findings(f) == ["stapo_jax/algo/m.py:3 f: no docstring",
-                                     "stapo_jax/algo/m.py:6 g: docstring lacks source, shapes, dtypes, raises"]
+                                     "stapo_jax/algo/m.py:6 g: docstring lacks source, raises",
+                                     "stapo_jax/algo/m.py:10 h: docstring lacks source, shapes, dtypes, raises",
+                                     "stapo_jax/algo/m.py:14 k: docstring lacks source, shapes, dtypes, raises"]
     assert private_import_findings(f) == ["stapo_jax/algo/m.py:1: from stapo_jax.data.prompts import _hidden",
                                           "stapo_jax/algo/m.py:4: r._p"]
 
