@@ -206,8 +206,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
 
 def pad_to_block(t: int, block_size: int) -> tuple[int, int]:
     """(block, padded length) for a length-``t`` axis: one block of T when T <= block_size, else T rounded
-    up to a multiple of ``block_size`` (the padded tail gets segment id 0). Takes and returns Python ints
-    (no arrays, no shapes or dtypes). Raises: AttentionError: ``block_size`` <= 0. Source: this module's
+    up to a multiple of ``block_size`` (the padded tail gets segment id 0). Takes and returns Python
+    ints. Raises: AttentionError: ``block_size`` <= 0. Source: this module's
     tiling (FlashAttention's block loop needs whole blocks)."""
     if block_size <= 0:
         raise AttentionError(f"attention block_size={block_size} must be positive")

@@ -44,7 +44,7 @@ class DecodeParams:
 
 def is_kernel(path) -> bool:
     """True for the pytree path of a :class:`~models.linear.Linear` kernel (dotted name ending in ``kernel``).
-    No arrays; never raises. Source: the Flax ``nnx.Linear`` parameter name."""
+    Never raises. Source: the Flax ``nnx.Linear`` parameter name."""
     return param_path(path).rsplit(".", 1)[-1] == "kernel"
 
 

@@ -28,7 +28,7 @@ def sequence_forward_flops(qcfg, tokens, response_tokens):
 
 def decode_token_flops(qcfg, context: int) -> int:
     """Matmul FLOPs of decoding one token against ``context`` cached positions: 2 x (L x layer matmul params +
-    D x V) + 4 x L x context x Nh x H. Ints in and out (no arrays); raises AttributeError for a config without the Qwen3
+    D x V) + 4 x L x context x Nh x H. Ints in and out; raises AttributeError for a config without the Qwen3
     size fields. Source: Kaplan et al. 2020 (2 x params per token), plus attention over the cache."""
     layers = qcfg.num_hidden_layers
     return 2 * (layers * layer_matmul_params(qcfg) + qcfg.hidden_size * qcfg.vocab_size) \

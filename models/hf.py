@@ -99,7 +99,7 @@ def resolve_checkpoint(path_or_id: Union[str, os.PathLike], revision: Optional[s
     Raises:
       CheckpointError: the path does not exist and is not a repo id, or the hub cannot be reached (offline).
 
-    No arrays: str / path in, a ``pathlib.Path`` out. Source: HF transformers ``from_pretrained`` resolution
+    Str / path in, a ``pathlib.Path`` out. Source: HF transformers ``from_pretrained`` resolution
     (local directory first, else ``huggingface_hub.snapshot_download``).
     """
     p = Path(path_or_id).expanduser()
@@ -129,7 +129,7 @@ def read_config(ckpt_dir: Union[str, os.PathLike], **overrides) -> Qwen3Config:
       CheckpointError: no config.json, invalid JSON, or not a Qwen3 config (``model_type`` /
         ``architectures``); the message names the file and the values found.
 
-    No arrays: int / float / bool / str fields of config.json become ``Qwen3Config`` fields. Source: HF
+    Int / float / bool / str fields of config.json become ``Qwen3Config`` fields. Source: HF
     transformers ``Qwen3Config`` (``config.json``, ``model_type: qwen3``).
     """
     f = Path(ckpt_dir) / "config.json"

@@ -22,7 +22,7 @@ CPU_SCAN_UNROLL = 4  # layers per scan iteration that ``auto`` picks on CPU (ben
 def resolve_scan_unroll(value: Union[int, str], platform: Optional[str] = None) -> int:
     """``model.scan_unroll`` as the int ``jax.lax.scan(unroll=)`` takes: an int >= 1 is returned as is;
     ``"auto"`` gives :data:`CPU_SCAN_UNROLL` on the ``"cpu"`` platform and 1 (the rolled loop) on ``"gpu"`` /
-    ``"tpu"`` (``platform`` defaults to ``jax.default_backend()``). No arrays. Raises ValueError naming
+    ``"tpu"`` (``platform`` defaults to ``jax.default_backend()``). Raises ValueError naming
     ``scan_unroll`` for anything else (0, a negative int, another string, a bool). Source: ``jax.lax.scan``'s
     ``unroll`` argument; MaxText's ``scan_layers`` keeps the rolled loop on accelerators."""
     if value == "auto" and isinstance(value, str):

@@ -14,7 +14,7 @@ KERNEL_LAYOUTS = ("in_out", "out_in")
 
 
 def check_kernel_layout(layout: str) -> None:
-    """Raise ValueError (naming ``kernel_layout``) unless ``layout`` is one of ``KERNEL_LAYOUTS``. No arrays.
+    """Raise ValueError (naming ``kernel_layout``) unless ``layout`` is one of ``KERNEL_LAYOUTS``.
     Source: the layout names of :class:`Linear` (PyTorch ``nn.Linear`` is ``"out_in"``)."""
     if layout not in KERNEL_LAYOUTS:
         raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {layout!r}")
@@ -45,7 +45,7 @@ class Linear(nnx.Linear):
 def set_kernel_layout(module: nnx.Module, layout: str) -> None:
     """Mark every :class:`Linear` inside ``module`` as holding its kernel in ``layout`` (``KERNEL_LAYOUTS``).
 
-    Mutates the (freshly merged) modules in place; no arrays are read or written (any dtype), so the caller must
+    Mutates the (freshly merged) modules in place; no weights are read or written (any dtype), so the caller must
     hold kernels of that layout. Raises ValueError for an unknown layout. Source: PyTorch ``nn.Linear`` stores
     ``weight`` [out, in]; Flax ``nnx.Linear`` ``kernel`` [in, out].
     """
@@ -57,7 +57,7 @@ def set_kernel_layout(module: nnx.Module, layout: str) -> None:
 
 def cpuinfo_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
     """The ``key: value`` lines of the first processor block of ``cpuinfo`` as a dict of stripped strings (the
-    first value of a repeated key wins); ``{}`` where the file cannot be read (not Linux). No arrays; never
+    first value of a repeated key wins); ``{}`` where the file cannot be read (not Linux). Never
     raises. Source: the Linux ``/proc/cpuinfo`` format."""
     fields: dict[str, str] = {}
     try:
@@ -75,7 +75,7 @@ def cpuinfo_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
 def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
     """The host CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``, ...) and feature flags (``"avx2"``,
     ``"avx512f"``, ...) from :func:`cpuinfo_fields`; ``("", frozenset())`` where they cannot be read (not
-    Linux, no such lines). No arrays; never raises. Source: the Linux ``/proc/cpuinfo`` format (x86 ``CPUID``
+    Linux, no such lines). Never raises. Source: the Linux ``/proc/cpuinfo`` format (x86 ``CPUID``
     vendor string and feature names)."""
     fields = cpuinfo_fields(cpuinfo)
     return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
@@ -90,7 +90,7 @@ def preferred_kernel_layout(platform: str, vendor: str | None = None, flags: fro
     an Intel Xeon (AVX-512) out_in made the layers' decode matmuls about 2x faster (400 -> 190 ms per step); on an
     AMD EPYC Zen 3 (AVX2) out_in made decoding 1.22x faster (29.5 -> 35.9 tok/s); on an AMD EPYC Zen 4 (AVX-512)
     in_out made the whole step faster (524 vs 665 ms). GPU/TPU matmuls take either operand order, and in_out
-    needs no transpose at weight sync. No arrays; never raises. Source: our measurements; [out, in] is
+    needs no transpose at weight sync. Never raises. Source: our measurements; [out, in] is
     PyTorch's ``nn.Linear`` convention."""
     if platform != "cpu":
         return "in_out"

@@ -55,7 +55,7 @@ def canonical_name(name: str) -> str:
     Raises:
       KeyError: an unknown preset; the message lists the known names.
 
-    No arrays: str in, str out. Source: the HF hub model names of the Qwen3 family (``Qwen/Qwen3-8B-Base``).
+    Str in, str out. Source: the HF hub model names of the Qwen3 family (``Qwen/Qwen3-8B-Base``).
     """
     key = name.split("/")[-1].lower()
     if not key.startswith("qwen3-"):

@@ -43,7 +43,7 @@ _REMAT_POLICIES = {
 def remat_layer(fn, remat: str):
     """``fn`` (one decoder layer's step, any signature) wrapped in the ``jax.checkpoint`` policy named ``remat``
     (``Qwen3Config.remat``: ``none`` returns ``fn`` itself, ``full`` saves nothing, ``dots`` saves every matmul
-    output, ``dots_no_batch`` the matmul outputs without batch dimensions). No arrays are touched; raises
+    output, ``dots_no_batch`` the matmul outputs without batch dimensions). It wraps ``fn`` only; raises
     KeyError naming the value for an unknown policy. Source: ``jax.checkpoint_policies`` (MaxText's
     ``remat_policy`` names the same choices)."""
     if remat not in _REMAT_POLICIES:
@@ -587,7 +587,7 @@ class Qwen3(nnx.Module):
 
 def param_count(config: Qwen3Config) -> int:
     """Number of parameters, from abstract shapes only (``nnx.eval_shape``; nothing is allocated).
-    No arrays: returns an int; never raises (a ``Qwen3Config`` is validated when built: ConfigError).
+    Returns an int; never raises (a ``Qwen3Config`` is validated when built: ConfigError).
     Source: as HF ``model.num_parameters()`` (tied embeddings counted once)."""
     abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
     leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))

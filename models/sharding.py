@@ -85,7 +85,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Optional[
       ShardingError: more than one ``-1``, a size < 1, or a product that does not divide / equal the
         device count.
 
-    No arrays: int axis sizes in, a ``Mesh`` out. Source: the data / fsdp / tensor axes of MaxText and verl's
+    Int axis sizes in, a ``Mesh`` out. Source: the data / fsdp / tensor axes of MaxText and verl's
     FSDP + tensor-parallel layout (``jax.make_mesh``).
     """
     devices = list(jax.devices() if devices is None else devices)
@@ -158,7 +158,7 @@ def logical_to_spec(axes: Sequence[str | None], mesh_axis_names: Sequence[str]) 
     Raises:
       KeyError: an unknown logical axis name.
 
-    No arrays: str (or None) axis names in, a ``PartitionSpec`` out. Source: Flax ``logical_to_mesh_axes``
+    Str (or None) axis names in, a ``PartitionSpec`` out. Source: Flax ``logical_to_mesh_axes``
     (MaxText ``logical_axis_rules``).
     """
     out = []
@@ -206,7 +206,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def param_path(path) -> str:
     """Dotted name of a pytree path into an NNX state (``("layers", "mlp", "up_proj", "kernel")``).
 
-    No arrays: a pytree key path in, a str out; never raises. Source: the HF-style dotted parameter names
+    A pytree key path in, a str out; never raises. Source: the HF-style dotted parameter names
     (``model.layers.mlp.up_proj.kernel``) of ``jax.tree_util`` key paths.
     """
     keys = []
@@ -224,7 +224,7 @@ def param_logical_axes(name: str, ndim: int, rules=PARAM_RULES) -> tuple[Optiona
     Raises:
       ShardingError: no rule matches ``name`` or the matching rule has the wrong rank.
 
-    No arrays: ``name`` a str, ``ndim`` an int (the parameter's rank, e.g. 3 for a stacked ``[L, D, F]`` kernel);
+    ``name`` a str, ``ndim`` an int (the parameter's rank, e.g. 3 for a stacked ``[L, D, F]`` kernel);
     returns a tuple of str / None, one per dimension. Source: t5x / MaxText regex partition rules.
     """
     for pattern, logical in (PARAM_RULES if rules is None else rules):

@@ -86,13 +86,13 @@ TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo
 def register_token_mask(name: str, **spec) -> Callable:
     """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
 
-    Takes no arrays; returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
+    Returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
     Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
     return TOKEN_MASKS.register(name, lambda fn: TokenMask(name=name, fn=fn, **spec))
 
 
 def get_token_mask(name: str) -> TokenMask:
-    """The registered mask ``name`` (no arrays: a :class:`TokenMask` record).
+    """The registered mask ``name`` (a :class:`TokenMask` record).
 
     Raises: ConfigError (a ValueError) naming ``actor.token_mask``, the closest registered name and all of them.
     Source: verl ``core_algos.get_policy_loss_fn`` (lookup by name)."""

@@ -272,7 +272,7 @@ def kl_has_own_denominator(config: PolicyLossConfig, has_token_mask: bool, renor
     tokens): a KL term with a token mask whose masked tokens leave the count, in a mode whose denominator is not a
     constant. Then a sum over micro-batches needs the KL term apart (its own global denominator); otherwise
     :func:`compute_policy_loss`'s ``loss_sum`` holds it exactly.
-    Takes no arrays; returns a Python bool. Never raises. Source: verl actor ``policy_loss = pg_loss +
+    Returns a Python bool. Never raises. Source: verl actor ``policy_loss = pg_loss +
     kl_loss_coef * agg_loss(kld, response_mask)`` (two aggregations, two denominators)."""
     return (config.use_kl_loss and config.kl_loss_coef != 0 and has_token_mask and renormalize
             and config.loss_agg_mode not in CONSTANT_DENOMINATOR_MODES)
@@ -472,7 +472,7 @@ KL_COV_POLICY_LOSSES: set[str] = {"vanilla"}
 def register_policy_loss(name: str, takes_kl_cov_selection: bool = False):
     """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`);
     ``takes_kl_cov_selection``: it accepts a selecting mask's ``kl_cov_selection`` (:data:`KL_COV_POLICY_LOSSES`).
-    Takes no arrays; returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    Returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
     if takes_kl_cov_selection:
         KL_COV_POLICY_LOSSES.add(name)
     return POLICY_LOSSES.register(name)

@@ -97,7 +97,7 @@ class Recipe:
 def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
     """Reject a selecting token mask (``kl_cov``: registry field ``selects``) with a policy loss that takes no
     ``kl_cov_selection`` (:data:`~stapo_jax.algo.objectives.KL_COV_POLICY_LOSSES`), e.g. ``gspo``: at config load,
-    not at the first update. Both names must be registered (looked up first). Takes no arrays (str names).
+    not at the first update. Both names must be registered (looked up first). Takes str names.
     Raises: ConfigError naming ``actor.policy_loss`` and ``actor.token_mask``. Source: verl's KL-Cov, a
     ``loss_mode`` of its own (``compute_policy_loss_kl_cov``) that no other loss combines with."""
     if token_mask == "none" or not masks.get_token_mask(token_mask).selects:
@@ -112,7 +112,7 @@ def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
 def recipe_field(recipe: Recipe, dotted: str):
     """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way).
 
-    No arrays: returns the setting's Python value. Raises: ValueError if ``dotted`` is not ``section.name``,
+    Returns the setting's Python value. Raises: ValueError if ``dotted`` is not ``section.name``,
     AttributeError for an unknown section or field. Source: the ``settings=`` names of
     :func:`stapo_jax.algo.masks.register_token_mask` (config key spelling, verl-style dotted keys)."""
     section, name = dotted.split(".")

@@ -22,7 +22,7 @@ __all__ = ["Registry", "register_into", "did_you_mean"]
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the closest of ``known`` to ``name`` (``difflib.get_close_matches``), or "".
-    Takes no arrays (str names). Never raises. Source: the config loader's unknown-key messages."""
+    Takes str names. Never raises. Source: the config loader's unknown-key messages."""
     close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -43,7 +43,7 @@ class Registry(dict):
         self._loaded = False
 
     def register(self, name: str, make: Callable = lambda fn: fn) -> Callable:
-        """A decorator storing ``make(fn)`` as ``self[name]`` and returning ``fn`` unchanged. Takes no arrays.
+        """A decorator storing ``make(fn)`` as ``self[name]`` and returning ``fn`` unchanged.
         Raises: ValueError if ``name`` is already registered. Source: verl ``register_policy_loss``."""
 
         def deco(fn):
@@ -56,7 +56,7 @@ class Registry(dict):
 
     def load(self) -> "Registry":
         """Import the homes and every module of the packages (once), so that every entry is registered.
-        Takes no arrays. Raises: ImportError from a module that does not import. Source: this module's rule."""
+        Raises: ImportError from a module that does not import. Source: this module's rule."""
         if not self._loaded:
             self._loaded = True  # first: a module being imported may read the registry
             for module in self.homes:
@@ -73,7 +73,7 @@ class Registry(dict):
 
     def lookup(self, name: str, extra: tuple = ()):
         """The entry registered as ``name``. ``extra``: names that are valid without an entry (e.g. ``"none"``);
-        they return None. Takes no arrays.
+        they return None.
         Raises: ConfigError ``"<key>: 'x' is not a registered <kind>; did you mean 'y'? registered: [...]"``.
         Source: verl ``get_policy_loss_fn`` (lookup by name), with the config loader's did-you-mean."""
         self.load()
@@ -98,7 +98,7 @@ class Registry(dict):
         return dict.__len__(self.load())
 
     def get(self, name, default=None):
-        """``dict.get`` after :meth:`load`. Takes no arrays; never raises."""
+        """``dict.get`` after :meth:`load`. Never raises."""
         return dict.get(self.load(), name, default)
 
     def keys(self):
@@ -122,7 +122,7 @@ def register_into(table: dict, kind: str, name: str, make: Callable = lambda fn:
       make: builds the stored entry from the function (default: the function itself).
     Raises: ValueError if ``name`` is already in ``table``.
     Source: verl ``core_algos.register_adv_est`` / ``register_policy_loss`` (same duplicate-name error).
-    Takes no arrays (``name``: str).
+    Takes ``name``: str.
     """
     if isinstance(table, Registry):
         return table.register(name, make)

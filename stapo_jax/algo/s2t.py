@@ -36,7 +36,7 @@ def minibatch_stats_mode(recipe: Recipe, has_old_entropy: bool) -> str:
     ``"old"`` (S2T ``stats_policy=old``: the batch's ``old_log_probs`` / ``old_entropy``), ``"correction"`` (S2T
     ``minibatch_method=correction`` with ``old_entropy`` given) or ``"prepass"`` (a forward-only pass first).
 
-    Takes no arrays (``has_old_entropy``: bool, whether the batch carries ``old_entropy`` [B, R]); returns a str.
+    Takes ``has_old_entropy``: bool, whether the batch carries ``old_entropy`` [B, R]; returns a str.
     Never raises (the recipe's fields are validated when the :class:`Recipe` is built).
     Source: stapo_spec.md §3 (the S2T threshold is a quantile over the mini-batch under the current policy).
     """

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 def dataclass_keys(cls: type, prefix: str = "") -> list[str]:
     """All dotted leaf keys of the settings dataclass ``cls`` (dict-valued fields are leaves), each after
-    ``prefix``. Takes no arrays; returns str keys. Never raises. Source: the schema dataclasses (verl-style dotted
+    ``prefix``. Returns str keys. Never raises. Source: the schema dataclasses (verl-style dotted
     keys)."""
     out = []
     for name, tp in get_type_hints(cls).items():
@@ -41,7 +41,7 @@ def dataclass_keys(cls: type, prefix: str = "") -> list[str]:
 
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     """Instantiate schema dataclass ``cls`` from ``raw`` with type checks; unknown keys raise.
-    Takes no arrays (YAML scalars, lists, mappings). Raises: ConfigError naming the key. Source: the schema (verl-
+    Takes YAML scalars, lists, mappings. Raises: ConfigError naming the key. Source: the schema (verl-
     style dotted keys)."""
     where = prefix.rstrip(".") or "<top level>"
     if raw is None:
@@ -60,7 +60,7 @@ def unknown_keys(cls: type, raw: Any, prefix: str, root: type | None = None) -> 
     """One message (with its did-you-mean) per unknown key anywhere under ``raw``, in file order, so that a
     config with several typos is fixed in one round; sections that are not mappings are left to ``_build``.
     ``root`` (default ``cls``): the whole schema, searched for the same key in another section.
-    Takes no arrays; returns str messages. Never raises. Source: the schema (verl-style dotted keys)."""
+    Returns str messages. Never raises. Source: the schema (verl-style dotted keys)."""
     if not isinstance(raw, dict):
         return []
     root = cls if root is None else root
@@ -200,7 +200,7 @@ def check_field_types(obj: Any, section: str) -> None:
     range check. Nested dataclass fields that already hold an instance are left to their own check, and so are
     names (``Literal`` fields): the section checks those itself, against a registry where one exists (an
     ``adv_estimator`` registered by the user is valid in Python).
-    Takes no arrays. Raises: ConfigError naming ``<section>.<field>`` (wrong type, null, non-finite float).
+    Raises: ConfigError naming ``<section>.<field>`` (wrong type, null, non-finite float).
     Source: the schema annotations (the same rules as a YAML value)."""
     for name, tp in _hints(type(obj)).items():
         value = getattr(obj, name)
@@ -229,7 +229,7 @@ def type_name(tp: Any) -> str:
 
 def unknown_key_message(key: str, siblings: list[str], prefix: str, root: type | None = None) -> str:
     """The ``ConfigError`` text for an unknown ``key``: a close sibling, or the same leaf in another section of
-    the schema ``root`` (None: siblings only), or else the valid keys here. Takes no arrays (str keys). Source:
+    the schema ``root`` (None: siblings only), or else the valid keys here. Takes str keys. Source:
     the schema (verl-style dotted keys)."""
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)

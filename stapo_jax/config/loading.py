@@ -27,7 +27,7 @@ __all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_nam
 
 def has_dotted(raw: Mapping[str, Any], key: str) -> bool:
     """Whether the nested mapping ``raw`` has the dotted ``key`` (``"actor.clip_ratio_low"``). Never raises.
-    Takes no arrays (str keys). Source: verl / Hydra-style dotted overrides."""
+    Takes str keys. Source: verl / Hydra-style dotted overrides."""
     node: Any = raw
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -40,7 +40,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set the dotted ``key`` in the nested dict ``raw``, creating sections.
 
     Raises: ConfigError if a prefix of ``key`` is a value, not a section.
-    Takes no arrays (str keys, YAML values). Source: verl / Hydra-style dotted overrides."""
+    Takes str keys, YAML values. Source: verl / Hydra-style dotted overrides."""
     parts = key.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -55,7 +55,7 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 def plain_copy(x: Any) -> Any:
     """A copy made of plain dicts and lists (YAML-safe; tuples become lists).
-    Takes no arrays. Never raises. Source: ``yaml.safe_dump`` accepts only plain types."""
+    Never raises. Source: ``yaml.safe_dump`` accepts only plain types."""
     if isinstance(x, Mapping):
         return {k: plain_copy(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -79,7 +79,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def safe_load_unique(text: str) -> Any:
     """``yaml.safe_load(text)``, except that a key repeated in one mapping raises.
-    Takes no arrays (YAML text in, plain YAML values out). Raises: ConfigError naming the repeated key and its
+    Takes YAML text in, plain YAML values out. Raises: ConfigError naming the repeated key and its
     line; yaml.YAMLError for invalid YAML. Source: YAML 1.2 §3.2.1.1 (mapping keys are unique)."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
@@ -89,7 +89,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
     Raises:
       ConfigError: no ``=``, an empty key, or a value that is not valid YAML.
-    Takes no arrays (str in, str key and YAML value out). Source: verl / Hydra-style ``key=value`` overrides.
+    Takes str in, str key and YAML value out. Source: verl / Hydra-style ``key=value`` overrides.
     """
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.sub=value")

@@ -22,7 +22,7 @@ def recipe_from_config(cfg) -> Recipe:
     ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
-    Takes no arrays; returns a frozen :class:`Recipe`.
+    Returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
     Source: the config schema, configs/base.yaml.
     """
@@ -39,7 +39,7 @@ RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {
 
 
 def get_recipe(name: str, **changes) -> Recipe:
-    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`). No arrays: returns a
+    """The named preset, optionally with fields changed (see :meth:`Recipe.replace`). Returns a
     :class:`Recipe`.
 
     Raises: ValueError for an unknown name (lists the known ones) or an invalid changed value.

@@ -239,7 +239,7 @@ class ActorConfig(PolicyLossConfig):
     def sequences_cap(self) -> int:
         """Most sequences per device in one micro-batch of a packed update chosen by tokens
         (``packing.token_budget_slots``; it bounds the slot layout's n_max): ``max_sequences_per_micro_batch`` or,
-        when null, ``MAX_SEQUENCES_FACTOR`` x ``ppo_micro_batch_size``. An int (no arrays); never raises.
+        when null, ``MAX_SEQUENCES_FACTOR`` x ``ppo_micro_batch_size``. An int; never raises.
         Source: this project's cap on verl's ``use_dynamic_bsz`` micro-batches."""
         m = self.max_sequences_per_micro_batch
         return MAX_SEQUENCES_FACTOR * self.ppo_micro_batch_size if m is None else m
@@ -453,7 +453,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
 
     Raises:
       ConfigError: see :func:`load_config`.
-    Takes no arrays (YAML scalars, lists, mappings). Source: stapo_spec.md §5 (recipe defaults), verl key names.
+    Takes YAML scalars, lists, mappings. Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
     apply_token_mask_key(raw)

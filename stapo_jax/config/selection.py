@@ -18,7 +18,7 @@ TOKEN_MASK_FLAGS = {"s2t": "s2t.enabled", "top_entropy": "top_entropy.enabled"}
 
 def token_mask_name(cfg) -> str:
     """The run's token mask: ``actor.token_mask`` when set, else the mask whose ``<section>.enabled`` flag is on
-    (:data:`TOKEN_MASK_FLAGS`), else ``"none"``. Takes no arrays; returns a str. Never raises (the flags and the
+    (:data:`TOKEN_MASK_FLAGS`), else ``"none"``. Returns a str. Never raises (the flags and the
     key are checked for agreement by :func:`validate`). Source: verl-style one key naming the extension."""
     if cfg.actor.token_mask is not None:
         return cfg.actor.token_mask
@@ -32,7 +32,7 @@ def check_registered_names(cfg, source: Optional[str] = None) -> None:
     and that the policy loss takes the token mask (``kl_cov`` needs a loss that takes its selection).
 
     Raises: ConfigError ``"<source>: <key>: 'x' is not a registered <kind>; did you mean 'y'? (registered: [...])"``.
-    Takes no arrays. Source: verl ``get_policy_loss_fn`` / ``get_adv_estimator_fn`` (lookup by name).
+    Source: verl ``get_policy_loss_fn`` / ``get_adv_estimator_fn`` (lookup by name).
     """
     from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first check
     from stapo_jax.algo.masks import TOKEN_MASKS
@@ -53,7 +53,7 @@ def check_registered_names(cfg, source: Optional[str] = None) -> None:
 def apply_token_mask_key(raw: dict[str, Any]) -> None:
     """In the raw config mapping, let ``actor.token_mask: <mask>`` set the older flags it implies
     (``<mask>.enabled``, :data:`TOKEN_MASK_FLAGS`) that the file and overrides leave unset, before the recipe
-    defaults fill the rest. Takes no arrays (YAML mappings). Never raises (a malformed section is reported by the
+    defaults fill the rest. Takes YAML mappings. Never raises (a malformed section is reported by the
     schema build). Source: verl-style one key naming the extension."""
     mask = raw.get("actor", {}).get("token_mask") if isinstance(raw.get("actor"), dict) else None
     if isinstance(mask, str):
@@ -63,7 +63,7 @@ def apply_token_mask_key(raw: dict[str, Any]) -> None:
 
 
 def token_mask_violations(cfg) -> list[str]:
-    """One message per ``<mask>.enabled`` flag that contradicts a set ``actor.token_mask``. Takes no arrays; never
+    """One message per ``<mask>.enabled`` flag that contradicts a set ``actor.token_mask``, as str. Never
     raises (returns the messages). Source: this project's config rule (one token mask per run)."""
     mask, out = cfg.actor.token_mask, []
     if mask is not None:
@@ -77,7 +77,7 @@ def token_mask_violations(cfg) -> list[str]:
 def recipe_violations(cfg) -> list[str]:
     """Invariants of each recipe of a run ``Config`` (stapo_spec §4-5; conventions.md §9: STAPO/JustRL/DAPO run
     with KL = 0 and no entropy bonus), one message per broken one naming the keys. Lifted with
-    ``algorithm.strict_recipe=false``. Takes no arrays; never raises (returns the messages)."""
+    ``algorithm.strict_recipe=false``. Never raises (returns the messages)."""
     recipe, a, out = cfg.algorithm.recipe, cfg.actor, []
     hint = " (set algorithm.strict_recipe=false to deviate from the recipe)"
     if recipe in ("stapo", "justrl", "dapo"):

@@ -133,7 +133,7 @@ def validate(cfg) -> None:
 
     Raises:
       ConfigError: a range or consistency check failed.
-    Takes no arrays (a ``Config``). Source: stapo_spec.md §4-5, §10 (the ranges and recipe invariants).
+    Takes a ``Config``. Source: stapo_spec.md §4-5, §10 (the ranges and recipe invariants).
     """
     errors = _failed((bool(cfg.trainer.run_dir.strip()),
                       "trainer.run_dir is empty (it would write the run into the working directory)"))

@@ -133,7 +133,7 @@ def load_prompt_dataset(cfg: Config | DataConfig, tokenizer: Any, split: str = "
         downloaded (offline); no examples left for ``split="train"``.
       ConfigError: ``split`` is not train/val; ``apply_chat_template`` with a tokenizer that has no chat
         template.
-    Takes no arrays: the examples are dicts of str (prompt text, gold) and int32-range token-id lists.
+    The examples are dicts of str (prompt text, gold) and int32-range token-id lists.
     """
     d = cfg.data if isinstance(cfg, Config) else cfg
     if split not in ("train", "val"):
@@ -160,7 +160,7 @@ def format_prompt(problem: str, tokenizer: Any, d: DataConfig) -> str:
 
     Raises:
       ConfigError: ``d.apply_chat_template`` but the tokenizer has no chat template.
-    Takes and returns str (no arrays). Source: Qwen3's chat template (HF ``tokenizer_config.json``); JustRL's prompt
+    Takes and returns str. Source: Qwen3's chat template (HF ``tokenizer_config.json``); JustRL's prompt
     suffix (stapo_spec.md §10).
     """
     content = problem + d.prompt_suffix
@@ -194,7 +194,7 @@ def make_iterator(examples: Sequence[dict[str, Any]], global_batch_size: int, *,
     Raises:
       DataError: no examples.
       ValueError: ``global_batch_size`` not divisible by ``shard_count``, or a shard index out of range.
-    Takes no arrays (lists of example dicts of str). Source: Grain ``MapDataset`` / ``ShardByJaxProcess``; verl's
+    Takes lists of example dicts of str. Source: Grain ``MapDataset`` / ``ShardByJaxProcess``; verl's
     ``data.shuffle`` / ``data.seed``.
     """
     import grain
@@ -254,7 +254,7 @@ def read_file(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
       path: the file; kind: ``"jsonl"``, ``"parquet"`` or ``"arrow"``.
     Raises:
       DataError: an unreadable parquet/arrow file or an unsupported ``kind`` (the message names the path).
-    Takes no arrays (records are dicts of str / numbers). Source: JSONL, Parquet / Arrow (``pyarrow``), the HF
+    Records are dicts of str / numbers. Source: JSONL, Parquet / Arrow (``pyarrow``), the HF
     datasets file formats.
     """
     if kind == "jsonl":
@@ -305,7 +305,7 @@ def resolve_hf_files(spec: str, split: str) -> list[Path]:
     Raises:
       FileNotFoundError: a local path that does not exist; DataError: the hub is unreachable or no file of
       ``split`` exists (the message names the dataset and split).
-    Takes no arrays (str spec and split). Source: HF datasets' repository layout.
+    Takes str spec and split. Source: HF datasets' repository layout.
     """
     p = Path(spec)
     if p.is_file():

@@ -58,7 +58,7 @@ def load_tokenizer(cfg: Config | TokenizerConfig, model_path: str | None = None)
     Raises:
       ConfigError: ``kind: hf`` without ``tokenizer.path`` or ``model.path``; a local path that does not exist.
       OSError: transformers cannot load the files (message names the path).
-    Takes no arrays; the tokenizer maps str to lists of int ids.
+    The tokenizer maps str to lists of int ids.
     """
     if isinstance(cfg, Config):
         model_path = cfg.model.path
@@ -88,7 +88,7 @@ def build_builtin_tokenizer():
     Ids: specials 0..5 in the order of :data:`BUILTIN_SPECIAL_TOKENS` (``<|endoftext|>``=0, ``<|im_start|>``=1,
     ``<|im_end|>``=2, ``<think>``=3, ``</think>``=4, ``<|unk|>``=5), then the characters of
     :data:`BUILTIN_CHARS` in order; ``len(tok) == 6 + 97 == 103``.
-    Takes no arrays; returns a tokenizer of str to int ids (103 ids). Raises nothing of its own (ImportError without
+    Returns a tokenizer of str to int ids (103 ids). Raises nothing of its own (ImportError without
     ``tokenizers`` / ``transformers``).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -128,7 +128,7 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
 def pad_token_id(tokenizer: Any) -> int:
     """The padding id (Qwen3: 151643 = ``<|endoftext|>``, which is also a stop token: never use it to build
     masks). Raises ValueError if the tokenizer has neither a pad nor an EOS token.
-    Takes no arrays; returns a Python int. Source: Qwen3's ``tokenizer_config.json`` (pad = ``<|endoftext|>``;
+    Returns a Python int. Source: Qwen3's ``tokenizer_config.json`` (pad = ``<|endoftext|>``;
     conventions.md §6)."""
     pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pid is None:

@@ -165,7 +165,7 @@ class RewardScorer:
 def make_scorer(cfg, on_progress: Optional[Callable[[], None]] = None) -> RewardScorer:
     """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``).
 
-    No arrays: reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
+    Reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
     ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format``, ``reward.max_pool_restarts``
     and ``data.gym.task``; ``on_progress`` as :class:`RewardScorer`.
     Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
@@ -208,7 +208,7 @@ def active_scorers() -> dict[tuple, RewardScorer]:
     """A copy of the scorers :func:`score` has created and not yet shut down, keyed by
     ``(kind, timeout_s, num_workers, boxed_normalize, gym_task, gym_answer_format)``. Never raises.
 
-    No arrays: returns a dict of tuple keys (str / float / int / bool fields) to scorers. Source: this module's
+    Returns a dict of tuple keys (str / float / int / bool fields) to scorers. Source: this module's
     scorer cache (no peer equivalent).
     """
     with _SCORERS_LOCK:
@@ -219,7 +219,7 @@ def active_scorers() -> dict[tuple, RewardScorer]:
 def shutdown() -> None:
     """Close every scorer created by :func:`score` (their worker pools) and forget them. Never raises.
 
-    No arrays, returns None. Source: this module's scorer cache (no peer equivalent).
+    Returns None. Source: this module's scorer cache (no peer equivalent).
     """
     with _SCORERS_LOCK:
         for scorer in _SCORERS.values():

@@ -62,7 +62,7 @@ class FinalAnswer(NamedTuple):
 def answer_region(response: str, require_think_close: bool = False) -> Optional[str]:
     """The part of ``response`` that may hold the final answer, or None for unfinished reasoning.
 
-    No arrays: ``response`` is a str, the result a str (suffix of ``response``) or None; never raises. Source: TRL
+    ``response`` is a str, the result a str (suffix of ``response``) or None; never raises. Source: TRL
     ``reasoning_accuracy_reward`` (text after ``</think>``; huggingface/trl#4563), the module's policy rule 1.
     """
     close = response.rfind(THINK_CLOSE)
@@ -82,7 +82,7 @@ def final_answer(response: str, require_think_close: bool = False) -> FinalAnswe
     Returns:
       :class:`FinalAnswer` (``text`` is the raw, un-normalised answer string or None).
 
-    No arrays: str in, :class:`FinalAnswer` (str-or-None ``text``, str ``reason``) out; pure string processing,
+    Str in, :class:`FinalAnswer` (str-or-None ``text``, str ``reason``) out; pure string processing,
     never raises on a str. Source: the policy of issue 13 (module docstring), boxes brace-matched as verl's
     ``math_dapo.last_boxed_only_string``.
     """
@@ -171,7 +171,7 @@ def unicode_to_latex(s: str) -> str:
     """Unicode math and bare ``pi`` / ``sqrt(...)`` written as LaTeX: ``"−3π"`` -> ``"-3\\pi "``,
     ``"2√3"`` -> ``"2\\sqrt{3}"``, ``"-2*pi"`` -> ``"-2*\\pi "``, ``"sqrt(2)"`` -> ``"\\sqrt{2}"``.
 
-    No arrays: str in, str out; never raises. Source: huggingface/Math-Verify#69 (``-2*pi`` parsed as
+    Str in, str out; never raises. Source: huggingface/Math-Verify#69 (``-2*pi`` parsed as
     ``-2*p*i``); Unicode minus U+2212 as in PrairieLearn/PrairieLearn#808.
     """
     if s.isascii() and "pi" not in s and "sqrt" not in s:
@@ -189,7 +189,7 @@ def normalize(answer: str) -> Normalized:
     ``"30"``; ``"12.5\\%"`` -> ``("12.5", percent=True)``; ``"3.2e-5"`` -> ``"3.2\\times10^{-5}"``;
     ``"2 1/2"`` -> ``"(2+\\frac{1}{2})"``; ``"x \\in [2, 5]"`` -> ``"[2, 5]"``; ``"−2√3"`` -> ``"-2\\sqrt{3}"``.
 
-    No arrays: str in, :class:`Normalized` (str ``text``, bool ``percent``, bool ``degree``) out; never raises on
+    Str in, :class:`Normalized` (str ``text``, bool ``percent``, bool ``degree``) out; never raises on
     a str. Source: the
     Minerva / Hendrycks MATH normalisation convention (as in verl's ``math_dapo.normalize_final_answer``), extended
     for issue 13.

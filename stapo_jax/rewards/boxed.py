@@ -22,7 +22,7 @@ def last_boxed_only_string(text: str) -> Optional[str]:
       e.g. ``"\\boxed{\\frac{1}{2}}"`` for ``"so x = \\boxed{\\frac{1}{2}}."``; None when there is no
       ``\\boxed{`` or its brace is never closed.
 
-    No arrays: str in, str or None out; never raises. Source: verl ``utils/reward_score/math_dapo.py``
+    Str in, str or None out; never raises. Source: verl ``utils/reward_score/math_dapo.py``
     ``last_boxed_only_string``.
     """
     start = text.rfind(BOXED_OPEN)
@@ -36,7 +36,7 @@ def closing_brace(text: str, open_pos: int) -> int:
     """Index of the ``}`` that closes the ``{`` at ``open_pos`` of ``text`` (nesting counted; escaped braces
     count too, as in DAPO's ``last_boxed_only_string``); -1 when it never closes.
 
-    No arrays: ``text`` a str, ``open_pos`` an int index; returns an int index (-1 = unclosed); never raises.
+    ``text`` a str, ``open_pos`` an int index; returns an int index (-1 = unclosed); never raises.
     Source: the brace counting of verl ``math_dapo.last_boxed_only_string``.
     """
     depth = 0
@@ -57,7 +57,7 @@ def remove_boxed(span: str) -> str:
     Raises:
       ValueError: ``span`` is not of the form ``\\boxed{...}``.
 
-    No arrays: str in, str out. Source: verl ``utils/reward_score/math_dapo.py`` ``remove_boxed``.
+    Str in, str out. Source: verl ``utils/reward_score/math_dapo.py`` ``remove_boxed``.
     """
     if not (span.startswith(BOXED_OPEN) and span.endswith("}")):
         raise ValueError(f"not a \\boxed{{...}} span: {span[:80]!r}")
@@ -67,7 +67,7 @@ def remove_boxed(span: str) -> str:
 def extract_last_boxed(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` in ``text`` (may be the empty string), or None if there is none.
 
-    No arrays: str in, str or None out; never raises (the span it strips is well formed by construction). Source:
+    Str in, str or None out; never raises (the span it strips is well formed by construction). Source:
     verl ``math_dapo`` ``remove_boxed(last_boxed_only_string(text))``.
     """
     span = last_boxed_only_string(text)

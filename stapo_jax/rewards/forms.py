@@ -42,7 +42,7 @@ def special_form(text: str) -> Optional[AnswerForm]:
     Examples: ``"11:00"`` -> time (11, 0, 0); ``"3:00 pm"`` -> time (15, 0, 0); ``"2:3"`` -> ratio (2, 3);
     ``"1:2:3"`` -> ratio; ``"3-1"`` -> score (3, 1); ``"x-1"``, ``"-3"`` -> None.
 
-    No arrays: str in, :class:`AnswerForm` or None out; never raises. Source: issue 36 (clock times read as
+    Str in, :class:`AnswerForm` or None out; never raises. Source: issue 36 (clock times read as
     ``H/0``, huggingface/Math-Verify#14).
     """
     s = text.strip()
@@ -69,7 +69,7 @@ def forms_equal(gold: AnswerForm, pred: AnswerForm) -> bool:
     """Gold-first equality of two :class:`AnswerForm` answers (see the module docstring): times and scores
     equal iff the same parts, ratios iff proportional (all parts non-zero; else the same parts).
 
-    No arrays: two AnswerForms; returns a bool; never raises. Source: issue 36.
+    Two AnswerForms; returns a bool; never raises. Source: issue 36.
     """
     if gold.kind != pred.kind or len(gold.parts) != len(pred.parts):
         return False
@@ -83,7 +83,7 @@ def ratio_value(form: AnswerForm) -> Optional[Fraction]:
     """``a/b`` of a two-part ratio ``a:b`` with ``b != 0`` (it also equals that number), else None (times,
     scores and longer ratios never equal a number).
 
-    No arrays: an AnswerForm; returns a Fraction or None; never raises. Source: issue 36.
+    An AnswerForm; returns a Fraction or None; never raises. Source: issue 36.
     """
     if form.kind == "ratio" and len(form.parts) == 2 and form.parts[1] != 0:
         return form.parts[0] / form.parts[1]
@@ -94,7 +94,7 @@ def is_unsafe(expr: Any) -> bool:
     """True iff a parsed answer contains complex infinity ``zoo`` or ``nan`` (a division by zero, ``0/0``, a
     clock time read as ``H/0``): such a parse is never compared.
 
-    No arrays: a parsed answer (sympy object, :class:`AnswerForm`, str or None); returns a bool; never raises.
+    A parsed answer (sympy object, :class:`AnswerForm`, str or None); returns a bool; never raises.
     Source: issue 36.
     """
     from sympy import Basic, MatrixBase, S
@@ -110,7 +110,7 @@ def is_unsafe(expr: Any) -> bool:
 def has_infinity(expr: Any) -> bool:
     """True iff a sympy expression contains ``oo`` / ``-oo`` (compared only structurally).
 
-    No arrays: a sympy object; returns a bool; never raises. Source: issue 36.
+    A sympy object; returns a bool; never raises. Source: issue 36.
     """
     from sympy import S
 
@@ -140,7 +140,7 @@ def rounded_entries_match(gold: Any, gold_text: str, pred: Any) -> bool:
 
     Example: gold ``"(0.29, 0.196)"``, prediction ``(0.290243, 0.196008)`` -> True; ``(0.2951, 0.196)`` -> False.
 
-    No arrays: parsed answers (sympy objects) and the gold's normalised text; returns a bool; never raises.
+    Parsed answers (sympy objects) and the gold's normalised text; returns a bool; never raises.
     Source: huggingface/Math-Verify#2 and #3 (a vector of long decimals against a gold rounded to 2-3 places).
     """
     g, p = _entries(gold), _entries(pred)

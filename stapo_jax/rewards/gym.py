@@ -24,7 +24,7 @@ def make_entries(task: str, size: int, seed: int, config: Optional[dict[str, Any
     Raises:
       ValueError: unknown task name or a config reasoning-gym rejects (message names the task).
 
-    No arrays: ``task`` a str, ``size`` / ``seed`` ints, ``config`` a dict; returns ``size`` dict entries
+    ``task`` a str, ``size`` / ``seed`` ints, ``config`` a dict; returns ``size`` dict entries
     (``question`` str, ``answer`` str, ``metadata`` dict). Source: ``reasoning_gym.create_dataset``.
     """
     import reasoning_gym
@@ -46,7 +46,7 @@ def train_val_entries(task: str, size: int, seed: int, config: Optional[dict[str
       ``seed + i``, so the default ``val_seed = seed + size`` continues the training stream without reusing
       one of its seeds (``seed + 1`` would reproduce ``train[1:]``).
 
-    No arrays: entries are dicts of str / dict fields; ``n_overlap_dropped`` an int. Raises ValueError (from
+    Entries are dicts of str / dict fields; ``n_overlap_dropped`` an int. Raises ValueError (from
     :func:`make_entries`) for an unknown task or a rejected config.
     """
     train = make_entries(task, size, seed, config)
@@ -61,7 +61,7 @@ def train_val_entries(task: str, size: int, seed: int, config: Optional[dict[str
 def extract_answer(response: str, answer_format: AnswerFormat = "boxed") -> Optional[str]:
     """The answer string the task is scored on, or None if the response has none in that format.
 
-    No arrays: str in, str or None out. Source: reasoning-gym's ``utils.extract_answer`` (``answer_tag``) and verl
+    Str in, str or None out. Source: reasoning-gym's ``utils.extract_answer`` (``answer_tag``) and verl
     ``math_dapo`` box extraction (``boxed``).
     Raises:
       ValueError: ``answer_format`` is not ``boxed``, ``answer_tag`` or ``raw``.
@@ -102,6 +102,6 @@ def score_one(response: str, entry: dict[str, Any], task: str, answer_format: An
 def init_worker() -> None:
     """Pool-worker initializer: import reasoning-gym once.
 
-    No arrays, returns None; raises ImportError if reasoning-gym is not installed. Source: reasoning-gym.
+    Returns None; raises ImportError if reasoning-gym is not installed. Source: reasoning-gym.
     """
     import reasoning_gym  # noqa: F401

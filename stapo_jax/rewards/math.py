@@ -26,7 +26,7 @@ def _configs():
 def init_worker() -> None:
     """Pool-worker initializer: import math-verify once and silence its "timeout disabled" warning.
 
-    No arrays, returns None; raises ImportError if math-verify is not installed. Source: math-verify's logger
+    Returns None; raises ImportError if math-verify is not installed. Source: math-verify's logger
     name (``math_verify``).
     """
     import math_verify  # noqa: F401
@@ -37,7 +37,7 @@ def init_worker() -> None:
 def parse_gold(gold: str) -> list:
     """math-verify parse of a gold answer string (wrapped in ``\\boxed{}``); [] if unparseable.
 
-    No arrays: str in, math-verify's list of parsed answers (sympy expr, str) out. Never raises on a str
+    Str in, math-verify's list of parsed answers (sympy expr, str) out. Never raises on a str
     (math-verify's ``raise_on_error=False`` default: an unparseable gold gives []). Source: verl
     ``utils/reward_score/math_verify.py`` (gold wrapped as ``\\boxed{gold}``).
     """

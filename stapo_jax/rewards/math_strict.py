@@ -50,7 +50,7 @@ def init_worker() -> None:
     """Pool-worker initializer: silence math-verify's warnings and warm the worker up (imports, the LaTeX
     parser, sympy's evalf), so a worker's first item does not spend its timeout on start-up.
 
-    No arrays, returns None; raises ImportError if math-verify is missing. Source: math-verify's logger names
+    Returns None; raises ImportError if math-verify is missing. Source: math-verify's logger names
     (``math_verify``, ``latex2sympy2_extended``).
     """
     logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -113,7 +113,7 @@ def parse_answer(text: str) -> tuple[Any, Normalized, bool]:
     for an empty answer; ``normalized`` is the :class:`~stapo_jax.rewards.answer.Normalized` text with its
     percent and degree flags. Cached: the rollouts of a group often share their answer.
 
-    No arrays: str in; ``expr`` a sympy object / AnswerForm / str / None, ``unsafe`` a bool. Never raises on a str
+    Str in; ``expr`` a sympy object / AnswerForm / str / None, ``unsafe`` a bool. Never raises on a str
     (math-verify's ``parse`` returns [] on failure). Source: ``math_verify.parse`` with a boxed
     ``LatexExtractionConfig`` (verl ``utils/reward_score/math_verify.py`` convention).
     """
@@ -140,7 +140,7 @@ def parse_answer(text: str) -> tuple[Any, Normalized, bool]:
 def parse_gold(gold: str) -> tuple[Any, Normalized, bool]:
     """:func:`parse_answer` for a gold answer (cached there: a group of rollouts shares its gold).
 
-    No arrays: str in, ``(sympy expr / AnswerForm / str / None, Normalized, bool)`` out; never raises on a str. Source:
+    Str in, ``(sympy expr / AnswerForm / str / None, Normalized, bool)`` out; never raises on a str. Source:
     as :func:`parse_answer` (verl's gold-in-``\\boxed{}`` convention).
     """
     return parse_answer(gold)
@@ -151,7 +151,7 @@ def parse_prediction(response: str, require_think_close: bool = False) -> tuple[
     ``expr`` is None when the policy gives no answer (``reason`` says why, see
     :class:`stapo_jax.rewards.answer.FinalAnswer`).
 
-    No arrays: ``response`` a str, the result ``(sympy expr / AnswerForm / str / None, Normalized, bool, str)``; never
+    ``response`` a str, the result ``(sympy expr / AnswerForm / str / None, Normalized, bool, str)``; never
     raises on a str. Source: the final-answer policy of :mod:`stapo_jax.rewards.answer`, then math-verify's
     anchored ``ExprExtractionConfig`` / ``LatexExtractionConfig``.
     """
@@ -220,7 +220,7 @@ def numbers_equal(a: Any, b: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     a decimal: relative difference at most ``rel_tol``. Never an absolute threshold: values of any magnitude
     (``1/2006!``, ``1e-300``, ``10**100``) compare by their leading digits.
 
-    No arrays: ``a`` / ``b`` sympy numbers, ``rel_tol`` a float; returns a bool. Raises nothing of its own (sympy
+    ``a`` / ``b`` sympy numbers, ``rel_tol`` a float; returns a bool. Raises nothing of its own (sympy
     errors from ``evalf`` propagate; the pool counts them as errors). Source: replaces math-verify's rounding
     comparison (huggingface/Math-Verify#14, #21), issue 13.
     """
@@ -269,7 +269,7 @@ def exprs_equal(gold: Any, pred: Any, rel_tol: float = DEFAULT_REL_TOL) -> bool:
     numeric tuples, finite sets, intervals, unions and matrices; inequality <-> interval conversion;
     otherwise ``math_verify.verify(gold, pred, strict=True)``.
 
-    No arrays: parsed answers (sympy objects, str or None), ``rel_tol`` a float; returns a bool. Raises nothing of
+    Parsed answers (sympy objects, str or None), ``rel_tol`` a float; returns a bool. Raises nothing of
     its own (sympy / math-verify errors propagate; the pool counts them). Source: ``math_verify.verify`` (gold
     first, ``strict=True``) plus the issue-13 layer (module docstring).
     """
@@ -348,7 +348,7 @@ def grade(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
     containing ``zoo`` / ``nan``: a division by zero, a clock time read as ``H/0``; such an answer is never
     compared, only its identical normalised text matches).
 
-    No arrays: str response and gold, float ``rel_tol``, bool flag; returns two bools. Raises TypeError (a non-str
+    Str response and gold, float ``rel_tol``, bool flag; returns two bools. Raises TypeError (a non-str
     argument) and ValueError (``rel_tol <= 0``). Source: issue 13's policy plus issue 36's safety rules
     (module docstring, :mod:`stapo_jax.rewards.forms`).
     """
@@ -433,7 +433,7 @@ def verify_strict(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
 def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, require_think_close: bool = False) -> float:
     """1.0 if :func:`verify_strict` accepts, else 0.0.
 
-    No arrays: str response and gold, float ``rel_tol``; returns a float (1.0 / 0.0). Raises TypeError (a non-str
+    Str response and gold, float ``rel_tol``; returns a float (1.0 / 0.0). Raises TypeError (a non-str
     argument) or ValueError (``rel_tol <= 0``) from :func:`verify_strict`. Source: verl's ``compute_score``
     pool-entry convention (one float per response).
     """
@@ -447,7 +447,7 @@ def score_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
     """Pool entry point: ``(score, unparsed)`` from :func:`grade` (score 1.0 / 0.0; ``unparsed`` counted as
     ``reward/n_unparsed``).
 
-    No arrays: str response and gold, float ``rel_tol``; returns ``(float, bool)``. Raises as :func:`grade`.
+    Str response and gold, float ``rel_tol``; returns ``(float, bool)``. Raises as :func:`grade`.
     Source: verl's ``compute_score`` convention plus issue 36's unparsed count.
     """
     ok, unparsed = grade(response, gold, rel_tol, require_think_close)

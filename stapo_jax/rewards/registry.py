@@ -42,7 +42,7 @@ class RewardKind:
 
     def keywords(self, scorer_options: Mapping) -> dict:
         """The keyword arguments of ``fn`` for a scorer with ``scorer_options`` (``fixed`` plus the ``options`` it
-        reads). Takes no arrays. Raises: ValueError naming a required option that is unset (None / "")."""
+        reads). Raises: ValueError naming a required option that is unset (None / "")."""
         missing = [o for o in self.requires if not scorer_options.get(o)]
         if missing:
             raise ValueError(f"reward kind {self.name!r} needs {missing}")
@@ -55,14 +55,14 @@ REWARD_KINDS: Registry = Registry("reward kind", "reward.kind", packages=("stapo
 def register_reward(name: str, **spec) -> Callable:
     """Decorator registering a verifier ``fn(response, gold, **keywords) -> float`` as reward kind ``name``
     (fields of :class:`RewardKind`). Stack it to register one function under several names (e.g. with different
-    ``fixed`` keywords). Takes no arrays; returns the decorator.
+    ``fixed`` keywords). Returns the decorator.
     Raises: ValueError if ``name`` is taken. Source: verl ``register_policy_loss`` pattern; verl ``compute_score``
     (one float per response)."""
     return REWARD_KINDS.register(name, lambda fn: RewardKind(name=name, fn=fn, **spec))
 
 
 def get_reward_kind(name: str) -> RewardKind:
-    """The registered reward kind ``name``. Takes no arrays.
+    """The registered reward kind ``name``.
     Raises: ConfigError (a ValueError) naming ``reward.kind``, the closest registered kind and all of them.
     Source: verl ``get_policy_loss_fn`` (lookup by name)."""
     return REWARD_KINDS.lookup(name)

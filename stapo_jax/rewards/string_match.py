@@ -41,7 +41,7 @@ def normalize_final_answer(answer: str) -> str:
     """DAPO's answer normalisation (verl ``math_dapo.normalize_final_answer``), e.g. ``"x = 1,000"`` ->
     ``"1000"``, ``"\\text{(C)}"`` -> ``"(C)"``, ``"\\fraca b"`` -> ``"\\frac{a}{b}"``.
 
-    No arrays: str in, str out; never raises on a str.
+    Str in, str out; never raises on a str.
     """
     answer = answer.split("=")[-1]
     for before, after in _SUBSTITUTIONS:
@@ -60,7 +60,7 @@ def extract_strict_box(response: str) -> Optional[str]:
     """The answer JustRL's strict-box verifier reads: content of the last ``\\boxed{}`` within the final
     100 characters (of the final 300) of ``response``; None when there is none.
 
-    No arrays: str in, str or None out; never raises.
+    Str in, str or None out; never raises.
     """
     return extract_last_boxed(response[-RESPONSE_WINDOW:][-BOX_WINDOW:])
 
@@ -71,7 +71,7 @@ def is_correct(response: str, gold: str, normalize: bool = False) -> tuple[bool,
     Raises:
       TypeError: ``response`` or ``gold`` is not a str.
 
-    No arrays: str in; returns ``(bool, str or None)``. Source: JustRL / verl ``math_dapo.compute_score``
+    Str in; returns ``(bool, str or None)``. Source: JustRL / verl ``math_dapo.compute_score``
     (``strict_box_verify=True``).
     """
     if not isinstance(response, str) or not isinstance(gold, str):
@@ -89,7 +89,7 @@ def is_correct(response: str, gold: str, normalize: bool = False) -> tuple[bool,
 def score_one(response: str, gold: str, normalize: bool = False, plus_minus: bool = True) -> float:
     """Reward of one response: +1 correct / -1 wrong (``plus_minus``, JustRL) or 1 / 0.
 
-    No arrays: str response and gold, bool flags; returns a float (+1 / -1 or 1 / 0). Raises TypeError (from
+    Str response and gold, bool flags; returns a float (+1 / -1 or 1 / 0). Raises TypeError (from
     :func:`is_correct`) when ``response`` or ``gold`` is not a str. Source: JustRL's ±1 reward (verl
     ``math_dapo.compute_score``).
     """

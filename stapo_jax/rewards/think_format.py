@@ -20,7 +20,7 @@ THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | 
 def think_format_score(response: str, gold: str) -> float:
     """1.0 if ``response`` matches :data:`THINK_FORMAT` (``<think>`` first, one reasoning block, closed), else 0.0.
 
-    No arrays: str response (``gold``, a str, is not read); returns a float. Raises: TypeError when ``response`` is
+    Str response (``gold``, a str, is not read); returns a float. Raises: TypeError when ``response`` is
     not a str. Source: TRL ``trl.rewards.think_format_reward`` (same pattern and flags).
     """
     if not isinstance(response, str):

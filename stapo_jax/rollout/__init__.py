@@ -28,7 +28,7 @@ def engine_config(cfg: Any, tokenizer: Any = None, *, max_prefill_length: Option
     (``stapo_jax.data.tokenizer.stop_token_ids``) or, without one, the model config's plus Qwen3's; seed
     ``trainer.seed`` unless given.
 
-    No arrays: reads int / float / bool config fields; returns an ``EngineConfig`` whose ``eos_token_ids`` is a
+    Reads int / float / bool config fields; returns an ``EngineConfig`` whose ``eos_token_ids`` is a
     tuple of int ids. Raises ``EngineConfigError`` (a ValueError naming the field) for a non-positive slot count
     or length. Source: JetStream's ``max_concurrent_decodes`` / prefill / decode-length engine settings; sampling
     as HF transformers ``generate`` (temperature, top_p, top_k).
@@ -62,7 +62,7 @@ def multihost_rollout(model: Any, config: Any, cfg_mesh: Any = None, tokenizer: 
     ``model``'s (global, sharded) parameters gathered chunk by chunk, wrapped in ``MultiHostRollout`` (global
     results on every process). Every process must call it.
 
-    No arrays passed in or out directly: ``model`` a Flax NNX ``Qwen3`` (bfloat16 / float32 parameters), ``config``
+    Takes ``model``, a Flax NNX ``Qwen3`` (bfloat16 / float32 parameters), ``config``
     an ``EngineConfig``, ``pad_token_id`` / ``steps_per_sync`` ints. Raises ``EngineConfigError`` (ValueError) for
     an invalid ``config``; errors of the parameter gather propagate. Source: one sampler replica per process,
     as verl's hybrid engine (a rollout worker next to each training worker).
@@ -87,7 +87,7 @@ def inprocess_rollout(cfg: Any, model: Any, config: Any, mesh: Any = None, token
     Training (:func:`build_rollout`) and ``stapo-jax eval`` both build their sampler here, so both honour
     ``rollout.steps_per_sync`` and the multi-process layout. Every process must call it.
 
-    No arrays passed in or out directly: ``cfg`` the run config (int ``rollout.steps_per_sync``), ``model`` a Flax
+    Takes ``cfg``, the run config (int ``rollout.steps_per_sync``), ``model`` a Flax
     NNX ``Qwen3``, ``config`` an ``EngineConfig``. Raises ``EngineConfigError`` (ValueError) for an invalid
     ``config``. Source: verl's hybrid-engine layout (sampler in the trainer's process); engine API of JetStream.
     """
@@ -118,7 +118,7 @@ def build_rollout(cfg: Any, model: Any = None, mesh: Any = None, tokenizer: Any 
     Raises:
       ValueError: ``inprocess`` without a model, or an unknown mode.
 
-    No arrays: configuration in, a sampler object out (its ``generate`` returns int32 ``[B*n, T]`` token arrays).
+    Configuration in, a sampler object out (its ``generate`` returns int32 ``[B*n, T]`` token arrays).
     Source: verl's ``rollout.mode`` / JetStream gRPC server convention.
     """
     from stapo_jax.rollout.sampling import SamplingParams

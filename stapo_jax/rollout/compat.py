@@ -67,7 +67,7 @@ def install() -> None:
       None. Side effects: ``jax.tree_map`` (if missing) and ``sys.modules["seqio"]``,
       ``sys.modules["seqio.vocabularies"]`` (only if the real seqio cannot be found).
 
-    No arrays; never raises. Source: JetStream 0.2.2 (``jetstream.core.orchestrator``), conventions §7.
+    Never raises. Source: JetStream 0.2.2 (``jetstream.core.orchestrator``), conventions §7.
     """
     global _installed
     if _installed:
@@ -87,7 +87,7 @@ def import_orchestrator() -> types.ModuleType:
     Returns:
       The ``jetstream.core.orchestrator`` module.
 
-    No arrays; raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
+    Raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
     ``jetstream.core.orchestrator`` (conventions §7).
     """
     install()
@@ -113,7 +113,7 @@ def import_server_lib(host: str = DEFAULT_HOST) -> types.ModuleType:
     Raises:
       ValueError: ``host`` is empty.
 
-    No arrays: ``host`` a str. Also raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
+    ``host`` a str. Also raises ImportError when JetStream is not installed. Source: JetStream 0.2.2
     ``jetstream.core.server_lib`` (``_HOST``).
     """
     if not host:

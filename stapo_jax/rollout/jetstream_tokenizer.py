@@ -80,7 +80,7 @@ class HFTokenizer(tokenizer_api.Tokenizer):
 def load_tokenizer(path: Optional[str]):
     """A transformers tokenizer from a local directory (``AutoTokenizer``), or None for ``path`` None/"".
 
-    No arrays: ``path`` a str or None. Raises OSError (from transformers) when ``path`` holds no tokenizer files.
+    ``path`` a str or None. Raises OSError (from transformers) when ``path`` holds no tokenizer files.
     Source: HF transformers ``AutoTokenizer.from_pretrained``.
     """
     if not path:

@@ -47,7 +47,7 @@ def coordination_seconds(reset: bool = False) -> float:
 def prompt_share(num_prompts: int, process_index: int, process_count: int) -> tuple[int, int]:
     """Contiguous prompt range ``[lo, hi)`` of one process: the first ``num_prompts % process_count``
     processes get one prompt more (uneven shares allowed; a share may be empty). Takes and returns Python ints
-    (no arrays; ``hi - lo`` is the share's prompt count). Source: the ``torch.utils.data.DistributedSampler`` /
+    (``hi - lo`` is the share's prompt count). Source: the ``torch.utils.data.DistributedSampler`` /
     ``numpy.array_split`` convention of contiguous near-equal shares, here without padding or duplication.
 
     Raises:
@@ -172,7 +172,7 @@ def local_mesh(cfg_mesh=None):
     config when it divides the local device count, else 1; the other devices on ``fsdp``.
 
     ``cfg_mesh``: the config's ``mesh`` section (or None); returns a ``jax.sharding.Mesh`` of shape
-    ``(1, local_devices / tensor, tensor)``. No arrays; never raises (a ``mesh.tensor`` that does not divide the
+    ``(1, local_devices / tensor, tensor)``. Never raises (a ``mesh.tensor`` that does not divide the
     local device count falls back to 1). Source: JetStream / MaxEngine's one engine per host over its own
     devices."""
     from models.sharding import make_mesh

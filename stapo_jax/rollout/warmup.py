@@ -19,7 +19,7 @@ from stapo_jax.runtime.watchdog import progress as mark_progress
 
 def rollout_programs(engine, num_samplings: int) -> int:
     """Upper bound on the rollout programs :func:`precompile_rollout` compiles (the module docstring's
-    ``P + K x (S + P + K - 1)``). ``engine``: a ``Qwen3Engine``; takes no arrays; never raises. Source: this
+    ``P + K x (S + P + K - 1)``). ``engine``: a ``Qwen3Engine``; never raises. Source: this
     driver's program set (module docstring)."""
     p = len(prefill_buckets(engine))
     k = len(engine.kv_length_buckets)
@@ -28,7 +28,7 @@ def rollout_programs(engine, num_samplings: int) -> int:
 
 def prefill_buckets(engine) -> list[int]:
     """The prefill buckets a prompt of 1 .. ``max_prefill_length - 1`` tokens can fall in (ints, ascending).
-    ``engine``: a ``Qwen3Engine``; no arrays. Never raises. Source: ``Qwen3Engine.prefill_bucket`` (JetStream's
+    ``engine``: a ``Qwen3Engine``. Never raises. Source: ``Qwen3Engine.prefill_bucket`` (JetStream's
     padding buckets)."""
     out, n = set(), 1
     limit = engine.max_prefill_length - 1
@@ -44,7 +44,7 @@ def precompile_rollout(rollout, samplings: Sequence[Optional[SamplingParams]], *
     ``rollout`` is a ``RolloutDriver`` or ``MultiHostRollout`` (anything with ``engine`` and a driver's
     ``steps_per_sync``); ``samplings``: the settings the run decodes with (None = the engine's own, as the RL
     steps use; ``SamplingParams(greedy=True)`` for held-out passes). ``bar``: a tqdm-like object whose
-    ``update(1)`` is called per KV length. Returns the number of KV lengths warmed (int; no arrays in or out). Raises what the engine
+    ``update(1)`` is called per KV length. Returns the number of KV lengths warmed (an int). Raises what the engine
     raises (a bug: every call here is one the driver makes). Source: JetStream's warm-up of its prefill
     buckets and generate step (``engine.warmup``), extended to this driver's KV-cache buckets."""
     eng = rollout.engine

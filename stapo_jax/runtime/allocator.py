@@ -38,7 +38,7 @@ class AllocatorError(RuntimeError):
 
 def find_tcmalloc(dirs: Sequence[str] = LIBRARY_DIRS) -> Optional[str]:
     """Path of the first TCMalloc shared library (``TCMALLOC_NAMES``, the minimal build first) in ``dirs``,
-    or None. No arrays; never raises. Source: the Debian/Ubuntu (``libtcmalloc-minimal4``) and RHEL
+    or None. Never raises. Source: the Debian/Ubuntu (``libtcmalloc-minimal4``) and RHEL
     (``gperftools-libs``) install locations."""
     for d in dirs:
         for name in TCMALLOC_NAMES:
@@ -50,7 +50,7 @@ def find_tcmalloc(dirs: Sequence[str] = LIBRARY_DIRS) -> Optional[str]:
 
 def loaded_allocator(maps_path: str = "/proc/self/maps") -> str:
     """``"tcmalloc"``, ``"jemalloc"`` or ``"system"``: which allocator library is mapped into the process
-    (read from ``maps_path``; ``"system"`` where it cannot be read, e.g. off Linux). No arrays: a str path in,
+    (read from ``maps_path``; ``"system"`` where it cannot be read, e.g. off Linux). A str path in,
     a str out. Never raises. Source: Linux ``/proc/<pid>/maps`` (the shared objects mapped into a process)."""
     try:
         maps = Path(maps_path).read_text()
@@ -63,15 +63,15 @@ def loaded_allocator(maps_path: str = "/proc/self/maps") -> str:
 
 
 def allocator_mode(env: Mapping[str, str]) -> str:
-    """The ``STAPO_JAX_ALLOCATOR`` value of ``env`` as given, ``"auto"`` where it is unset or empty. No arrays:
-    a str mapping in, a str out; never raises (:func:`preload_env` rejects a value outside ``MODES``). Source:
+    """The ``STAPO_JAX_ALLOCATOR`` value of ``env`` as given, ``"auto"`` where it is unset or empty. Takes
+    a str mapping, returns a str; never raises (:func:`preload_env` rejects a value outside ``MODES``). Source:
     this module's ``STAPO_JAX_ALLOCATOR`` convention."""
     return env.get(ENV_ALLOCATOR) or "auto"
 
 
 def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> Optional[dict]:
     """The environment to re-execute the process with so that it runs under TCMalloc, or None to keep it.
-    No arrays: str mappings and paths in, a dict of str (or None) out.
+    Str mappings and paths in, a dict of str (or None) out.
 
     Args:
       env: the current environment (``os.environ``); reads ``STAPO_JAX_ALLOCATOR``, ``STAPO_JAX_ALLOCATOR_REEXEC``
@@ -112,7 +112,7 @@ def preload_env(env: Mapping[str, str], loaded: str, library: Optional[str]) -> 
 def use_tcmalloc() -> str:
     """Re-execute this process under TCMalloc when :func:`preload_env` says so (``os.execve`` of
     ``sys.executable`` with ``sys.orig_argv``: the program starts again from the top with the same arguments);
-    otherwise return the allocator it runs under (``"tcmalloc" | "jemalloc" | "system"``, a str; no arrays).
+    otherwise return the allocator it runs under (``"tcmalloc" | "jemalloc" | "system"``, a str).
 
     Call it first thing in a program's entry point, before work worth keeping: nothing of the current process
     survives the re-execution. A program read from standard input (``sys.argv[0]`` ``"-"`` or ``""``) is not

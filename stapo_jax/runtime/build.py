@@ -23,7 +23,7 @@ from stapo_jax.data.tokenizer import load_tokenizer, stop_token_ids
 
 def build_mesh(cfg: Config):
     """``jax.sharding.Mesh`` with axes (data, fsdp, tensor) from ``cfg.mesh`` (-1 = the remaining devices).
-    Takes no arrays. Raises: ConfigError naming ``mesh.data`` / ``mesh.fsdp`` / ``mesh.tensor`` and the device
+    Raises: ConfigError naming ``mesh.data`` / ``mesh.fsdp`` / ``mesh.tensor`` and the device
     count when the axis sizes do not fit the devices (from ``models.sharding.ShardingError``). Source:
     ``models.sharding.make_mesh``."""
     m = cfg.mesh
@@ -42,7 +42,7 @@ def model_config(cfg: Config, tokenizer=None, platform: Optional[str] = None) ->
     no ``vocab_size`` takes ``len(tokenizer)``; EOS ids come from the tokenizer when one is given.
     Raises:
       ConfigError: neither a preset nor the required size fields.
-    Takes no arrays (ints / floats / str of the config). Source: the HF ``config.json`` of the Qwen3 presets.
+    Takes ints / floats / str of the config. Source: the HF ``config.json`` of the Qwen3 presets.
     """
     m = cfg.model
     base = _preset_config(m.preset) if m.preset else None
@@ -96,14 +96,14 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
 
 def build_tokenizer(cfg: Config):
     """The configured tokenizer (``stapo_jax.data.tokenizer.load_tokenizer``).
-    Takes no arrays. Raises: ConfigError / OSError from ``load_tokenizer`` (missing path)."""
+    Raises: ConfigError / OSError from ``load_tokenizer`` (missing path)."""
     return load_tokenizer(cfg)
 
 
 def build_recipe(cfg: Config):
     """The :class:`stapo_jax.algo.recipes.Recipe` the resolved config describes (recipe defaults were applied by
     ``load_config``); see :func:`stapo_jax.config.recipes.recipe_from_config`.
-    Takes no arrays. Raises: ConfigError for an invalid recipe setting."""
+    Raises: ConfigError for an invalid recipe setting."""
     from stapo_jax.config.recipes import recipe_from_config
 
     return recipe_from_config(cfg)

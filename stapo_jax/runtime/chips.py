@@ -64,7 +64,7 @@ def measured_cpu_peak(n: int = 1024, repeats: int = 3) -> float:
 def device_peak(dtype: str) -> dict:
     """The peak of the run's chips: ``{"chip", "peak_flops" (per chip, FLOP/s), "devices", "source"}`` from
     :data:`PEAKS` for jax's first device, else (CPU, unknown accelerators) :func:`measured_cpu_peak` with
-    ``devices`` 1 (simulated CPU devices share the host's cores). Takes the compute dtype (str), no arrays;
+    ``devices`` 1 (simulated CPU devices share the host's cores). Takes the compute dtype (str);
     returns float / int / str values; never raises.
     Source: the vendor figures in this module's docstring."""
     dev = jax.devices()[0]

@@ -73,7 +73,7 @@ class PhaseCompile:
 
 def program_name(fun_name: str) -> str:
     """``"jit(step)"`` -> ``"step"`` (JAX's ``fun_name`` keyword without its transform wrapper); other names
-    unchanged. Takes and returns str (no arrays); never raises. Source: the names JAX's ``log_compiles`` prints."""
+    unchanged. Takes and returns str; never raises. Source: the names JAX's ``log_compiles`` prints."""
     s = str(fun_name)
     while "(" in s and s.endswith(")"):
         s = s[s.index("(") + 1:-1]
@@ -86,7 +86,7 @@ class CompileStats:
     ``take_step()`` returns what was compiled since the previous call (``perf/compiles``, ``perf/compile_s``,
     ``perf/cache_hits``, ``time/compile/<phase>``); ``table()`` the whole run per program (the ``compile`` key of
     ``summary.json``). Thread-safe (compiles may happen on worker threads; a hit is matched to the compile
-    span of its own thread). Takes no arrays. Never raises from a listener.
+    span of its own thread). Never raises from a listener.
     """
 
     def __init__(self):
@@ -225,7 +225,7 @@ class CompileStats:
 
 def format_table(rows: list[dict], limit: int = 25) -> str:
     """The program table as aligned text lines for the log (``limit`` slowest programs, then a total line).
-    Takes the rows of :meth:`CompileStats.table` (no arrays: int / float / str values); returns str; never
+    Takes the rows of :meth:`CompileStats.table` (int / float / str values); returns str; never
     raises. Source: the ``compile`` key of ``summary.json`` (issue 33)."""
     head = f"{'program':32s} {'shapes':>6s} {'compiles':>8s} {'cache hits':>10s} {'seconds':>9s}"
     lines = [head] + [f"{r['program'][:32]:32s} {r['n_shapes']:6d} {r['n_compiles']:8d} {r['cache_hits']:10d} "
@@ -240,7 +240,7 @@ def format_table(rows: list[dict], limit: int = 25) -> str:
 def resolve_cache_dir(setting: Optional[str]) -> Optional[str]:
     """The persistent compilation cache directory of ``trainer.compilation_cache_dir``: ``auto`` =
     ``$JAX_COMPILATION_CACHE_DIR`` when set, else ``~/.cache/stapo_jax/jax_cache``; None or ``""`` = off (None);
-    any other string is that path (``~`` expanded, made absolute). Takes and returns str / None (no arrays);
+    any other string is that path (``~`` expanded, made absolute). Takes and returns str / None;
     never raises. Source: JAX's ``JAX_COMPILATION_CACHE_DIR`` variable."""
     if setting is None or str(setting).strip() == "":
         return None
@@ -254,7 +254,7 @@ def enable_compilation_cache(path: Optional[str]) -> Optional[str]:
     it; None turns it off) with no minimum compile time or entry size, so that even the small programs of a
     CPU run are cached, and a second identical run or a resume loads every executable instead of compiling.
     Resets JAX's once-per-process cache decision, so it takes effect even after earlier compiles. Returns the
-    path used (or None; no arrays). Raises: OSError when the directory cannot be created (names it). Source: JAX's
+    path used (or None). Raises: OSError when the directory cannot be created (names it). Source: JAX's
     persistent compilation cache (``jax_compilation_cache_dir``, docs "Persistent compilation cache")."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 

@@ -135,7 +135,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                heartbeat_timeout_s: Optional[int] = None) -> DistributedInfo:
     """Initialise multi-process JAX when the job has several processes; a no-op for one process.
 
-    Takes str / int arguments only (no arrays, no shapes); the timeouts are int seconds. Source:
+    Takes str / int arguments only; the timeouts are int seconds. Source:
     ``jax.distributed.initialize`` (its ``initialization_timeout`` and ``heartbeat_timeout_seconds``) and
     MaxText's ``maybe_initialize_jax_distributed_system``.
 
@@ -244,7 +244,7 @@ def config_key_hashes(config_dict: dict) -> dict[str, int]:
     """``{dotted key: crc32 of repr(value)}`` (an int32 bit pattern) of a nested config dict.
 
     ``config_dict``: nested str-keyed dict (e.g. ``Config.to_dict()``); returns str -> Python int, one scalar per
-    leaf key, sorted by key (no arrays). Never raises for dicts of plain values (``repr`` of any value works).
+    leaf key, sorted by key. Never raises for dicts of plain values (``repr`` of any value works).
     Source: ``zlib.crc32`` (the standard CRC-32), compared over processes by :func:`check_same_config`."""
     return {k: int(np.array(zlib.crc32(repr(v).encode()), np.uint32).view(np.int32))
             for k, v in sorted(_flat(config_dict).items())}

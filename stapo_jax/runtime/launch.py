@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now.
-    Takes no arrays; returns a Python int port. Raises OSError when no socket can be bound. Source: the OS's
+    Returns a Python int port. Raises OSError when no socket can be bound. Source: the OS's
     ephemeral port (bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -37,7 +37,7 @@ def process_env(i: int, n: int, port: int, devices: Optional[int], base: Optiona
     """The environment of process ``i`` of ``n``: coordinator, process count/id, ``STAPO_DISTRIBUTED=on`` (also
     for ``n`` = 1: ``jax.distributed`` and so gloo CPU collectives in every layout), simulated CPU devices.
     Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection).
-    Takes no arrays (int ids, a str-to-str environment). Never raises. Source: ``jax.distributed.initialize``'s
+    Takes int ids, a str-to-str environment. Never raises. Source: ``jax.distributed.initialize``'s
     ``JAX_*`` variables; XLA's ``--xla_force_host_platform_device_count``."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}

@@ -124,7 +124,7 @@ def mask_without_entropy(recipe, d: dict):
     """``(recipe, note)``: the recipe as ``check`` applies it to dump ``d``. A token mask that reads ``entropy``
     (``s2t``, ``top_entropy``) is left out when the dump has no ``entropy`` (an optional field), and ``note`` says
     so (None otherwise): the loss rows then compare the unmasked loss, which is the dumped run's loss for a run
-    without that mask (verl / TRL GRPO) or one that masked no token. No arrays (``d``: name -> np.ndarray); never
+    without that mask (verl / TRL GRPO) or one that masked no token. ``d`` maps name -> np.ndarray; never
     raises. Source: the mask registry's ``needs`` (``stapo_jax.algo.masks.register_token_mask``)."""
     from stapo_jax.algo import masks
 

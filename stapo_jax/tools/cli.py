@@ -32,7 +32,7 @@ def quiet_third_party_startup() -> None:
     * transformers' ``PyTorch was not found...`` advice (``make run`` installs no torch; only the HF export's
       ``from_pretrained`` needs it): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the user set it.
 
-    No arrays, returns None; never raises. Source: JAX's ``jax._src.xla_bridge`` logger and HF transformers'
+    Returns None; never raises. Source: JAX's ``jax._src.xla_bridge`` logger and HF transformers'
     ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` environment variable.
     """
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -49,7 +49,7 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code.
 
-    No arrays: ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
+    ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
     / FileNotFoundError / NotADirectoryError / IsADirectoryError / PermissionError (EACCES / EPERM; the message
     names the path) / ``stapo_jax.runtime.checkpoint.CheckpointError``
     (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other

@@ -40,7 +40,7 @@ TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 def build_parser() -> argparse.ArgumentParser:
     """The command's ``argparse`` parser (see the module docstring for the options).
 
-    No arrays: returns an ``argparse.ArgumentParser`` (str / int / bool options, ``--dtype`` float32 or bfloat16);
+    Returns an ``argparse.ArgumentParser`` (str / int / bool options, ``--dtype`` float32 or bfloat16);
     building it never raises (parsing bad arguments exits 2). Source: HF transformers ``generate`` option names
     (``max_new_tokens``).
     """
@@ -80,7 +80,7 @@ def _parse_mesh(spec: str):
 def load_model(args):
     """(config, model, description) for the parsed arguments (see the module docstring).
 
-    No arrays passed in: ``args`` the parsed namespace. Returns ``(Qwen3Config, Qwen3 model, str)``; parameters
+    Takes ``args``, the parsed namespace. Returns ``(Qwen3Config, Qwen3 model, str)``; parameters
     in ``args.dtype`` (float32 or bfloat16). Raises ``CheckpointError`` (ValueError) for a bad ``--model``,
     KeyError for an unknown ``--preset``. Source: HF transformers ``from_pretrained`` checkpoint layout
     (:mod:`models.hf`).
@@ -118,7 +118,7 @@ def load_tokenizer(path_or_id: Optional[str], model_path: Optional[str] = None, 
     Raises:
       OSError: transformers cannot load ``path_or_id`` (a missing directory or an unknown hub id).
 
-    No arrays: str / int arguments; ``vocab_size`` an int token count. Source: HF transformers
+    Str / int arguments; ``vocab_size`` an int token count. Source: HF transformers
     ``AutoTokenizer.from_pretrained``.
     """
     from transformers import AutoTokenizer
@@ -188,7 +188,7 @@ def run(args) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``stapo-jax demo``; returns the exit code (0 ok, 2 bad input: message on stderr).
 
-    No arrays: ``argv`` a sequence of str, returns an int. ValueError / KeyError / FileNotFoundError / OSError are
+    ``argv`` a sequence of str, returns an int. ValueError / KeyError / FileNotFoundError / OSError are
     printed, not raised (exit 2); argparse errors exit 2.
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -143,7 +143,7 @@ def trl_loss_settings(trainer) -> dict:
     ``_compute_loss`` reads: ``loss_type``, ``epsilon_low``, ``epsilon_high``, ``beta``, ``max_completion_length``,
     ``args.delta``): no dual clip, no log-ratio clamp needed, the KL term TRL's k3 with coefficient ``beta``.
 
-    Takes no arrays; returns JSON values. Raises: ValueError for a ``loss_type`` outside
+    Returns JSON values. Raises: ValueError for a ``loss_type`` outside
     :data:`TRL_LOSS_AGG_MODES`, TRL's two-sided clipping (``args.delta``) or a sequence-level importance ratio,
     which have no counterpart here. Source: TRL 1.16 ``grpo_trainer.py`` (``_compute_loss``)."""
     if trainer.loss_type not in TRL_LOSS_AGG_MODES:

@@ -47,7 +47,7 @@ def load_problems(source: str, *, data_dir: Optional[str] = None, prompt_key: st
       EvalDataError: unreadable rows, a missing/empty problem or answer field (names file, row and key),
         no rows, or an HF id that cannot be fetched.
 
-    No arrays: a list of :class:`Problem` (int index, str problem, str answer). Source: the HF datasets
+    A list of :class:`Problem` (int index, str problem, str answer). Source: the HF datasets
     ``problem`` / ``answer`` field convention (MATH-500, AIME; verl's ``data.prompt_key``).
     """
     if limit is not None and limit < 1:
@@ -142,7 +142,7 @@ def format_prompts(problems: Sequence[Problem], tokenizer: Any, data_cfg: Any) -
     Raises:
       stapo_jax.config.schema.ConfigError: a chat template is requested but the tokenizer has none.
 
-    No arrays: returns a list of str of length ``len(problems)``.
+    Returns a list of str of length ``len(problems)``.
     """
     from stapo_jax.data.prompts import format_prompt
 

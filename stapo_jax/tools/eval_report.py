@@ -197,7 +197,7 @@ class EvalReport:
 def format_cell(values: Sequence[Optional[float]]) -> str:
     """``"a (b)"`` table cell from per-setting values (2 decimals, ``-`` for None or no values).
 
-    No arrays: ``values`` float or None scalars, returns a str; never raises. Source: the paper's results-table
+    ``values`` float or None scalars, returns a str; never raises. Source: the paper's results-table
     convention (main value, then the other settings in parentheses).
     """
     vals = ["-" if v is None else f"{v:.2f}" for v in values]
@@ -209,7 +209,7 @@ def format_cell(values: Sequence[Optional[float]]) -> str:
 def json_default(x):
     """``json.dumps`` fallback: numpy scalars to Python, sets/tuples to lists, anything else to ``str``.
 
-    No arrays out: numpy int / float scalars become Python int / float, sets / tuples lists, anything else its
+    Numpy int / float scalars become Python int / float, sets / tuples lists, anything else its
     str; never raises. Source: the standard-library ``json.dumps(default=...)`` convention.
     """
     if isinstance(x, (np.integer, np.floating)):

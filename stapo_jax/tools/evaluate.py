@@ -216,7 +216,7 @@ def make_graders(names: Sequence[str], *, timeout_s: float = 10.0, num_workers: 
     Raises:
       ValueError: an unknown grader name.
 
-    No arrays in: names are str, ``timeout_s`` float seconds, ``num_workers`` an int; each grader returns
+    Names are str, ``timeout_s`` float seconds, ``num_workers`` an int; each grader returns
     ``(scores [N] float32, stats)``. Source: math-verify (gold first) and JustRL / verl ``math_dapo`` strict-box
     match.
     """
@@ -270,7 +270,7 @@ def engine_generator(driver: Any, tokenizer: Any, *, batch_prompts: Optional[int
     Returns:
       The generator function.
 
-    No arrays out: the generator returns P lists (str prompts in) of ``num_samples`` :class:`Completion`
+    The generator returns P lists (str prompts in) of ``num_samples`` :class:`Completion`
     (str text, int num_tokens, bool truncated); it reads the driver's int32 ``responses`` [P*G, T] and
     ``response_lengths`` [P*G]. Building it never raises; the generator raises ``RolloutInputError`` (ValueError)
     from the driver for a bad ``num_samples`` / ``max_new_tokens``. Source: HF transformers ``generate`` sampling
@@ -306,7 +306,7 @@ def engine_generator(driver: Any, tokenizer: Any, *, batch_prompts: Optional[int
 
 def body_overrides(cfg) -> dict:
     """The ``model.*`` size fields set explicitly next to ``model.preset`` (e.g. a toy body under Qwen3-0.6B's
-    vocabulary, ``configs/gsm8k_tiny.yaml``), vocabulary and RoPE fields excluded: {key: int}. No arrays; never
+    vocabulary, ``configs/gsm8k_tiny.yaml``), vocabulary and RoPE fields excluded: {key: int}. Never
     raises. Source: ``stapo_jax.config.schema.MODEL_SIZE_KEYS``."""
     keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim")
@@ -316,7 +316,7 @@ def body_overrides(cfg) -> dict:
 def random_init_label(cfg) -> str:
     """How results of a model with no ``model.path`` are labelled: ``"Qwen3-0.6B (random init)"``, or with an
     overridden body ``"Qwen3-0.6B vocabulary, 1 layer(s) x hidden_size 32 (random init)"`` so that a toy model is
-    never reported under the preset's name. No arrays: returns a str; never raises. Source: this project's eval
+    never reported under the preset's name. Returns a str; never raises. Source: this project's eval
     report."""
     m, body = cfg.model, body_overrides(cfg)
     if not body:
@@ -341,7 +341,7 @@ def _paper_size(cfg) -> Optional[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The command's ``argparse`` parser (see the module docstring for the options).
 
-    No arrays: returns an ``argparse.ArgumentParser`` (str / int / bool options); building it never raises
+    Returns an ``argparse.ArgumentParser`` (str / int / bool options); building it never raises
     (parsing bad arguments exits 2). Source: the project CLI convention (verl-style dotted overrides).
     """
     p = argparse.ArgumentParser(
@@ -451,7 +451,7 @@ def _close_graders(graders: Mapping[str, Grader]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``stapo-jax eval``; returns the exit code (0 on success, 2 on a configuration or data error).
 
-    No arrays: ``argv`` a sequence of str; returns an int exit code. ConfigError / DataError / EvalDataError /
+    ``argv`` a sequence of str; returns an int exit code. ConfigError / DataError / EvalDataError /
     FileNotFoundError and too-long prompts are printed (exit 2), not raised; argparse errors exit 2.
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

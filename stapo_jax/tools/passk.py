@@ -101,7 +101,7 @@ def default_ks(n: int) -> list[int]:
     >>> default_ks(32), default_ks(4), default_ks(6)
     ([1, 2, 4, 8, 16, 32], [1, 2, 4], [1, 2, 4, 6])
 
-    No arrays: int in, list of int out.
+    Int in, list of int out.
 
     Raises:
       PassKError: ``n`` < 1.

@@ -59,7 +59,7 @@ DEVICE_MEMORY_GB = {"tpu-v5p": 95.0, "tpu-v6e": 32.0, "tpu-v5e": 16.0, "tpu-v4":
 def plan_model_config(cfg) -> Any:
     """The ``Qwen3Config`` of ``cfg.model``; a hub id in ``model.path`` that is not a local directory is
     resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens.
-    No arrays; raises PlanError (unknown hub id), CheckpointError (bad config.json). Source: HF ``config.json``."""
+    Raises PlanError (unknown hub id), CheckpointError (bad config.json). Source: HF ``config.json``."""
     import dataclasses as dc
 
     from models.layer_scan import resolve_scan_unroll
@@ -152,7 +152,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
       optimizer and engine settings.
     Raises:
       PlanError: see :func:`_mesh_sizes`; the mini-batch does not split over the data shards and micro-batches.
-    No arrays: int / float / bool / str fields. Source: verl's ``ppo_mini_batch_size`` / ``ppo_micro_batch_size``."""
+    Int / float / bool / str fields. Source: verl's ``ppo_mini_batch_size`` / ``ppo_micro_batch_size``."""
     from stapo_jax.config.schema import ConfigError
 
     sizes, kind = _mesh_sizes(mesh, cfg, devices)
@@ -196,7 +196,7 @@ def run_plan(spec: dict) -> dict:
       ``{"spec": spec, "train": {...}, "decode": {...}, "analytic": {...}}``; byte counts are per device.
     Raises:
       PlanError: this process sees a different number of devices.
-    No arrays: int / float / str dicts. Source: XLA ``compiled.memory_analysis()`` / ``cost_analysis()``."""
+    Int / float / str dicts. Source: XLA ``compiled.memory_analysis()`` / ``cost_analysis()``."""
     import jax
 
     from models.qwen3 import Qwen3Config
@@ -223,7 +223,7 @@ def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
 
     Raises:
       RuntimeError: the subprocess failed (its output tail is in the message).
-    No arrays (int / float / str dicts); ``timeout_s`` seconds, past it ``subprocess.TimeoutExpired``. Source: JAX
+    Returns int / float / str dicts; ``timeout_s`` seconds, past it ``subprocess.TimeoutExpired``. Source: JAX
     ``--xla_force_host_platform_device_count``."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -246,8 +246,8 @@ def _gb(x: Optional[float]) -> str:
 
 def layout_line(layout: dict, spec: dict) -> str:
     """One report line on the planned train-step batch layout (``plan_programs.train_batch_layout``): for the
-    token-budget slot layout, K', n_max, the slot rows and the packed geometry. No arrays (dicts of int / str in,
-    str out); raises KeyError for a layout not from ``train_batch_layout``. Source: ``packing.token_budget_slots``."""
+    token-budget slot layout, K', n_max, the slot rows and the packed geometry. Takes dicts of int / str,
+    returns a str; raises KeyError for a layout not from ``train_batch_layout``. Source: ``packing.token_budget_slots``."""
     dp = spec["mesh"]["data"] * spec["mesh"]["fsdp"]
     w = layout["row_length"]
     if layout["kind"] == "padded":
@@ -266,7 +266,7 @@ def layout_line(layout: dict, spec: dict) -> str:
 
 def format_report(result: dict) -> str:
     """Human-readable report of :func:`run_plan`'s result (per-device memory in GB = 1e9 bytes; FLOPs).
-    No arrays: str out. Raises KeyError for a result not from :func:`run_plan`. Source: XLA ``memory_analysis``."""
+    Str out. Raises KeyError for a result not from :func:`run_plan`. Source: XLA ``memory_analysis``."""
     s, a = result["spec"], result["analytic"]
     m = s["model"]
     hbm = s.get("hbm_gb")
@@ -331,7 +331,7 @@ def format_report(result: dict) -> str:
 
 def fits(result: dict) -> Optional[bool]:
     """True/False when the device memory is known: every planned phase's peak fits; None otherwise.
-    No arrays: bool / None (bytes as int / float); KeyError for a foreign result. Source: XLA memory_analysis."""
+    Bool / None (bytes as int / float); KeyError for a foreign result. Source: XLA memory_analysis."""
     hbm = result["spec"].get("hbm_gb")
     if not hbm:
         return None
@@ -345,7 +345,7 @@ def fits(result: dict) -> Optional[bool]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's ``argparse`` parser (see the module docstring for the options).
-    No arrays: str / int / float options; never raises (bad arguments exit 2). Source: verl-style dotted overrides."""
+    Str / int / float options; never raises (bad arguments exit 2). Source: verl-style dotted overrides."""
     p = argparse.ArgumentParser(prog="stapo-jax plan", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted config overrides key.sub=value")
     p.add_argument("--config", help="run config YAML (e.g. configs/paper/qwen3-14b-base-stapo.yaml)")
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``stapo-jax plan``; exit code 0 (fits or unknown memory), 1 (does not fit), 2 (bad input).
-    No arrays: argv str, int exit code; ConfigError / PlanError / FileNotFoundError / KeyError exit 2, not raised."""
+    Argv str, int exit code; ConfigError / PlanError / FileNotFoundError / KeyError exit 2, not raised."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         spec = json.loads(Path(args.worker[0]).read_text())

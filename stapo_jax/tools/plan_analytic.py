@@ -1,7 +1,7 @@
 """Compiler-independent counts of ``stapo-jax plan``: parameters, ideal per-device bytes, matmul FLOPs, and the
 worst-case slot layout of a packed update chosen by tokens (``stapo_jax.train.packing.token_budget_slots``).
 
-No arrays: everything here works on the JSON-able plan spec of ``stapo_jax.tools.plan.make_spec``.
+Everything here works on the JSON-able plan spec of ``stapo_jax.tools.plan.make_spec``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["spec_recipe", "packed_slot_bound", "analytic"]
 
 def spec_recipe(spec: dict):
     """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the S2T / 20-Entropy scopes
-    and the S2T mini-batch method). No arrays (a dict of int / str in, a Recipe out); raises KeyError for a spec
+    and the S2T mini-batch method). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
     not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
     from stapo_jax.algo.mask_settings import QUANTILE_SCOPES
     from stapo_jax.config.recipes import get_recipe
@@ -46,7 +46,7 @@ def packed_slot_bound(mini_rows: int, num_micro_batches: int, num_shards: int, w
     Args: mini_rows (sequences per mini-batch), num_micro_batches (the configured K), num_shards (S), width
     (P + R tokens), max_sequences (``actor.sequences_cap()``), min_tokens (fewest tokens of a sequence), ints.
     Returns: ``{"micro_batches": K', "n_max": n_max, "slots": S * K' * n_max, "budget_tokens": budget,
-    "sequences_per_padded_micro_batch": per / K}`` (ints; no arrays).
+    "sequences_per_padded_micro_batch": per / K}`` (ints).
     Raises: ValueError when K x S does not divide ``mini_rows`` or a size is < 1.
     Source: this project's ``token_budget_slots`` (verl ``use_dynamic_bsz`` in fixed shapes).
     """
@@ -82,7 +82,7 @@ def analytic(spec: dict, qcfg) -> dict:
     remat recompute (``full``: the decoder forward again; ``dots_no_batch``: the attention score/value
     matmuls, which have batch dimensions; ``dots``/``none``: none). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
     case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
-    No arrays: int / float counts; raises KeyError for a spec not from ``make_spec``. Source: Kaplan et al. 2020
+    Int / float counts; raises KeyError for a spec not from ``make_spec``. Source: Kaplan et al. 2020
     (forward = 2 x params x tokens, backward = 2 x forward)."""
     d, layers = qcfg.hidden_size, qcfg.num_hidden_layers
     nh, nkv, h, v = qcfg.num_attention_heads, qcfg.num_key_value_heads, qcfg.head_dim, qcfg.vocab_size

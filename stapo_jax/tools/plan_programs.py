@@ -111,7 +111,7 @@ def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
 
 
 def train_batch_layout(spec: dict, num_shards: int) -> dict:
-    """The mini-batch layout the trainer hands the train step for a plan spec (no arrays, ints / str):
+    """The mini-batch layout the trainer hands the train step for a plan spec (ints / str):
 
     * ``"padded"`` (``model.use_remove_padding=false``): ``rows`` = the mini-batch's sequences, K micro-batches;
     * ``"packed rows"`` (packed, an update that depends on a row's micro-batch, so ``trainer.py`` keeps the
@@ -196,7 +196,7 @@ def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
     """The static ``DecodeSpec`` of ``stapo_jax.rollout.decode_fns``' jitted prefill/insert/step functions for a
     model and engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model),
     so the very functions the engine runs can be lowered with abstract arguments.
-    No arrays; never raises. Source: JetStream's engine functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
+    Never raises. Source: JetStream's engine functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
     from stapo_jax.rollout.decode_fns import abstract_decode_spec
     from stapo_jax.rollout.engine import engine_stop_ids
 

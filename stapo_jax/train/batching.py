@@ -14,7 +14,7 @@ import numpy as np
 
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= max(n, 1).
-    Takes and returns a Python int (no arrays). Never raises (``multiple`` >= 1 assumed). Source: verl's padding
+    Takes and returns a Python int. Never raises (``multiple`` >= 1 assumed). Source: verl's padding
     of P / R to a multiple (conventions.md §6)."""
     return max(1, -(-max(n, 1) // multiple)) * multiple
 
@@ -96,5 +96,5 @@ def _check_token_ids(seqs: Sequence[Sequence[int]], what: str, vocab_size: Optio
 def response_hidden_slice(prompt_length: int, response_length: int) -> slice:
     """Positions of the hidden states that predict the R response tokens: ``P-1 .. P+R-2``.
     Python ints -> a ``slice`` over the ``[B, P + R, D]`` hidden states (its length is R). Never raises. Source: the
-    causal shift of verl's ``logits[:, -R - 1:-1]`` (conventions.md §6). Takes Python int P and R, no arrays."""
+    causal shift of verl's ``logits[:, -R - 1:-1]`` (conventions.md §6). Takes Python int P and R."""
     return slice(prompt_length - 1, prompt_length + response_length - 1)

@@ -118,7 +118,7 @@ MASK_STRATEGIES: Registry = Registry("mask strategy", "actor.token_mask", homes=
 def register_mask_strategy(name: str) -> Callable:
     """Decorator registering a strategy factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` for the
     token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``.
-    Takes no arrays (``name``: str)."""
+    Takes ``name``: str."""
     return MASK_STRATEGIES.register(name)
 
 
@@ -126,7 +126,7 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
     """The strategy of ``recipe.token_mask``: its registered factory's choice if any, else
     :func:`full_batch_strategy` (pre-pass) for a ``minibatch``-scoped mask, else :func:`per_micro_batch_strategy`.
     ``has_old_entropy``: whether the batch carries ``old_entropy``. Raises: ValueError for an unknown mask.
-    Takes no arrays; the strategy's masks are ``[B, R]`` bool. Source: stapo_spec.md §3 (population of the
+    The strategy's masks are ``[B, R]`` bool. Source: stapo_spec.md §3 (population of the
     threshold)."""
     make = MASK_STRATEGIES.get(recipe.token_mask)
     strategy = make(recipe, has_old_entropy) if make is not None else None
@@ -138,7 +138,7 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
 def mask_selects(recipe: Recipe) -> bool:
     """Whether the recipe's mask is a *selection* for a penalty (``kl_cov``), passed to the objective as
     ``kl_cov_selection``, rather than a keep mask (registry field ``selects``).
-    Takes no arrays; returns a Python bool. Raises: ValueError for an unknown mask name. Source: verl
+    Returns a Python bool. Raises: ValueError for an unknown mask name. Source: verl
     ``compute_policy_loss_kl_cov`` (a selection, not a keep mask)."""
     return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
 
@@ -166,7 +166,7 @@ def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
 def kl_apart(recipe: Recipe) -> bool:
     """Whether the update differentiates the KL term apart from the policy gradient: its denominator (every valid
     token) can differ from the policy gradient's (the kept tokens), and the kept-token count of the mini-batch is
-    known only after the gradient pass (``objectives.kl_has_own_denominator``). Takes no arrays; returns a bool.
+    known only after the gradient pass (``objectives.kl_has_own_denominator``). Returns a bool.
     Never raises. Source: verl actor (``pg_loss + kl_loss_coef * agg_loss(kld, response_mask)``)."""
     has_mask = recipe.token_mask != "none" and not mask_selects(recipe)
     return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
@@ -314,7 +314,7 @@ def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
     strategy of this module) otherwise.
 
-    Takes no arrays (``has_old_entropy``: bool); returns a :class:`MaskStrategy` or None, whose masks are
+    Takes ``has_old_entropy``: bool; returns a :class:`MaskStrategy` or None, whose masks are
     ``[B, R]`` bool. Never raises here; the strategies raise ValueError as
     :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
     mode = minibatch_stats_mode(recipe, has_old_entropy)

@@ -40,7 +40,7 @@ def progress_bar(total: Optional[int], desc: str, *, unit: str = "step", enabled
       total: number of units (None: unknown, no ETA); desc: the label in front; unit: e.g. ``"step"``.
     Returns:
       a ``tqdm.auto.tqdm`` (use as a context manager or call ``close()``).
-    Takes no arrays. Never raises. Source: verl's ``trainer.logger: console`` progress bar.
+    Never raises. Source: verl's ``trainer.logger: console`` progress bar.
     """
     import jax
     from tqdm.auto import tqdm
@@ -126,7 +126,7 @@ class MetricsLogger:
         """A run resumed from the checkpoint of ``step`` (int): drop the rows of later steps from
         ``metrics.jsonl`` (the interrupted run wrote them, the resumed run writes them again), open TensorBoard
         with ``purge_step = step + 1`` (TensorBoard then hides the earlier events of those steps) and start the
-        progress bar at ``step``. No arrays. Raises: OSError when the metrics file cannot be rewritten. Source:
+        progress bar at ``step``. Raises: OSError when the metrics file cannot be rewritten. Source:
         TensorBoard's ``purge_step`` (``SummaryWriter``) for resumed runs."""
         self._file.close()
         dropped = truncate_rows(self.path, step)
@@ -209,7 +209,7 @@ def _drop_partial_last_line(path: str) -> None:
 
 def truncate_rows(path: str, step: int) -> int:
     """Rewrite the metrics file ``path`` without the rows of steps after ``step`` (int); lines that are not such
-    rows are kept as they are. Returns how many rows were dropped (0 for a missing file). No arrays. Raises:
+    rows are kept as they are. Returns how many rows were dropped (0 for a missing file). Raises:
     OSError when the file cannot be rewritten (written to ``path + ".tmp"``, then renamed over it). Source: the
     metrics.jsonl the trainer writes (one JSON object with an integer ``"step"`` per line)."""
     if not os.path.isfile(path):

@@ -22,7 +22,7 @@ def make_optimizer(lr: float, warmup_steps: int = 0, weight_decay: float = 0.0, 
       clip_grad: global-norm clip threshold, or None for no clipping.
     Raises:
       ValueError: non-positive ``lr``, negative ``warmup_steps`` or non-positive ``clip_grad``.
-    Takes Python floats/ints (no arrays); the returned transformation keeps the parameters' dtypes (float32 moments
+    Takes Python floats/ints; the returned transformation keeps the parameters' dtypes (float32 moments
     for float32 parameters).
     """
     if lr <= 0:
@@ -46,7 +46,7 @@ class GlobalNormClipped(optax.GradientTransformationExtraArgs):
     :func:`make_optimizer` returns one when ``clip_grad`` is set; ``stapo_jax.train.train_step`` passes the norm
     only to this type (a user chain with a transformation before the clip, or the clip in one group of
     ``optax.multi_transform``, would need another norm). Otherwise an ordinary optax transformation (the same
-    ``init`` / ``update`` and state). No arrays of its own; never raises. Source: optax's extra-argument
+    ``init`` / ``update`` and state). Holds no state of its own; never raises. Source: optax's extra-argument
     protocol (``GradientTransformationExtraArgs``)."""
 
 
@@ -94,7 +94,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 def build_optimizer(cfg: Config):
     """AdamW with warm-up and clipping from ``actor.optim`` (:func:`make_optimizer`).
-    Takes no arrays (Python floats); the optimizer keeps the parameters' dtypes. Raises: ValueError as
+    Takes Python floats; the optimizer keeps the parameters' dtypes. Raises: ValueError as
     ``make_optimizer``. Source: ``stapo_jax.train.optim.make_optimizer`` (verl's ``actor.optim`` keys)."""
     o = cfg.actor.optim
     return make_optimizer(o.lr, o.warmup_steps, o.weight_decay, o.clip_grad, o.betas, o.eps)

@@ -199,7 +199,7 @@ def fixed_geometries(per_block: int, width: int, long_rows: bool = True) -> list
     update programs and 3 old-log-prob programs per micro-batch count), smallest first: a quarter, a half and all
     of the padded micro-batch block's tokens ``per_block * width`` -- rows of ``width`` = P + R tokens, or, with
     ``long_rows``, one row of that many tokens. The last always holds any block (one sequence per row).
-    Ints in, a list of (rows, tokens per row) int pairs out (no arrays); raises ValueError for sizes < 1. Source: this project's
+    Ints in, a list of (rows, tokens per row) int pairs out; raises ValueError for sizes < 1. Source: this project's
     bounded shapes (issue 33), in the spirit of JetStream's fixed padding buckets."""
     if per_block < 1 or width < 1:
         raise ValueError(f"fixed_geometries: per_block={per_block} and width={width} must be >= 1")
@@ -274,8 +274,8 @@ def pack_micro_batches(input_ids: np.ndarray, attention_mask: np.ndarray, respon
 def packing_long_rows(attention: str) -> bool:
     """True when packed rows may be longer than the padded width: the resolved ``model.attention`` (after
     ``models.attention.resolve_implementation``) is ``blockwise``, whose cost follows the segments; xla, cudnn
-    and splash compute the whole causal L x L square of a row. Takes a str, returns a bool (no arrays, no
-    shapes). Never raises. Source: verl ``use_remove_padding`` (one flat varlen row per micro-batch)."""
+    and splash compute the whole causal L x L square of a row. Takes a str, returns a
+    bool. Never raises. Source: verl ``use_remove_padding`` (one flat varlen row per micro-batch)."""
     return attention == "blockwise"
 
 

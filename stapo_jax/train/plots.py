@@ -43,7 +43,7 @@ def run_label(run_dir: str) -> str:
     """``<run name> (<recipe>)``: the run directory's name and ``algorithm.recipe`` of its ``config.yaml``
     (just the name when there is no config).
 
-    No arrays: str path in, str out. Raises ``yaml.YAMLError`` for a malformed ``config.yaml`` (OSError if it
+    Str path in, str out. Raises ``yaml.YAMLError`` for a malformed ``config.yaml`` (OSError if it
     cannot be read). Source: the run-directory layout of :mod:`stapo_jax.train` (``config.yaml``,
     ``algorithm.recipe``).
     """
@@ -69,7 +69,7 @@ def run_series(run_dir: str, summary: Optional[Mapping] = None) -> dict[str, lis
     Raises:
       FileNotFoundError: no metrics file; ValueError: a malformed metrics line (see ``read_metrics``).
 
-    No arrays: lists of ``(int step, float value)``. Source: the run's ``metrics.jsonl`` keys (verl metric names,
+    Lists of ``(int step, float value)``. Source: the run's ``metrics.jsonl`` keys (verl metric names,
     e.g. ``actor/entropy``, ``critic/score/mean``).
     """
     rows = read_metrics(run_dir)
@@ -114,7 +114,7 @@ def draw_panel(ax, key: str, title: str, lines: Sequence[tuple[Optional[str], Se
     decreasing size over each other), a legend when labelled, the y label with its unit (:data:`Y_LABELS`), and
     for held-out accuracy a "before RL" mark at step 0 (the accuracy measured before the first RL step).
 
-    No arrays (lists of int / float); returns ``ax``. Raises KeyError for a key outside :data:`CURVES`.
+    Takes lists of int / float; returns ``ax``. Raises KeyError for a key outside :data:`CURVES`.
     Source: the paper's training-curve figures; matplotlib's ``Axes.plot`` / ``annotate``."""
     many = len(lines) > 1
     for i, (label, xs, ys) in enumerate(lines):
@@ -175,7 +175,7 @@ def plot_run(run_dir: str, out_dir: str | None = None, *, summary: Optional[Mapp
         metrics line (file and line named, see :func:`stapo_jax.train.metrics.read_metrics`), or an ``out_dir``
         that is an existing file.
 
-    No arrays: str paths in and out; values plotted as float against int steps. Source: the paper's training-curve
+    Str paths in and out; values plotted as float against int steps. Source: the paper's training-curve
     figures (entropy, reward, response length, held-out accuracy).
     """
     series = run_series(run_dir, summary)
@@ -204,7 +204,7 @@ def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
         label, no metric in common use, or an ``out_dir`` that is a file. FileNotFoundError: a run without
         metrics.
 
-    No arrays: str paths in and out; ``comparison.json`` holds int steps and float values.
+    Str paths in and out; ``comparison.json`` holds int steps and float values.
     """
     if len(run_dirs) < 2:
         raise ValueError(f"comparing needs at least two runs, got {len(run_dirs)}")
@@ -235,7 +235,7 @@ def compare_runs(run_dirs: Sequence[str], out_dir: str | None = None,
 def main(argv: list[str]) -> int:
     """``stapo-jax plot RUN_DIR [RUN_DIR ...] [--out DIR]``: one run's curves, or several runs overlaid.
 
-    No arrays: ``argv`` a list of str; returns 0. Raises what :func:`plot_run` / :func:`compare_runs` raise
+    ``argv`` a list of str; returns 0. Raises what :func:`plot_run` / :func:`compare_runs` raise
     (ValueError, FileNotFoundError; the ``stapo-jax`` dispatcher prints them, exit 2); argparse errors exit 2.
     """
     p = argparse.ArgumentParser(prog="stapo-jax plot", description=__doc__.split("\n\n")[0])

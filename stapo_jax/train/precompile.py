@@ -48,7 +48,7 @@ def update_geometries(mini_rows: int, num_micro_batches: int, num_shards: int, w
                       long_rows: bool) -> list[tuple[int, int]]:
     """The fixed packed geometries of one micro-batch block (``mini_rows / num_shards / K`` sequences of
     ``width`` = P + R tokens): :func:`stapo_jax.train.packing.fixed_geometries`. Ints in, ``[(M, L)]`` int pairs
-    out (no arrays);
+    out;
     raises ValueError for sizes that do not split. Source: issue 33's bounded shapes."""
     per, rem = divmod(mini_rows, num_shards * num_micro_batches)
     if rem or per < 1:

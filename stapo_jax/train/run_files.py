@@ -38,7 +38,7 @@ def check_run_dir(run_dir: str, create: bool = False) -> None:
     folder is also made (``os.makedirs``), and a PermissionError of that (EACCES, or EPERM which ``os.access``
     cannot foresee) is turned into the same one-line error.
 
-    Takes no arrays (a str path). Raises: ConfigError naming ``trainer.run_dir``, the path and the folder that
+    Takes a str path. Raises: ConfigError naming ``trainer.run_dir``, the path and the folder that
     refused it (the CLI prints it as one line, exit 2, like every other path error). Source: the run directory
     layout (README, "What ``make run`` shows")."""
     def refuse(folder: str, why: str):
@@ -66,7 +66,7 @@ RUNTIME_MODEL_KEYS = ("use_remove_padding", "attention", "remat", "scan_unroll")
 
 def check_same_model(cfg: Config, run_dir: str) -> None:
     """A resumed run must build the model its checkpoints hold (else Orbax fails deep inside restore).
-    Takes no arrays. Raises: ConfigError naming the model keys that differ. Source: Orbax restore needs the saved
+    Raises: ConfigError naming the model keys that differ. Source: Orbax restore needs the saved
     parameter tree."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
@@ -89,7 +89,7 @@ def earlier_run_outputs(run_dir: str) -> list[str]:
     """The names in ``run_dir`` that an earlier RL run wrote (``RUN_OUTPUTS`` and the ``process_<i>`` metrics
     folders of other processes), sorted; [] unless the folder holds a run's ``metrics.jsonl`` or a non-empty
     ``checkpoints/`` (so a user's own ``config.yaml`` or ``plots/`` beside no run, e.g. ``trainer.run_dir=.``,
-    stays put). No arrays; never raises (a missing ``run_dir`` has none). Source: the files the trainer writes
+    stays put). Never raises (a missing ``run_dir`` has none). Source: the files the trainer writes
     (README, "What ``make run`` shows": what it leaves in ``runs/tiny_cpu/``)."""
     try:
         names = set(os.listdir(run_dir))
@@ -123,7 +123,7 @@ def set_aside_earlier_run(run_dir: str, main_process: bool) -> Optional[str]:
     resume would otherwise load the earlier run's later steps as this run's, and ``metrics.jsonl`` would hold both
     runs' rows.
 
-    Takes no arrays. A collective when ``jax.process_count() > 1``: every process calls it (two barriers, so no
+    A collective when ``jax.process_count() > 1``: every process calls it (two barriers, so no
     process opens its checkpointer or metrics file before the move). Returns the new folder on process 0 when
     something was moved, else None. Raises OSError when the folder or a move fails (e.g. a read-only run
     directory; the other processes then stop at the second barrier's timeout).
@@ -159,7 +159,7 @@ def load_val_examples(cfg: Config, tok) -> list[dict]:
 def sft_warmup(cfg: Config, model, examples: Sequence[dict], tok, logger: MetricsLogger, should_stop=None) -> bool:
     """``sft.steps`` supervised steps on ``examples`` (updates ``model`` in place) and one log line of the loss.
     Returns False when ``should_stop`` (asked every 10 steps, ``sft.run_sft``) ended it early, else True.
-    Takes no arrays (examples: dicts of text). Raises what ``stapo_jax.train.sft.sft_from_config`` raises
+    Takes examples: dicts of text. Raises what ``stapo_jax.train.sft.sft_from_config`` raises
     (ConfigError). Source: stapo_spec.md (optional SFT warm-up before RL)."""
     from stapo_jax.train.sft import sft_from_config
 
@@ -183,7 +183,7 @@ def write_plots(run_dir: str, summary: dict) -> None:
 
 def earlier_summary(run_dir: str) -> dict:
     """What ``summary.json`` of ``run_dir`` holds (e.g. ``heldout_acc_before``, written as soon as it is measured,
-    so a run killed later still has it), or {} when there is none. No arrays (JSON values). Raises:
+    so a run killed later still has it), or {} when there is none. Returns JSON values. Raises:
     json.JSONDecodeError for a corrupt summary.json. Source: the run directory layout (README)."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(path):
@@ -194,7 +194,7 @@ def earlier_summary(run_dir: str) -> dict:
 
 def write_summary(run_dir: str, summary: dict) -> None:
     """``summary.json``; a resumed run keeps what earlier runs recorded (e.g. the accuracy before RL).
-    Takes no arrays (JSON-able values). Raises: OSError / json.JSONDecodeError for an unwritable dir or a corrupt
+    Takes JSON-able values. Raises: OSError / json.JSONDecodeError for an unwritable dir or a corrupt
     summary.json. Source: the run directory layout (README)."""
     previous = earlier_summary(run_dir)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -66,7 +66,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     reward scorer, checkpointer, metrics logger, SIGTERM handler) is registered on ``stack`` when it is opened,
     so it is released when ``stack`` closes, also when a later setup step raises. At the end of a run they close
     in the order listener, SIGTERM handler, logger, checkpointer, scorer. Every check that can reject the config
-    runs before anything is written into ``trainer.run_dir``. No arrays cross it (objects, int / bool fields).
+    runs before anything is written into ``trainer.run_dir``. Takes objects and int / bool fields.
     Raises: ConfigError (missing ``trainer.total_steps``, inconsistent batch or mesh), AttentionError, OSError
     (unwritable run folder or cache directory), and what the builders raise. Source: verl
     ``RayPPOTrainer.__init__`` / ``init_workers`` (everything built before ``fit``)."""
@@ -123,7 +123,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
 
 def log_kernels(model_cfg: ModelConfig) -> bool:
     """Resolve ``model.attention`` and log the host allocator, the attention kernel and the packing mode;
-    returns ``packing_long_rows`` of the kernel (bool: a packed micro-batch is one long row). No arrays.
+    returns ``packing_long_rows`` of the kernel (bool: a packed micro-batch is one long row).
     Raises: AttentionError for a kernel this backend cannot run (names ``model.attention``). Source: the
     trainer's setup lines (docs/runtime.md, Host allocator; models/attention.py)."""
     attention = resolve_implementation(model_cfg.attention, model_cfg.dtype)

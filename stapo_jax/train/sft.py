@@ -65,8 +65,8 @@ def model_mesh(model):
     """The ``jax.sharding.Mesh`` the parameters of ``model`` (an nnx module) live on, or None when they are not
     placed with a ``NamedSharding`` (e.g. a model built on one device); never raises.
 
-    Reads the first leaf of ``nnx.state(model)`` (any shape or dtype) with a ``NamedSharding``; no arrays are
-    moved. Source: the ``jax.sharding.NamedSharding.mesh`` convention (flax nnx sharded models)."""
+    Reads the first leaf of ``nnx.state(model)`` (any shape or dtype) with a ``NamedSharding``; nothing
+    is moved. Source: the ``jax.sharding.NamedSharding.mesh`` convention (flax nnx sharded models)."""
     for x in jax.tree.leaves(nnx.state(model)):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, jax.sharding.NamedSharding):
@@ -78,7 +78,7 @@ def check_batch_size(batch_size: int, mesh) -> None:
     """Raise ``ConfigError`` (a ValueError) naming ``sft.batch_size`` when ``batch_size`` rows do not split into
     the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes; None: one shard).
 
-    ``batch_size``: int (sequences per step); no arrays, returns None. Source: verl's rule that the batch
+    ``batch_size``: int (sequences per step); returns None. Source: verl's rule that the batch
     divides the data-parallel world size (``ppo_mini_batch_size % dp == 0``), applied to ``sft.batch_size``."""
     from stapo_jax.config.schema import ConfigError
 
@@ -156,7 +156,7 @@ def gold_response_text(example: dict, cfg) -> str:
     verifiers and gym's ``boxed`` format, ``<answer>...</answer>`` for ``answer_tag``, the bare answer for
     ``raw``.
 
-    ``example``: a dict with an ``answer`` (any value, written with ``str``); returns a str (no arrays).
+    ``example``: a dict with an ``answer`` (any value, written with ``str``); returns a str.
     Raises KeyError when ``example`` has no ``answer``. Source: the answer formats of the verifiers
     (math-verify / DeepScaleR ``\\boxed{}``, Reasoning Gym ``<answer>`` tags)."""
     answer = str(example["answer"])
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``stapo-jax sft --config FILE [key=value ...]``: SFT warm-up only; exports the model as HF safetensors
     to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run).
 
-    argv: str arguments; returns the int exit status 0 (no arrays). Raises ConfigError for a bad config or an
+    argv: str arguments; returns the int exit status 0. Raises ConfigError for a bad config or an
     ``sft.batch_size`` that does not split over the devices, DistributedError for processes started with
     different configs. Source: verl ``trainer/sft_trainer.py``'s CLI entry."""
     import logging

@@ -47,7 +47,7 @@ def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dic
     ``first_step`` (the warm-up step of this process): ``{"steps", "median_step_s", "rollout_tokens_per_s",
     "update_tokens_per_s", "mfu", "peak_flops", "chip"}`` (+ ``"devices"``, ``"compile_s"`` during them), the
     figures None without steady steps or without the metrics they need. ``peak``: ``chips.device_peak`` output
-    (or None). No arrays: float / int / str values. Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
+    (or None). Float / int / str values. Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
     steady = [r for r in rows if r.get("step", 0) > first_step]
     out: dict = {"steps": len(steady), "median_step_s": None, "rollout_tokens_per_s": None,
                  "update_tokens_per_s": None, "mfu": None,
@@ -74,7 +74,7 @@ def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dic
 
 
 def format_steady_state(s: dict) -> str:
-    """One log line of :func:`steady_state`'s dict (no arrays: float / int / str values in, str out). Never raises.
+    """One log line of :func:`steady_state`'s dict (float / int / str values in, str out). Never raises.
     Source: the ``steady_state`` key of ``summary.json`` (issue 33)."""
     def num(v, fmt):
         return "n/a" if v is None else format(v, fmt)
@@ -91,7 +91,7 @@ def compiles_after_warmup(executables: list, steps_taken: int, first_step: int) 
     ``steps_taken``: the RL steps counted in all (``CompileStats.steps_taken``); ``first_step``: the warm-up step.
     A compile during RL step s has ``step`` s and ``when`` ``"step s"``; one after the last step's metrics (the
     held-out pass and HF export after RL, the last checkpoint) has ``step`` None and ``when`` ``"after RL"``.
-    Cache hits and warm-up compiles are left out. No arrays: int / str values. Never raises. Source: issue 33's
+    Cache hits and warm-up compiles are left out. Int / str values. Never raises. Source: issue 33's
     end-of-run report."""
     out = []
     for n, phase, name, hit in executables:

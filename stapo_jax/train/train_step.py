@@ -156,7 +156,7 @@ def make_log_prob_fn(*, temperature: float = 1.0, seq_chunk: int = 512, vocab_ch
 
 def batch_sharding(mesh) -> NamedSharding:
     """Rows over the data axes (``data``, ``fsdp``) present in ``mesh``, everything else replicated.
-    Takes no arrays (a ``jax.sharding.Mesh``); the sharding is for ``[B, ...]`` arrays. Never raises. Source: verl's
+    Takes a ``jax.sharding.Mesh``; the sharding is for ``[B, ...]`` arrays. Never raises. Source: verl's
     data-parallel split of the rows."""
     axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     return NamedSharding(mesh, P(axes))
@@ -369,7 +369,7 @@ def make_update_steps(recipe: Recipe, optimizer, **step_kw):
     where the first mini-batch reads the rollout policy's statistics (θ = θ_old there), saving the pre-pass;
     otherwise both are the same function.
 
-    Takes no arrays; the returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
+    The returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
     (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
     Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
     """

@@ -47,7 +47,7 @@ def train(cfg: Config) -> dict[str, Any]:
     Raises:
       ConfigError: missing ``trainer.total_steps`` or an inconsistent batch configuration.
       FloatingPointError: the parameters became non-finite.
-    Takes no arrays (a ``Config``); the summary holds Python floats / ints / str. Source: stapo_spec.md §2 (the RL
+    Takes a ``Config``; the summary holds Python floats / ints / str. Source: stapo_spec.md §2 (the RL
     loop), verl ``RayPPOTrainer.fit``.
     """
     with StallWatchdog(resolve_timeout(cfg.trainer.stall_timeout_s, jax.default_backend()),
@@ -79,7 +79,7 @@ def before_rl(cfg: Config, run: Run, summary: dict) -> Optional[Any]:
     programs compiled up front (``trainer.precompile``, in-process sampler) and the held-out accuracy before RL
     (measured once; a resumed run reads it from the first start's summary), added to ``summary``. Returns the
     rollout engine, or None when SIGTERM arrived during the SFT warm-up (``summary`` then says ``preempted``).
-    Takes the whole ``Config``: ``sft_warmup`` and ``build_rollout`` build from it. No arrays (objects, floats).
+    Takes the whole ``Config``: ``sft_warmup`` and ``build_rollout`` build from it. Its inputs are objects and floats.
     Raises: what SFT, the rollout builder and the held-out pass raise. Source: verl ``fit``'s ``val_before_train``."""
     logger = run.logger
     if cfg.sft.steps and not run.resuming and not sft_warmup(cfg, run.model, run.train_ds.examples, run.tok, logger,
@@ -100,7 +100,7 @@ def before_rl(cfg: Config, run: Run, summary: dict) -> Optional[Any]:
 def heldout_before(run: Run, rollout, max_new_tokens: int) -> dict[str, float]:
     """``{"heldout_acc_before": float}``: greedy held-out accuracy before RL, measured by a fresh run (and kept in
     ``summary.json`` at once, for a resumed run) or read back by a resumed one; ``{}`` without a validation
-    split or without an earlier figure. No arrays. Raises: what the held-out pass raises. Source: verl
+    split or without an earlier figure. Raises: what the held-out pass raises. Source: verl
     ``val_before_train``."""
     val, logger = run.val_examples, run.logger
     if val and not run.resuming:
@@ -157,7 +157,7 @@ def finish_run(run: Run, loop: Loop, stop: bool, summary: dict, *, max_new_token
     """The end of the RL loop, into ``summary``: wait for checkpoint saves, ``optimizer_steps``, ``preempted``
     after a SIGTERM, the held-out accuracy after RL and the HF export (``trainer.export_hf``; both skipped when
     preempted), then the run report (compile table, steady state at compute ``dtype``). Only process 0 prints the
-    report; the others log it at DEBUG. No arrays (floats / ints / str into ``summary``). Raises: what the
+    report; the others log it at DEBUG. Writes floats / ints / str into ``summary``. Raises: what the
     held-out pass and the export raise. Source: verl ``fit``'s final validation; issue 33's end-of-run report."""
     progress("checkpoint")
     run.ckpt.wait()

@@ -38,7 +38,7 @@ def stop_requested(preempt: Preemption) -> bool:
     """True on every process when SIGTERM reached any of them (a max all-gather over processes, so all of them
     stop after the same step); a collective: every process must call it at the same point.
     Raises what the JAX all-gather raises when the processes are out of step. Source: SLURM / TPU preemption sends
-    SIGTERM. Returns a Python bool (no arrays)."""
+    SIGTERM. Returns a Python bool."""
     return allgather_max(float(preempt.requested)) > 0
 
 
@@ -47,14 +47,14 @@ def balance_allowed(recipe) -> bool:
     reordered for packing (:func:`stapo_jax.train.packing.balanced_row_order`): no token mask, or an S2T /
     20-Entropy mask over the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov
     (random selections keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe``; never raises.
-    Takes no arrays; returns a Python bool."""
+    Returns a Python bool."""
     return recipe.token_mask == "none" or (recipe.token_mask in ("s2t", "top_entropy")
                                            and recipe.mask_scope == "minibatch")
 
 
 def data_parallel_size(mesh) -> int:
     """Data-parallel shards of the batch rows: ``mesh.data`` x ``mesh.fsdp`` (1 without a mesh).
-    Takes no arrays; returns a Python int. Never raises. Source: verl's data-parallel size (FSDP ranks)."""
+    Returns a Python int. Never raises. Source: verl's data-parallel size (FSDP ranks)."""
     if mesh is None:
         return 1
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
@@ -69,7 +69,7 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     Raises:
       ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change), e.g.
         64 rows per shard and micro-batches of 48 (K = 1 would be micro-batches of 64, above the size asked).
-    Takes no arrays; returns a Python int.
+    Returns a Python int.
     """
     dp = data_parallel_size(mesh)
     per_device = rows // dp
