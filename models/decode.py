@@ -44,7 +44,8 @@ class DecodeParams:
 
 def is_kernel(path) -> bool:
     """True for the pytree path of a :class:`~models.linear.Linear` kernel (dotted name ending in ``kernel``).
-    Never raises. Source: the Flax ``nnx.Linear`` parameter name."""
+    Takes a pytree key path, returns a bool; raises nothing of its own. Source: the Flax ``nnx.Linear``
+    parameter name."""
     return param_path(path).rsplit(".", 1)[-1] == "kernel"
 
 

@@ -75,7 +75,7 @@ def cpuinfo_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
 def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
     """The host CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``, ...) and feature flags (``"avx2"``,
     ``"avx512f"``, ...) from :func:`cpuinfo_fields`; ``("", frozenset())`` where they cannot be read (not
-    Linux, no such lines). Never raises. Source: the Linux ``/proc/cpuinfo`` format (x86 ``CPUID``
+    Linux, no such lines; a missing file is not an error). Source: the Linux ``/proc/cpuinfo`` format (x86 ``CPUID``
     vendor string and feature names)."""
     fields = cpuinfo_fields(cpuinfo)
     return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
@@ -90,8 +90,8 @@ def preferred_kernel_layout(platform: str, vendor: str | None = None, flags: fro
     an Intel Xeon (AVX-512) out_in made the layers' decode matmuls about 2x faster (400 -> 190 ms per step); on an
     AMD EPYC Zen 3 (AVX2) out_in made decoding 1.22x faster (29.5 -> 35.9 tok/s); on an AMD EPYC Zen 4 (AVX-512)
     in_out made the whole step faster (524 vs 665 ms). GPU/TPU matmuls take either operand order, and in_out
-    needs no transpose at weight sync. Never raises. Source: our measurements; [out, in] is
-    PyTorch's ``nn.Linear`` convention."""
+    needs no transpose at weight sync. Raises nothing: every platform / vendor / flag set gets a layout.
+    Source: our measurements; [out, in] is PyTorch's ``nn.Linear`` convention."""
     if platform != "cpu":
         return "in_out"
     if vendor is None or flags is None:

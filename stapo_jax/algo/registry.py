@@ -98,7 +98,7 @@ class Registry(dict):
         return dict.__len__(self.load())
 
     def get(self, name, default=None):
-        """``dict.get`` after :meth:`load`. Never raises."""
+        """``dict.get`` after :meth:`load`: a missing name gives ``default``; raises what :meth:`load` raises."""
         return dict.get(self.load(), name, default)
 
     def keys(self):

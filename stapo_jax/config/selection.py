@@ -77,7 +77,7 @@ def token_mask_violations(cfg) -> list[str]:
 def recipe_violations(cfg) -> list[str]:
     """Invariants of each recipe of a run ``Config`` (stapo_spec §4-5; conventions.md §9: STAPO/JustRL/DAPO run
     with KL = 0 and no entropy bonus), one message per broken one naming the keys. Lifted with
-    ``algorithm.strict_recipe=false``. Never raises (returns the messages)."""
+    ``algorithm.strict_recipe=false``. Problems are returned as str messages, not raised as errors."""
     recipe, a, out = cfg.algorithm.recipe, cfg.actor, []
     hint = " (set algorithm.strict_recipe=false to deviate from the recipe)"
     if recipe in ("stapo", "justrl", "dapo"):

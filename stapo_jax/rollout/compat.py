@@ -67,7 +67,8 @@ def install() -> None:
       None. Side effects: ``jax.tree_map`` (if missing) and ``sys.modules["seqio"]``,
       ``sys.modules["seqio.vocabularies"]`` (only if the real seqio cannot be found).
 
-    Never raises. Source: JetStream 0.2.2 (``jetstream.core.orchestrator``), conventions §7.
+    Raises nothing: a missing seqio is stubbed, not an error. Source: JetStream 0.2.2
+    (``jetstream.core.orchestrator``), conventions §7.
     """
     global _installed
     if _installed:

@@ -172,8 +172,8 @@ def local_mesh(cfg_mesh=None):
     config when it divides the local device count, else 1; the other devices on ``fsdp``.
 
     ``cfg_mesh``: the config's ``mesh`` section (or None); returns a ``jax.sharding.Mesh`` of shape
-    ``(1, local_devices / tensor, tensor)``. Never raises (a ``mesh.tensor`` that does not divide the
-    local device count falls back to 1). Source: JetStream / MaxEngine's one engine per host over its own
+    ``(1, local_devices / tensor, tensor)``. A ``mesh.tensor`` that does not divide the local device count
+    falls back to 1 rather than raising an error. Source: JetStream / MaxEngine's one engine per host over its own
     devices."""
     from models.sharding import make_mesh
 

@@ -38,7 +38,7 @@ class AllocatorError(RuntimeError):
 
 def find_tcmalloc(dirs: Sequence[str] = LIBRARY_DIRS) -> Optional[str]:
     """Path of the first TCMalloc shared library (``TCMALLOC_NAMES``, the minimal build first) in ``dirs``,
-    or None. Never raises. Source: the Debian/Ubuntu (``libtcmalloc-minimal4``) and RHEL
+    or None; a missing directory is skipped, not an error. Source: the Debian/Ubuntu (``libtcmalloc-minimal4``) and RHEL
     (``gperftools-libs``) install locations."""
     for d in dirs:
         for name in TCMALLOC_NAMES:

@@ -246,8 +246,8 @@ def _gb(x: Optional[float]) -> str:
 
 def layout_line(layout: dict, spec: dict) -> str:
     """One report line on the planned train-step batch layout (``plan_programs.train_batch_layout``): for the
-    token-budget slot layout, K', n_max, the slot rows and the packed geometry. Takes dicts of int / str,
-    returns a str; raises KeyError for a layout not from ``train_batch_layout``. Source: ``packing.token_budget_slots``."""
+    token-budget slot layout, K', n_max, the slot rows and the packed geometry. Takes dicts of int / str, returns
+    a str; raises KeyError for a layout not from ``train_batch_layout``. Source: ``packing.token_budget_slots``."""
     dp = spec["mesh"]["data"] * spec["mesh"]["fsdp"]
     w = layout["row_length"]
     if layout["kind"] == "padded":

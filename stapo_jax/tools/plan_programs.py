@@ -196,7 +196,8 @@ def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
     """The static ``DecodeSpec`` of ``stapo_jax.rollout.decode_fns``' jitted prefill/insert/step functions for a
     model and engine config, built without placing weights (``Qwen3Engine.__init__`` ``device_put``s the model),
     so the very functions the engine runs can be lowered with abstract arguments.
-    Never raises. Source: JetStream's engine functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
+    Raises nothing of its own (errors come from ``abstract_decode_spec``). Source: JetStream's engine
+    functions, lowered AOT (``jax.ShapeDtypeStruct`` args)."""
     from stapo_jax.rollout.decode_fns import abstract_decode_spec
     from stapo_jax.rollout.engine import engine_stop_ids
 
