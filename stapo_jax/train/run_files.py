@@ -89,7 +89,7 @@ def earlier_run_outputs(run_dir: str) -> list[str]:
     """The names in ``run_dir`` that an earlier RL run wrote (``RUN_OUTPUTS`` and the ``process_<i>`` metrics
     folders of other processes), sorted; [] unless the folder holds a run's ``metrics.jsonl`` or a non-empty
     ``checkpoints/`` (so a user's own ``config.yaml`` or ``plots/`` beside no run, e.g. ``trainer.run_dir=.``,
-    stays put). Never raises (a missing ``run_dir`` has none). Source: the files the trainer writes
+    stays put). A missing ``run_dir`` is not an error (it has none). Source: the files the trainer writes
     (README, "What ``make run`` shows": what it leaves in ``runs/tiny_cpu/``)."""
     try:
         names = set(os.listdir(run_dir))
