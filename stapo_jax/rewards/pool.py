@@ -24,9 +24,17 @@ therefore
 * raises :class:`PoolFailure`, one line naming the last cause, when the same batch needs more than
   ``max_restarts`` rebuilds (``reward.max_pool_restarts``).
 
-Workers leave the trainer's process group at start (:func:`worker_init`), so a SIGTERM sent to the whole group
-(``timeout``, a time limit, ``kill -- -PGID``: the trainer then finishes its step and checkpoints) no longer
-kills the idle workers under it; the forkserver still gets it and dies, and the next ``run`` rebuilds the pool.
+Signals and lifetime. The pool's processes never see a SIGTERM sent to the trainer's whole process group
+(``timeout``, a scheduler's time limit, ``kill -- -PGID``; the trainer takes it as "checkpoint after this step"
+and closes the pool itself), so a group SIGTERM costs no rebuild: the pool is started with SIGTERM blocked in the
+starting thread (:func:`sigterm_blocked`), so pebble's threads, the forkserver they start and every worker forked
+from it inherit the blocked mask (signal masks survive ``fork`` and ``exec``); the forkserver keeps it (a group
+SIGTERM stays pending there, never delivered), and each worker, in :func:`worker_init`, leaves the trainer's
+process group, drops a SIGTERM that arrived while it was blocked and unblocks it (pebble stops workers with a
+SIGTERM of their own). The pool's processes still end with the trainer: the forkserver exits when the trainer's
+end of its "alive" pipe closes (CPython's forkserver), and each worker dies with its parent
+(:func:`die_with_parent`: ``PR_SET_PDEATHSIG`` on Linux, a polling thread elsewhere), so a SIGKILLed trainer
+leaves no pool process behind.
 
 Source: the process-pool design of MaxText ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8),
 pebble 5's ``ProcessPool`` for kill-on-timeout.
@@ -34,10 +42,15 @@ pebble 5's ``ProcessPool`` for kill-on-timeout.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
 import functools
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
+import signal
+import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -52,16 +65,75 @@ STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daem
 WAIT_SLICE_S = 0.5
 
 
-def worker_init(initializer: Optional[Callable] = None) -> None:
-    """Start of every pool worker: leave the trainer's process group (``os.setpgrp``), then run ``initializer``.
+PARENT_POLL_S = 1.0   # die_with_parent's polling period where prctl is not available (seconds)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-    A signal sent to the trainer's whole group (``timeout``, a scheduler's time limit, ``kill -- -PGID``) made
-    each idle pebble worker exit with code 15 (pebble's SIGTERM handler) while the trainer, which takes SIGTERM
-    as "stop after this step", went on to score the next batch in a pool pebble had marked broken. The pool's
-    lifetime is the trainer's business: it stops the workers itself. No arrays; returns None; raises what
-    ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``).
+
+@contextlib.contextmanager
+def sigterm_blocked():
+    """Block SIGTERM in the calling thread for the ``with`` body (``pthread_sigmask``); the previous mask after.
+
+    Threads and processes started inside inherit the blocked mask (POSIX: a new thread takes its creator's mask,
+    ``fork`` and ``exec`` keep it), which keeps a SIGTERM sent to the trainer's process group away from them.
+    A SIGTERM for the trainer itself is delivered to another thread, or to this one when the body ends. No-op
+    where ``signal.pthread_sigmask`` does not exist (Windows). No arrays; raises nothing of its own. Source:
+    POSIX ``pthread_sigmask(2)``, ``signal(7)`` (masks across fork / exec).
     """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def die_with_parent() -> None:
+    """End this process (SIGKILL, or ``os._exit(1)``) when its parent process ends.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (the kernel kills it at once), then a check that the parent did
+    not end before the call. Elsewhere: a daemon thread that exits the process within :data:`PARENT_POLL_S`
+    seconds of ``os.getppid()`` changing. A pool worker's parent is the forkserver, which itself exits when the
+    trainer does. No arrays; returns None. Raises OSError if ``prctl`` fails. Source: Linux ``prctl(2)``
+    (``PR_SET_PDEATHSIG``); the ``getppid`` check is the man page's advice for the race.
+    """
+    ppid = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+        if os.getppid() != ppid:
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def worker_init(initializer: Optional[Callable] = None) -> None:
+    """Start of every pool worker: die with the parent, leave the trainer's process group, take SIGTERM again,
+    then run ``initializer``.
+
+    The worker was started with SIGTERM blocked (:func:`sigterm_blocked`): after ``os.setpgrp`` a SIGTERM sent to
+    the trainer's group no longer reaches it, one that arrived before is dropped, and SIGTERM is unblocked so
+    pebble can stop the worker (pebble's handler exits with code 15). A group SIGTERM used to make every idle
+    worker exit and the pool break while the trainer, which takes SIGTERM as "stop after this step", still had
+    to score. No arrays; returns None; raises what ``initializer`` or :func:`die_with_parent` raise. Source:
+    POSIX process groups (``setpgid(0, 0)``), ``sigpending(2)``.
+    """
+    die_with_parent()
     os.setpgrp()
+    if hasattr(signal, "pthread_sigmask"):
+        if signal.SIGTERM in signal.sigpending():  # sent to the group before setpgrp: drop it
+            handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignoring discards a pending signal
+            signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if initializer is not None:
         initializer()
 
@@ -104,8 +176,14 @@ class VerifierPool:
     def _new_pool(self):
         import pebble
 
-        return pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
-                                  initializer=functools.partial(worker_init, self._initializer))
+        # CPython starts the resource tracker with SIGTERM blocked and then unblocks it in the calling thread
+        # (bpo-33613), which would lift our mask before the forkserver starts: start the tracker first.
+        multiprocessing.resource_tracker.ensure_running()
+        with sigterm_blocked():  # pebble's threads, the forkserver and the workers inherit the mask (module doc)
+            pool = pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
+                                      initializer=functools.partial(worker_init, self._initializer))
+            _ = pool.active  # pebble starts its threads and workers on first use: now, under the mask
+        return pool
 
     @staticmethod
     def _stop(pool) -> bool:
