@@ -31,10 +31,9 @@ starting thread (:func:`sigterm_blocked`), so pebble's threads, the forkserver t
 from it inherit the blocked mask (signal masks survive ``fork`` and ``exec``); the forkserver keeps it (a group
 SIGTERM stays pending there, never delivered), and each worker, in :func:`worker_init`, leaves the trainer's
 process group, drops a SIGTERM that arrived while it was blocked and unblocks it (pebble stops workers with a
-SIGTERM of their own). The pool's processes still end with the trainer: the forkserver exits when the trainer's
-end of its "alive" pipe closes (CPython's forkserver), and each worker dies with its parent
-(:func:`die_with_parent`: ``PR_SET_PDEATHSIG`` on Linux, a polling thread elsewhere), so a SIGKILLed trainer
-leaves no pool process behind.
+SIGTERM of their own). The pool's processes still end with the trainer, however it ends: each worker exits when
+the trainer's end of a lifeline pipe closes (:func:`watch_owner`, even in the middle of an item), and then the
+forkserver (its "alive" pipe) and CPython's resource tracker; a SIGKILLed trainer leaves no pool process behind.
 
 Source: the process-pool design of MaxText ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8),
 pebble 5's ``ProcessPool`` for kill-on-timeout.
@@ -43,14 +42,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import logging
 import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -63,10 +60,6 @@ STALL_SLACK_S = 240.0  # no item finished for timeout_s + this long while items 
 #                       (generous: 8 workers starting and warming up sympy took > 70 s under a load average of 27)
 STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daemons; leftovers are abandoned)
 WAIT_SLICE_S = 0.5
-
-
-PARENT_POLL_S = 1.0   # die_with_parent's polling period where prctl is not available (seconds)
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @contextlib.contextmanager
@@ -89,45 +82,41 @@ def sigterm_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def die_with_parent() -> None:
-    """End this process (SIGKILL, or ``os._exit(1)``) when its parent process ends.
+def watch_owner(lifeline) -> None:
+    """End this process (``os._exit(1)``) as soon as the pool's owner ends, however it ends (SIGKILL included).
 
-    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (the kernel kills it at once), then a check that the parent did
-    not end before the call. Elsewhere: a daemon thread that exits the process within :data:`PARENT_POLL_S`
-    seconds of ``os.getppid()`` changing. A pool worker's parent is the forkserver, which itself exits when the
-    trainer does. No arrays; returns None. Raises OSError if ``prctl`` fails. Source: Linux ``prctl(2)``
-    (``PR_SET_PDEATHSIG``); the ``getppid`` check is the man page's advice for the race.
+    A daemon thread blocks reading ``lifeline``, the read end of a pipe whose only write end the owner holds
+    (:class:`VerifierPool`): the read returns EOF when the owner dies or closes the pool. A parent-death signal
+    cannot do this: a worker's parent is the forkserver, which exits only when every holder of its "alive" fd
+    has, and CPython hands that fd to each forkserver child, so a worker busy with an item outlived a SIGKILLed
+    trainer (and kept the forkserver alive) until the item ended, which nobody then bounded.
+    ``lifeline``: a ``multiprocessing.connection.Connection``. No arrays; returns None. Source: the "alive pipe"
+    of CPython's ``multiprocessing.forkserver``.
     """
-    ppid = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
-        if os.getppid() != ppid:
-            os._exit(1)
-        return
-
     def watch() -> None:
-        while os.getppid() == ppid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
+        try:
+            while True:
+                lifeline.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(1)
 
-    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+    threading.Thread(target=watch, name="pool-owner-watch", daemon=True).start()
 
 
-def worker_init(initializer: Optional[Callable] = None) -> None:
-    """Start of every pool worker: die with the parent, leave the trainer's process group, take SIGTERM again,
-    then run ``initializer``.
+def worker_init(initializer: Optional[Callable] = None, lifeline=None) -> None:
+    """Start of every pool worker: end with the owner, leave its process group, take SIGTERM again, then run
+    ``initializer``.
 
-    The worker was started with SIGTERM blocked (:func:`sigterm_blocked`): after ``os.setpgrp`` a SIGTERM sent to
-    the trainer's group no longer reaches it, one that arrived before is dropped, and SIGTERM is unblocked so
-    pebble can stop the worker (pebble's handler exits with code 15). A group SIGTERM used to make every idle
-    worker exit and the pool break while the trainer, which takes SIGTERM as "stop after this step", still had
-    to score. No arrays; returns None; raises what ``initializer`` or :func:`die_with_parent` raise. Source:
-    POSIX process groups (``setpgid(0, 0)``), ``sigpending(2)``.
+    ``lifeline`` (optional): the read end of the owner's lifeline pipe (:func:`watch_owner`). The worker was
+    started with SIGTERM blocked (:func:`sigterm_blocked`): after ``os.setpgrp`` a SIGTERM sent to the owner's
+    group no longer reaches it, one that arrived before is dropped, and SIGTERM is unblocked so pebble can stop
+    the worker (pebble's handler exits with code 15). A group SIGTERM used to make every idle worker exit and the
+    pool break while the trainer, which takes SIGTERM as "stop after this step", still had to score. No arrays;
+    returns None; raises what ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``),
+    ``sigpending(2)``.
     """
-    die_with_parent()
+    if lifeline is not None:
+        watch_owner(lifeline)
     os.setpgrp()
     if hasattr(signal, "pthread_sigmask"):
         if signal.SIGTERM in signal.sigpending():  # sent to the group before setpgrp: drop it
@@ -171,6 +160,8 @@ class VerifierPool:
         self.n_restarts = 0  # rebuilds over the pool's life
         self.on_progress = on_progress  # called after each item that finishes (the trainer's stall watchdog mark)
         self._closed = False
+        # the workers' lifeline (watch_owner): they keep the read end, only this process the write end
+        self._lifeline_r, self._lifeline_w = self._ctx.Pipe(duplex=False)
         self._pool = self._new_pool()
 
     def _new_pool(self):
@@ -181,7 +172,7 @@ class VerifierPool:
         multiprocessing.resource_tracker.ensure_running()
         with sigterm_blocked():  # pebble's threads, the forkserver and the workers inherit the mask (module doc)
             pool = pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
-                                      initializer=functools.partial(worker_init, self._initializer))
+                                      initializer=functools.partial(worker_init, self._initializer, self._lifeline_r))
             _ = pool.active  # pebble starts its threads and workers on first use: now, under the mask
         return pool
 
@@ -287,6 +278,8 @@ class VerifierPool:
             self._closed = True
             if not self._stop(self._pool):
                 log.warning("reward pool: did not stop within %.0f s; abandoning it", STOP_TIMEOUT_S)
+            self._lifeline_w.close()  # any worker left ends now (watch_owner)
+            self._lifeline_r.close()
 
     def __enter__(self) -> "VerifierPool":
         return self
