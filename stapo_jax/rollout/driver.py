@@ -11,8 +11,8 @@
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
   refilled with the next pending sample **before the next step** (continuous batching; with
   ``steps_per_sync=k`` the host syncs, and refills, every k steps); the refill waits for the device after every
-  ``DISPATCH_WINDOW`` dispatched programs (XLA:CPU deadlocks past 32 in-flight multi-device programs with gloo
-  collectives: DESIGN.md "Multi-process runs");
+  ``DISPATCH_WINDOW`` dispatched programs (:mod:`stapo_jax.rollout.dispatch`: XLA:CPU deadlocks past 32 in-flight
+  multi-device programs with gloo collectives, DESIGN.md "Multi-process runs");
 * prefill, insert and step are jitted; parameters are ordinary arguments, so :meth:`RolloutDriver.sync_weights`
   swaps in new weights of the same shapes/shardings without recompiling.
 
@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from stapo_jax.rollout.dispatch import DispatchWindow
 from stapo_jax.rollout.engine import Qwen3Engine
 from stapo_jax.rollout.sampling import SamplingParams
 from stapo_jax.runtime.watchdog import progress
@@ -44,12 +45,6 @@ from stapo_jax.runtime.watchdog import progress
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
 TRUNCATION_MODES = ("error", "left", "right")
-# Most device programs (prefills, inserts, cache resizes) the refill loop dispatches before it waits for them.
-# XLA:CPU admits at most 32 in-flight computations per device (``CpuClientOptions::
-# max_inflight_computations_per_device``) and takes that slot inside the per-device launch of a multi-device
-# program; past 32 un-awaited programs whose collectives run through gloo, one device's half of a program waits
-# in the collective for the other's, which waits for a slot: a deadlock (DESIGN.md "Multi-process runs").
-DISPATCH_WINDOW = 8
 
 
 class RolloutInputError(ValueError):
@@ -289,12 +284,11 @@ class RolloutDriver:
         # (the prefix itself must fit at insert).
         prompt_cached = np.zeros((n_slots,), np.int64)
         n_active = 0
+        window = DispatchWindow()  # bounded async dispatch (stapo_jax.rollout.dispatch)
         while pending or n_active:
-            unawaited = 0  # programs dispatched since the last wait (the last step's results were read)
+            window.waited()  # the last step's results were read: nothing in flight
             while free and pending:  # refill every free slot before the next step
-                if unawaited >= DISPATCH_WINDOW:  # bounded async dispatch, see DISPATCH_WINDOW
-                    state = jax.block_until_ready(state)
-                    unawaited = 0
+                dispatched = 0
                 row = pending.popleft()
                 i, g = divmod(row, g_size)
                 bucket = eng.prefill_bucket(len(prompts[i]))
@@ -303,16 +297,16 @@ class RolloutDriver:
                                                    and eng.prefill_bucket(len(prompts[j])) == bucket),
                                                   eng.prefill_rows(bucket) - 1)]
                     batch_prefix = eng.prefill_batch(params, [prompts[j] for j in group])
-                    unawaited += 1
+                    dispatched += 1
                     prefixes.update({j: (batch_prefix, r) for r, j in enumerate(group)})
                 slot = free.popleft()
                 prefix, prefix_row = prefixes[i]
                 need = max(bucket, len(prompts[i]) - 1 + min(k, max_new_tokens))  # the prefix must fit
                 if need > state.cache.max_length:
                     state = eng.resize_decode_state(state, eng.kv_bucket(need))
-                    unawaited += 1
+                    dispatched += 1
                 state = eng.insert_sample(prefix, state, slot, row_offset + row, max_new_tokens, prefix_row)
-                unawaited += 1
+                state = window.count(state, dispatched + 1)  # the state depends on this refill's programs
                 if g == g_size - 1:
                     del prefixes[i]
                 slot_row[slot] = row
