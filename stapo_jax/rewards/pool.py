@@ -90,8 +90,9 @@ def watch_owner(lifeline) -> None:
     cannot do this: a worker's parent is the forkserver, which exits only when every holder of its "alive" fd
     has, and CPython hands that fd to each forkserver child, so a worker busy with an item outlived a SIGKILLed
     trainer (and kept the forkserver alive) until the item ended, which nobody then bounded.
-    ``lifeline``: a ``multiprocessing.connection.Connection``. No arrays; returns None. Source: the "alive pipe"
-    of CPython's ``multiprocessing.forkserver``.
+    ``lifeline``: a ``multiprocessing.connection.Connection``. No arrays; returns None; raises nothing of its own
+    (RuntimeError only if a thread cannot be started). Source: the "alive pipe" of CPython's
+    ``multiprocessing.forkserver``.
     """
     def watch() -> None:
         try:
