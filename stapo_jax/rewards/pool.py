@@ -24,9 +24,16 @@ therefore
 * raises :class:`PoolFailure`, one line naming the last cause, when the same batch needs more than
   ``max_restarts`` rebuilds (``reward.max_pool_restarts``).
 
-Workers leave the trainer's process group at start (:func:`worker_init`), so a SIGTERM sent to the whole group
-(``timeout``, a time limit, ``kill -- -PGID``: the trainer then finishes its step and checkpoints) no longer
-kills the idle workers under it; the forkserver still gets it and dies, and the next ``run`` rebuilds the pool.
+Signals and lifetime. The pool's processes never see a SIGTERM sent to the trainer's whole process group
+(``timeout``, a scheduler's time limit, ``kill -- -PGID``; the trainer takes it as "checkpoint after this step"
+and closes the pool itself), so a group SIGTERM costs no rebuild: the pool is started with SIGTERM blocked in the
+starting thread (:func:`sigterm_blocked`), so pebble's threads, the forkserver they start and every worker forked
+from it inherit the blocked mask (signal masks survive ``fork`` and ``exec``); the forkserver keeps it (a group
+SIGTERM stays pending there, never delivered), and each worker, in :func:`worker_init`, leaves the trainer's
+process group, drops a SIGTERM that arrived while it was blocked and unblocks it (pebble stops workers with a
+SIGTERM of their own). The pool's processes still end with the trainer, however it ends: each worker exits when
+the trainer's end of a lifeline pipe closes (:func:`watch_owner`, even in the middle of an item), and then the
+forkserver (its "alive" pipe) and CPython's resource tracker; a SIGKILLed trainer leaves no pool process behind.
 
 Source: the process-pool design of MaxText ``trainers/post_train/rl/math_verify_pool.py`` (conventions.md §8),
 pebble 5's ``ProcessPool`` for kill-on-timeout.
@@ -34,10 +41,13 @@ pebble 5's ``ProcessPool`` for kill-on-timeout.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
+import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -52,16 +62,68 @@ STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daem
 WAIT_SLICE_S = 0.5
 
 
-def worker_init(initializer: Optional[Callable] = None) -> None:
-    """Start of every pool worker: leave the trainer's process group (``os.setpgrp``), then run ``initializer``.
+@contextlib.contextmanager
+def sigterm_blocked():
+    """Block SIGTERM in the calling thread for the ``with`` body (``pthread_sigmask``); the previous mask after.
 
-    A signal sent to the trainer's whole group (``timeout``, a scheduler's time limit, ``kill -- -PGID``) made
-    each idle pebble worker exit with code 15 (pebble's SIGTERM handler) while the trainer, which takes SIGTERM
-    as "stop after this step", went on to score the next batch in a pool pebble had marked broken. The pool's
-    lifetime is the trainer's business: it stops the workers itself. No arrays; returns None; raises what
-    ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``).
+    Threads and processes started inside inherit the blocked mask (POSIX: a new thread takes its creator's mask,
+    ``fork`` and ``exec`` keep it), which keeps a SIGTERM sent to the trainer's process group away from them.
+    A SIGTERM for the trainer itself is delivered to another thread, or to this one when the body ends. No-op
+    where ``signal.pthread_sigmask`` does not exist (Windows). No arrays; raises nothing of its own. Source:
+    POSIX ``pthread_sigmask(2)``, ``signal(7)`` (masks across fork / exec).
     """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def watch_owner(lifeline) -> None:
+    """End this process (``os._exit(1)``) as soon as the pool's owner ends, however it ends (SIGKILL included).
+
+    A daemon thread blocks reading ``lifeline``, the read end of a pipe whose only write end the owner holds
+    (:class:`VerifierPool`): the read returns EOF when the owner dies or closes the pool. A parent-death signal
+    cannot do this: a worker's parent is the forkserver, which exits only when every holder of its "alive" fd
+    has, and CPython hands that fd to each forkserver child, so a worker busy with an item outlived a SIGKILLed
+    trainer (and kept the forkserver alive) until the item ended, which nobody then bounded.
+    ``lifeline``: a ``multiprocessing.connection.Connection``. No arrays; returns None; raises nothing of its own
+    (RuntimeError only if a thread cannot be started). Source: the "alive pipe" of CPython's
+    ``multiprocessing.forkserver``.
+    """
+    def watch() -> None:
+        try:
+            while True:
+                lifeline.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(1)
+
+    threading.Thread(target=watch, name="pool-owner-watch", daemon=True).start()
+
+
+def worker_init(initializer: Optional[Callable] = None, lifeline=None) -> None:
+    """Start of every pool worker: end with the owner, leave its process group, take SIGTERM again, then run
+    ``initializer``.
+
+    ``lifeline`` (optional): the read end of the owner's lifeline pipe (:func:`watch_owner`). The worker was
+    started with SIGTERM blocked (:func:`sigterm_blocked`): after ``os.setpgrp`` a SIGTERM sent to the owner's
+    group no longer reaches it, one that arrived before is dropped, and SIGTERM is unblocked so pebble can stop
+    the worker (pebble's handler exits with code 15). A group SIGTERM used to make every idle worker exit and the
+    pool break while the trainer, which takes SIGTERM as "stop after this step", still had to score. No arrays;
+    returns None; raises what ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``),
+    ``sigpending(2)``.
+    """
+    if lifeline is not None:
+        watch_owner(lifeline)
     os.setpgrp()
+    if hasattr(signal, "pthread_sigmask"):
+        if signal.SIGTERM in signal.sigpending():  # sent to the group before setpgrp: drop it
+            handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignoring discards a pending signal
+            signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if initializer is not None:
         initializer()
 
@@ -99,13 +161,21 @@ class VerifierPool:
         self.n_restarts = 0  # rebuilds over the pool's life
         self.on_progress = on_progress  # called after each item that finishes (the trainer's stall watchdog mark)
         self._closed = False
+        # the workers' lifeline (watch_owner): they keep the read end, only this process the write end
+        self._lifeline_r, self._lifeline_w = self._ctx.Pipe(duplex=False)
         self._pool = self._new_pool()
 
     def _new_pool(self):
         import pebble
 
-        return pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
-                                  initializer=functools.partial(worker_init, self._initializer))
+        # CPython starts the resource tracker with SIGTERM blocked and then unblocks it in the calling thread
+        # (bpo-33613), which would lift our mask before the forkserver starts: start the tracker first.
+        multiprocessing.resource_tracker.ensure_running()
+        with sigterm_blocked():  # pebble's threads, the forkserver and the workers inherit the mask (module doc)
+            pool = pebble.ProcessPool(max_workers=self.num_workers, context=self._ctx,
+                                      initializer=functools.partial(worker_init, self._initializer, self._lifeline_r))
+            _ = pool.active  # pebble starts its threads and workers on first use: now, under the mask
+        return pool
 
     @staticmethod
     def _stop(pool) -> bool:
@@ -209,6 +279,8 @@ class VerifierPool:
             self._closed = True
             if not self._stop(self._pool):
                 log.warning("reward pool: did not stop within %.0f s; abandoning it", STOP_TIMEOUT_S)
+            self._lifeline_w.close()  # any worker left ends now (watch_owner)
+            self._lifeline_r.close()
 
     def __enter__(self) -> "VerifierPool":
         return self

@@ -11,8 +11,8 @@
   tokens, log-probs and flags (three small arrays) and a slot that finished (EOS or its length limit) is
   refilled with the next pending sample **before the next step** (continuous batching; with
   ``steps_per_sync=k`` the host syncs, and refills, every k steps); the refill waits for the device after every
-  ``DISPATCH_WINDOW`` dispatched programs (XLA:CPU deadlocks past 32 in-flight multi-device programs with gloo
-  collectives: DESIGN.md "Multi-process runs");
+  ``DISPATCH_WINDOW`` dispatched programs (:mod:`stapo_jax.rollout.dispatch`: XLA:CPU deadlocks past 32 in-flight
+  multi-device programs with gloo collectives, DESIGN.md "Multi-process runs");
 * prefill, insert and step are jitted; parameters are ordinary arguments, so :meth:`RolloutDriver.sync_weights`
   swaps in new weights of the same shapes/shardings without recompiling.
 
@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from stapo_jax.rollout.dispatch import DispatchWindow
 from stapo_jax.rollout.engine import Qwen3Engine
 from stapo_jax.rollout.sampling import SamplingParams
 from stapo_jax.runtime.watchdog import progress
@@ -44,12 +45,6 @@ from stapo_jax.runtime.watchdog import progress
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
 TRUNCATION_MODES = ("error", "left", "right")
-# Most device programs (prefills, inserts, cache resizes) the refill loop dispatches before it waits for them.
-# XLA:CPU admits at most 32 in-flight computations per device (``CpuClientOptions::
-# max_inflight_computations_per_device``) and takes that slot inside the per-device launch of a multi-device
-# program; past 32 un-awaited programs whose collectives run through gloo, one device's half of a program waits
-# in the collective for the other's, which waits for a slot: a deadlock (DESIGN.md "Multi-process runs").
-DISPATCH_WINDOW = 8
 
 
 class RolloutInputError(ValueError):
@@ -311,6 +306,7 @@ class _SlotLoop:
         # (the prefix itself must fit at insert).
         self.prompt_cached = np.zeros((n_slots,), np.int64)
         self.n_active = 0
+        self.window = DispatchWindow()  # bounded async dispatch (stapo_jax.rollout.dispatch)
 
     def _prefill_group(self, i: int, bucket: int) -> int:
         """Prefill prompt ``i`` with the next not-yet-prefilled prompts of its bucket; returns programs dispatched."""
@@ -326,25 +322,23 @@ class _SlotLoop:
         """Insert the next pending sample into every free slot before the next step, waiting for the device after
         every ``DISPATCH_WINDOW`` dispatched programs (prefills, cache resizes, inserts)."""
         eng, k = self.eng, self.k
-        unawaited = 0  # programs dispatched since the last wait (the last step's results were read)
+        self.window.waited()  # the last step's results were read: nothing in flight
         while self.free and self.pending:
-            if unawaited >= DISPATCH_WINDOW:  # bounded async dispatch, see DISPATCH_WINDOW
-                self.state = jax.block_until_ready(self.state)
-                unawaited = 0
+            dispatched = 0
             row = self.pending.popleft()
             i, g = divmod(row, self.g_size)
             bucket = eng.prefill_bucket(len(self.prompts[i]))
             if i not in self.prefixes:
-                unawaited += self._prefill_group(i, bucket)
+                dispatched += self._prefill_group(i, bucket)
             slot = self.free.popleft()
             prefix, prefix_row = self.prefixes[i]
             need = max(bucket, len(self.prompts[i]) - 1 + min(k, self.max_new_tokens))  # the prefix must fit
             if need > self.state.cache.max_length:
                 self.state = eng.resize_decode_state(self.state, eng.kv_bucket(need))
-                unawaited += 1
+                dispatched += 1
             self.state = eng.insert_sample(prefix, self.state, slot, self.row_offset + row, self.max_new_tokens,
                                            prefix_row)
-            unawaited += 1
+            self.state = self.window.count(self.state, dispatched + 1)  # the state depends on this refill's programs
             if g == self.g_size - 1:
                 del self.prefixes[i]
             self.slot_row[slot] = row

@@ -68,6 +68,7 @@ from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are 
 from stapo_jax.rollout.jetstream_tokenizer import NO_BOS_ID, HFTokenizer, load_tokenizer  # noqa: E402,F401
 from stapo_jax.rollout.engine_settings import CACHE_DTYPES, EngineConfig, EngineConfigError  # noqa: E402,F401
 from stapo_jax.rollout.sampling import SamplingParams  # noqa: E402
+from stapo_jax.rollout.dispatch import DispatchWindow  # noqa: E402
 from stapo_jax.data.tokenizer import QWEN3_STOP_IDS  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class Qwen3Engine(engine_api.Engine):
         self._params = self.place_params(state)
         self._spec = DecodeSpec(self._graphdef, self.model_config, config, eos, self._decode_state_shardings(),
                                 self.kernel_layout)
+        # JetStream's orchestrator calls prefill (its prefill thread) and insert / generate (its generate thread)
+        # in loops that never wait for the device: each loop's programs are bounded (stapo_jax.rollout.dispatch)
+        self.prefill_window, self.generate_window = DispatchWindow(), DispatchWindow()
 
     # ------------------------------------------------------------------ shardings
     def _decode_state_shardings(self) -> DecodeState:
@@ -392,7 +396,8 @@ class Qwen3Engine(engine_api.Engine):
         Returns:
           :class:`Prefix` of one row; ``valid`` [1] is False (never an exception, see the module docstring) when the
           prompt was truncated by JetStream (``true_length > P``), is padded beyond ``max_prefill_length``,
-          is empty, or holds ids outside the vocabulary.
+          is empty, or holds ids outside the vocabulary. Every ``DISPATCH_WINDOW``-th call waits for its prefix
+          (:attr:`prefill_window`, :mod:`stapo_jax.rollout.dispatch`).
         Raises:
           NotImplementedError: ``existing_prefix`` is given (no prefix caching).
         """
@@ -406,22 +411,26 @@ class Qwen3Engine(engine_api.Engine):
             log.error("rejecting a request of %d tokens (padded length %d, max_prefill_length %d)",
                       n, tokens.shape[0], self.config.max_prefill_length)
         with jax.set_mesh(self._mesh):
-            return prefill_fn(self._spec, params, tokens[None], np.full((1,), min(max(n, 0), tokens.shape[0]),
-                                                                        np.int32), np.full((1,), ok))
+            prefix = prefill_fn(self._spec, params, tokens[None], np.full((1,), min(max(n, 0), tokens.shape[0]),
+                                                                          np.int32), np.full((1,), ok))
+        return self.prefill_window.count(prefix)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Put ``prefix`` (row 0, the one prompt of :meth:`prefill`) into ``slot`` (donates ``decode_state``),
-        with limit ``max_decode_length`` and the state's next random-stream id. Raises ValueError for a state
-        shorter than ``cache_length`` (the row could outgrow it: make it with ``init_decode_state()``)."""
+        with limit ``max_decode_length`` and the state's next random-stream id; waits for the state after every
+        ``DISPATCH_WINDOW`` programs of JetStream's generate loop (:attr:`generate_window`). Raises ValueError for
+        a state shorter than ``cache_length`` (the row could outgrow it: make it with ``init_decode_state()``)."""
         self._check_fits(prefix, decode_state, self.config.cache_length)
         with jax.set_mesh(self._mesh):
-            return insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(-1),
-                             np.int32(self.config.max_decode_length), np.int32(0))
+            state = insert_fn(self._spec, prefix, decode_state, np.int32(slot), np.int32(-1),
+                              np.int32(self.config.max_decode_length), np.int32(0))
+        return self.generate_window.count(state)
 
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, engine_api.ResultTokens]:
-        """One step for every slot (JetStream API); :meth:`step` also returns the log-probs."""
+        """One step for every slot (JetStream API); :meth:`step` also returns the log-probs. With :meth:`insert`,
+        waits for the decode state after every ``DISPATCH_WINDOW`` programs (:attr:`generate_window`)."""
         state, out = self.step(params, decode_state)
-        return state, out.result
+        return self.generate_window.count(state), out.result
 
     def init_decode_state(self, seed: Optional[int] = None, *args, length: Optional[int] = None,
                           **kwargs) -> DecodeState:

@@ -1,8 +1,11 @@
-"""RolloutDriver: continuous batching, groups, EOS/length handling, ragged prompts, determinism, bad input."""
+"""RolloutDriver: continuous batching, groups, EOS/length handling, ragged prompts, determinism, bad input,
+bounded asynchronous dispatch."""
+import jax
 import numpy as np
 import pytest
 
 from fixtures_rollout import RAGGED_PROMPTS, make_engine, rows_of, tiny_model
+from stapo_jax.rollout.dispatch import DISPATCH_WINDOW
 from stapo_jax.rollout.driver import PromptTooLongError, RolloutDriver, RolloutInputError
 from stapo_jax.rollout.sampling import SamplingParams
 
@@ -142,3 +145,32 @@ def test_row_offset_samples_a_share_of_the_global_batch(wide):
     assert not np.array_equal(unshifted.responses, wide.responses[12:])
     with pytest.raises(RolloutInputError, match="row_offset"):
         driver(8).generate(PROMPTS, num_samples=3, max_new_tokens=12, seed=5, row_offset=-1)
+
+
+def test_refill_waits_every_dispatch_window(monkeypatch, wide):
+    """32 free slots before the first step (30 rows, 10 prefills + 30 inserts + cache resizes, none of whose results
+    the host reads): a spy logs each program the driver dispatches and each wait (``jax.block_until_ready``, or
+    ``jax.device_get`` of a step's results). The refill waits after the call that brings the count to
+    ``DISPATCH_WINDOW``, so at most ``DISPATCH_WINDOW + 2`` programs (a refill's prefill, resize and insert) run
+    between two waits; the tokens are those of the unspied run."""
+    drv = driver(32)
+    events = []
+
+    def spy(name, fn):
+        return lambda *a, **k: events.append(name) or fn(*a, **k)
+
+    for name in ("prefill_batch", "resize_decode_state", "insert_sample", "step"):
+        monkeypatch.setattr(drv.engine, name, spy("dispatch", getattr(drv.engine, name)))
+    for name in ("block_until_ready", "device_get"):
+        monkeypatch.setattr(jax, name, spy("wait", getattr(jax, name)))
+    got = drv.generate(PROMPTS, num_samples=3, max_new_tokens=12, seed=5)
+    np.testing.assert_array_equal(got.responses, wide.responses)
+    runs, run = [], 0
+    for e in events:
+        run = 0 if e == "wait" else run + 1
+        runs.append(run)
+    n_dispatch = events.count("dispatch")
+    print("dispatches", n_dispatch, "waits", events.count("wait"), "longest run", max(runs))
+    assert n_dispatch >= 40 and DISPATCH_WINDOW <= max(runs) <= DISPATCH_WINDOW + 2, (n_dispatch, max(runs))
+    first_step = events.index("wait", events.index("dispatch"))
+    assert first_step < 12, events[:20]  # the first refill waits after its first window, not at the first step

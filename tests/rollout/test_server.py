@@ -1,10 +1,12 @@
 """`stapo-jax serve` (JetStream orchestrator + gRPC) in subprocesses on free localhost ports, and the gRPC
 client: same greedy tokens as the in-process driver, bounded clear errors when the server hangs, is killed or
-is gone, clean shutdown on SIGTERM."""
+is gone, clean shutdown on SIGTERM. In process: JetStream's prefill and generate loops wait for the device after
+every ``DISPATCH_WINDOW`` programs."""
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -15,7 +17,9 @@ from fixtures_rollout import RAGGED_PROMPTS, TOKENIZER_DIR, make_engine, tiny_mo
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from stapo_jax.rollout.client import GrpcRolloutClient, RolloutServerError, WeightSyncUnsupportedError
 from stapo_jax.rollout.driver import PromptTooLongError, RolloutDriver, RolloutInputError
+from stapo_jax.rollout.dispatch import DISPATCH_WINDOW
 from stapo_jax.rollout.sampling import SamplingParams
+from stapo_jax.rollout.server import serve
 
 MAX_PROMPT, MAX_NEW = 15, 12
 SAMPLING = SamplingParams(top_k=1)  # greedy, expressed through the run config (rollout.top_k=1)
@@ -130,3 +134,55 @@ def test_killed_server_gives_clear_error(servers):
         with pytest.raises(RolloutServerError, match=f"rollout server {server.address} is not reachable"):
             client.generate(RAGGED_PROMPTS, num_samples=2, max_new_tokens=4)
         assert time.monotonic() - t0 < 10
+
+
+def test_server_loops_wait_every_dispatch_window(monkeypatch):
+    """The server's engine in this process, 32 slots, 64 requests: JetStream's generate thread inserts one
+    prefix per free slot and steps, its prefill thread prefills, neither ever waiting for the device. A spy logs,
+    per thread, each engine call that dispatches a program (prefill, insert, generate) and each
+    ``jax.block_until_ready``: no thread dispatches more than ``DISPATCH_WINDOW`` programs between two waits
+    (without the window, the generate thread dispatched all its ~100 programs without one), and the tokens are
+    the greedy ones."""
+    import jax
+
+    engine = make_engine(tiny_model(0), slots=32, max_prefill_length=16, max_decode_length=MAX_NEW,
+                         sampling=SAMPLING, eos_token_ids=(), tokenizer=TOKENIZER_DIR)
+    events: list[tuple[str, int]] = []
+    block = jax.block_until_ready
+
+    def spy(name, fn):
+        def call(*a, **k):
+            events.append((name, threading.get_ident()))
+            return fn(*a, **k)
+        return call
+
+    for name in ("prefill", "insert", "generate"):
+        monkeypatch.setattr(engine, name, spy(name, getattr(engine, name)))
+    monkeypatch.setattr(jax, "block_until_ready", spy("wait", block))
+    port = portpicker.pick_unused_port()
+    server = serve(engine, port)
+    try:
+        prompts = [[1 + i % 100, 2, 3 + i % 7][: 1 + i % 3] for i in range(64)]
+        with GrpcRolloutClient(f"127.0.0.1:{port}", eos_token_ids=(), pad_token_id=0, max_prompt_length=MAX_PROMPT,
+                               max_new_tokens_limit=MAX_NEW, vocab_size=128, sampling=SAMPLING,
+                               request_timeout_s=120, max_retries=0, connect_timeout_s=5, max_parallel=64) as c:
+            c.wait_ready(60)
+            got = c.generate(prompts, max_new_tokens=MAX_NEW)
+    finally:
+        server.stop()
+    assert got.response_lengths.tolist() == [MAX_NEW] * 64
+    runs: dict[tuple[int, str], list[int]] = {}
+    current: dict[int, int] = {}
+    for name, tid in events:
+        if name == "wait":
+            current[tid] = 0
+            continue
+        current[tid] = current.get(tid, 0) + 1
+        runs.setdefault((tid, name), []).append(current[tid])
+    longest = {name: max(max(v) for (_, n), v in runs.items() if n == name) for name in ("prefill", "insert",
+                                                                                         "generate")}
+    counts = {name: sum(1 for n, _ in events if n == name) for name in ("prefill", "insert", "generate", "wait")}
+    print("dispatches", counts, "longest run between waits", longest)
+    assert counts["insert"] == 64 and counts["prefill"] == 64 and counts["generate"] >= 2 * MAX_NEW, counts
+    assert max(longest.values()) <= DISPATCH_WINDOW, longest
+    assert counts["wait"] >= (counts["insert"] + counts["generate"]) // DISPATCH_WINDOW, counts

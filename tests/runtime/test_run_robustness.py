@@ -10,7 +10,9 @@
 * Stall watchdog: process 1 of a 2-process run sleeps forever in its setup (test hook ``STAPO_TEST_HANG``): both
   processes exit non-zero (75) within the bound, each log holding the stall line and the Python thread stacks;
   a restart resumes from the step-1 checkpoint and finishes. SIGTERM to the run's process group stops it after
-  the step, the reward pool intact.
+  the step, the reward pool intact (no rebuild).
+* Pool process lifetime: a group SIGTERM leaves a ``VerifierPool``'s forkserver and workers alive and usable (no
+  rebuild); a SIGKILLed owner leaves no pool process behind.
 """
 from __future__ import annotations
 
@@ -246,8 +248,8 @@ def test_sigterm_to_the_process_group_stops_after_the_step(tmp_path):
     """The root cause of the reported failure: SIGTERM to the run's whole process group (what ``timeout``, a
     scheduler's time limit or ``kill -- -PGID`` send) reached the reward pool too. The trainer takes SIGTERM as
     "checkpoint after this step and exit 0", but pebble's workers exited with code 15 and the forkserver died,
-    so the next scoring raised ``RuntimeError: Unexpected error within the Pool``. Now the workers are in their
-    own process group and the broken pool (dead forkserver) is rebuilt: the run stops cleanly."""
+    so the next scoring raised ``RuntimeError: Unexpected error within the Pool``. Now the pool's processes never
+    take a group SIGTERM (rewards/pool.py): the run stops cleanly after the step, without a pool rebuild."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", "stapo_jax", "train", "--config", CONFIG, *OVERRIDES, "trainer.total_steps=50",
             "trainer.save_every=0", "trainer.train_batch_size=4", "actor.ppo_mini_batch_size=2",
@@ -273,4 +275,82 @@ def test_sigterm_to_the_process_group_stops_after_the_step(tmp_path):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     k = len(rows)
     assert 2 <= k < 50 and (run / "checkpoints" / str(k)).is_dir(), (k, text[-2000:])
-    assert sum(r["reward/n_pool_restarts"] for r in rows) <= 1 and all(r["reward/n_error"] == 0 for r in rows)
+    assert [r["reward/n_pool_restarts"] for r in rows] == [0] * k and all(r["reward/n_error"] == 0 for r in rows)
+    assert "rebuilding it" not in text, text[-3000:]
+
+
+POOL_OWNER = """
+import json, os, signal, sys, time
+import psutil
+from stapo_jax.rewards.pool import VerifierPool
+
+term = []
+signal.signal(signal.SIGTERM, lambda *_: term.append(1))
+pool = VerifierPool(2)
+first = pool.run(os.getpid, [()] * 8, 60.0)
+pids = [c.pid for c in psutil.Process().children(recursive=True)]
+print(json.dumps({"pids": pids,
+                  "ok": all(s == "ok" for s, _ in first)}), flush=True)
+if sys.argv[1] == "sigterm":
+    end = time.monotonic() + 60
+    while not term and time.monotonic() < end:
+        time.sleep(0.05)
+    time.sleep(1.0)  # pebble's status loop (0.1 s) has seen any worker that the signal ended
+    again = pool.run(os.getpid, [()] * 8, 60.0)
+    alive = [psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids]
+    print(json.dumps({"term": bool(term), "n_restarts": pool.n_restarts, "ok": all(s == "ok" for s, _ in again),
+                      "alive": all(alive)}), flush=True)
+    pool.close()
+else:
+    pool.run(time.sleep, [(600,)] * 2, 900.0)  # both workers busy when the owner is killed
+"""
+
+
+def _start_pool_owner(mode: str) -> tuple[subprocess.Popen, dict]:
+    """A process (its own session, as a run under ``timeout``) that owns a 2-worker pool and has scored once."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-c", POOL_OWNER, mode], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    first = json.loads(p.stdout.readline() or "{}")
+    assert first.get("ok") and len(first["pids"]) >= 3, first  # resource tracker, forkserver, >= 1 worker
+    return p, first
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_pool_processes_survive_a_group_sigterm():
+    """SIGTERM to the owner's whole process group: the owner (which handles it) scores again in the same pool with
+    no rebuild, its resource tracker, forkserver and workers all still alive."""
+    p, first = _start_pool_owner("sigterm")
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        out = json.loads(p.stdout.readline() or "{}")
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert out == {"term": True, "n_restarts": 0, "ok": True, "alive": True}, (out, first)
+
+
+def test_sigkilled_owner_leaves_no_pool_process():
+    """SIGKILL of the pool's owner (no cleanup runs) while both workers are inside a 600 s item: the forkserver
+    sees its "alive" pipe close and exits, the busy workers die with it (PR_SET_PDEATHSIG; before, they ran their
+    item to the end), the resource tracker exits at EOF: every pool process is gone within 15 s."""
+    p, first = _start_pool_owner("sigkill")
+    pids = first["pids"]
+    time.sleep(2.0)  # the two sleep items reach the workers
+    assert not any(_gone(pid) for pid in pids)
+    p.kill()
+    p.wait(timeout=30)
+    end = time.monotonic() + 15
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = [pid for pid in pids if not _gone(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, [psutil.Process(x).cmdline() for x in left if psutil.pid_exists(x)]
