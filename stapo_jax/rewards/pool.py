@@ -69,7 +69,7 @@ def sigterm_blocked():
     Threads and processes started inside inherit the blocked mask (POSIX: a new thread takes its creator's mask,
     ``fork`` and ``exec`` keep it), which keeps a SIGTERM sent to the trainer's process group away from them.
     A SIGTERM for the trainer itself is delivered to another thread, or to this one when the body ends. No-op
-    where ``signal.pthread_sigmask`` does not exist (Windows). No arrays; raises nothing of its own. Source:
+    where ``signal.pthread_sigmask`` does not exist (Windows). Raises nothing of its own. Source:
     POSIX ``pthread_sigmask(2)``, ``signal(7)`` (masks across fork / exec).
     """
     if not hasattr(signal, "pthread_sigmask"):
@@ -90,7 +90,7 @@ def watch_owner(lifeline) -> None:
     cannot do this: a worker's parent is the forkserver, which exits only when every holder of its "alive" fd
     has, and CPython hands that fd to each forkserver child, so a worker busy with an item outlived a SIGKILLed
     trainer (and kept the forkserver alive) until the item ended, which nobody then bounded.
-    ``lifeline``: a ``multiprocessing.connection.Connection``. No arrays; returns None; raises nothing of its own
+    ``lifeline``: a ``multiprocessing.connection.Connection``. Returns None; raises nothing of its own
     (RuntimeError only if a thread cannot be started). Source: the "alive pipe" of CPython's
     ``multiprocessing.forkserver``.
     """
@@ -112,8 +112,8 @@ def worker_init(initializer: Optional[Callable] = None, lifeline=None) -> None:
     started with SIGTERM blocked (:func:`sigterm_blocked`): after ``os.setpgrp`` a SIGTERM sent to the owner's
     group no longer reaches it, one that arrived before is dropped, and SIGTERM is unblocked so pebble can stop
     the worker (pebble's handler exits with code 15). A group SIGTERM used to make every idle worker exit and the
-    pool break while the trainer, which takes SIGTERM as "stop after this step", still had to score. No arrays;
-    returns None; raises what ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``),
+    pool break while the trainer, which takes SIGTERM as "stop after this step", still had to score.
+    Returns None; raises what ``initializer`` raises. Source: POSIX process groups (``setpgid(0, 0)``),
     ``sigpending(2)``.
     """
     if lifeline is not None:
@@ -189,7 +189,7 @@ class VerifierPool:
     def restart(self, cause: str) -> None:
         """Replace the pebble pool by a fresh one (logged with ``cause``, counted in :attr:`n_restarts`).
 
-        No arrays: a str in, None out. Raises RuntimeError if the pool was closed. Source: this module's design.
+        A str in, None out. Raises RuntimeError if the pool was closed. Source: this module's design.
         """
         if self._closed:
             raise RuntimeError("VerifierPool is closed")
@@ -211,7 +211,7 @@ class VerifierPool:
         Raises:
           RuntimeError: the pool was closed.
           PoolFailure: more than ``max_restarts`` rebuilds for this call.
-        No arrays: Python objects in and out. Source: MaxText ``math_verify_pool.py`` (conventions.md §8).
+        Python objects in and out. Source: MaxText ``math_verify_pool.py`` (conventions.md §8).
         """
         if self._closed:
             raise RuntimeError("VerifierPool is closed")
@@ -274,7 +274,7 @@ class VerifierPool:
 
     def close(self) -> None:
         """Stop the workers (running calls are terminated) and wait for them, at most ~15 s. Idempotent; never
-        raises. No arrays. Source: pebble's ``stop`` / ``join``."""
+        raises. Source: pebble's ``stop`` / ``join``."""
         if not self._closed:
             self._closed = True
             if not self._stop(self._pool):

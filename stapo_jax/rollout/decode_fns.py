@@ -102,7 +102,7 @@ class StepOutput:
 def fit_axes(mesh, axes: Sequence[str], dim: int):
     """The mesh axes (from the left) whose size product divides ``dim``; None when none do.
 
-    No arrays: ``mesh`` a ``jax.sharding.Mesh``, ``axes`` str axis names, ``dim`` an int; returns a str, a tuple of
+    ``mesh`` a ``jax.sharding.Mesh``, ``axes`` str axis names, ``dim`` an int; returns a str, a tuple of
     str, or None (a ``PartitionSpec`` entry); never raises. Source: the JAX ``PartitionSpec`` convention
     (a dimension is sharded over axes whose size product divides it).
     """
@@ -116,7 +116,7 @@ def decode_state_shardings(mesh, model_config: Qwen3Config, config: EngineConfig
     """``NamedSharding``s of the :class:`DecodeState` of an engine: the slot axis over ``data``/``fsdp`` and KV
     heads over ``tensor`` where the sizes divide, everything else replicated.
 
-    No arrays: returns a :class:`DecodeState` pytree of ``NamedSharding`` leaves (KV cache per layer
+    Returns a :class:`DecodeState` pytree of ``NamedSharding`` leaves (KV cache per layer
     ``[B, Nkv, S, H]`` as ``P(b, h, None, None)``, ``[B]`` int32 / bool counters as ``P(b)``, scalars replicated).
     Never raises (undividable axes are replicated). Source: JetStream's slot-major decode state; MaxText-style
     logical sharding of KV heads over ``tensor``.
@@ -138,7 +138,7 @@ class DecodeSpec:
     """The static (hashable) argument of the jitted engine functions: what fixes their compiled programs.
 
     Fields:
-      graphdef: the model's ``nnx`` graph definition (structure, no arrays).
+      graphdef: the model's ``nnx`` graph definition (structure only).
       model_config: the :class:`~models.qwen3.Qwen3Config`.
       config: the engine's :class:`EngineConfig` (slots, cache length, dtypes, sampling).
       eos_token_ids: tuple of int stop ids.
@@ -173,7 +173,7 @@ def resolve_kernel_layout(kernel_layout: str, mesh) -> str:
     """``EngineConfig.kernel_layout`` resolved for ``mesh``: ``"auto"`` becomes
     :func:`models.linear.preferred_kernel_layout` of the mesh's device platform (``jax.default_backend()`` for
     a mesh without devices, e.g. ``AbstractMesh``); ``"in_out"`` / ``"out_in"`` are returned as they are.
-    No arrays; raises ValueError for any other value. Source: :func:`models.linear.preferred_kernel_layout`
+    Raises ValueError for any other value. Source: :func:`models.linear.preferred_kernel_layout`
     (PyTorch's [out, in] ``nn.Linear`` convention on CPU)."""
     if kernel_layout != "auto":
         check_kernel_layout(kernel_layout)
@@ -188,7 +188,7 @@ def decode_param_shardings(stacked, num_layers: int, kernel_layout: str = "in_ou
     (``models.sharding.param_shardings``): each layer leaf keeps its stacked spec without the layer axis
     (reversed for a kernel held ``"out_in"``).
 
-    No arrays: ``stacked`` a pytree of ``NamedSharding`` (layer leaves spec ``[L, ...]``), ``num_layers`` an int;
+    ``stacked`` a pytree of ``NamedSharding`` (layer leaves spec ``[L, ...]``), ``num_layers`` an int;
     returns a ``DecodeParams`` pytree of ``NamedSharding`` (layer specs ``[...]``). Raises KeyError when
     ``stacked`` has no ``"layers"`` entry. Source: the NNX ``nnx.scan`` stacked-layer convention of
     :mod:`models.qwen3`.
@@ -322,7 +322,7 @@ def kv_length_buckets(capacity: int, smallest: int = 32) -> tuple[int, ...]:
     """The KV-cache lengths a decode state takes: ``smallest`` doubling while below ``capacity``, then
     ``capacity`` itself (e.g. 144 -> (32, 64, 128, 144); 17408 -> (32, 64, ..., 16384, 17408)).
 
-    No arrays: ints in, a strictly increasing tuple of ints out. Raises ValueError for ``capacity`` or
+    Ints in, a strictly increasing tuple of ints out. Raises ValueError for ``capacity`` or
     ``smallest`` < 1. Source: the power-of-two padding buckets of JetStream's prefill, applied to the decode
     cache (one compiled decode step per length).
     """
@@ -418,7 +418,7 @@ def abstract_decode_spec(graphdef, model_config: Qwen3Config, config: EngineConf
     """The :class:`DecodeSpec` an engine over ``graphdef`` / ``model_config`` with ``config`` on ``mesh`` uses,
     built without placing any weight (for ``stapo_jax.tools.plan``: ``step_fn.lower(spec, abstract_params, ...)``).
 
-    No arrays: ``eos_token_ids`` ints; returns a hashable ``DecodeSpec`` (static jit argument). Never raises.
+    ``eos_token_ids`` ints; returns a hashable ``DecodeSpec`` (static jit argument). Never raises.
     Source: JAX AOT ``jit(...).lower`` on abstract arguments (``jax.ShapeDtypeStruct``).
     """
     return DecodeSpec(graphdef, model_config, config, tuple(eos_token_ids),

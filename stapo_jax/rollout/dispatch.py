@@ -57,7 +57,7 @@ class DispatchWindow:
         return result
 
     def waited(self) -> None:
-        """The host just read a result that depends on every counted program: nothing is in flight. No arrays;
-        returns None; never raises. Source: module docstring."""
+        """The host just read a result that depends on every counted program: nothing is in flight.
+        Returns None; never raises. Source: module docstring."""
         with self._lock:
             self.unawaited = 0

@@ -132,7 +132,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], max_prompt_length: int, v
 def check_generation_args(num_samples: int, max_new_tokens: int, limit: int) -> None:
     """Raise RolloutInputError unless ``1 <= num_samples`` and ``1 <= max_new_tokens <= limit``.
 
-    No arrays: three ints (bools rejected); returns None. ``RolloutInputError`` is a ValueError naming the
+    Three ints (bools rejected); returns None. ``RolloutInputError`` is a ValueError naming the
     argument. Source: HF transformers ``generate`` names (``num_return_sequences`` = group size,
     ``max_new_tokens``).
     """

@@ -84,7 +84,7 @@ def engine_stop_ids(model_config: Qwen3Config, config: EngineConfig) -> tuple[in
     """The stop ids an engine uses: ``config.eos_token_ids``, or the model config's EOS ids plus Qwen3's
     (``stapo_jax.data.tokenizer.QWEN3_STOP_IDS``) that lie inside its vocabulary, sorted.
 
-    No arrays: returns a tuple of int token ids; never raises. Source: HF transformers ``generation_config``
+    Returns a tuple of int token ids; never raises. Source: HF transformers ``generation_config``
     ``eos_token_id`` plus Qwen3's ``<|im_end|>`` / ``<|endoftext|>`` ids.
     """
     if config.eos_token_ids is not None:
@@ -229,7 +229,7 @@ class Qwen3Engine(engine_api.Engine):
 
     def check_kv_length(self, length) -> int:
         """``length`` as an int if it is one of :attr:`kv_length_buckets`; ValueError naming the allowed lengths
-        otherwise (floats and bools included). No arrays. Source: this engine's bucket rule."""
+        otherwise (floats and bools included). Source: this engine's bucket rule."""
         is_int = isinstance(length, (int, np.integer)) and not isinstance(length, bool)
         if not is_int or length not in self.kv_length_buckets:
             raise ValueError(f"length {length!r} is not one of the engine's KV-cache lengths {self.kv_length_buckets}")

@@ -34,7 +34,7 @@ def serving_prefill_length(max_prompt_length: int) -> int:
     Raises:
       EngineConfigError: ``max_prompt_length`` < 1 or larger than the biggest bucket (32767).
 
-    No arrays: int in, int out. Source: JetStream ``token_utils`` padding buckets (``DEFAULT_PREFILL_BUCKETS``) and
+    Int in, int out. Source: JetStream ``token_utils`` padding buckets (``DEFAULT_PREFILL_BUCKETS``) and
     its BOS-marker convention for token requests.
     """
     need = int(max_prompt_length) + 1
@@ -57,7 +57,7 @@ def serve(engine: Qwen3Engine, port: int, host: str = compat.DEFAULT_HOST, threa
     Raises:
       EngineConfigError: ``max_prefill_length`` not a bucket; ValueError: bad port.
 
-    No arrays: ``port`` / ``threads`` ints, ``host`` a str. Source: JetStream ``server_lib.run`` (orchestrator +
+    ``port`` / ``threads`` ints, ``host`` a str. Source: JetStream ``server_lib.run`` (orchestrator +
     gRPC ``Decode`` service).
     """
     if engine.max_prefill_length not in PREFILL_BUCKETS:
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``stapo-jax serve`` argument parser: positional ``key.sub=value`` overrides, ``--config``,
     ``--host``, ``--port`` (int), ``--seed`` (int). Parsing bad arguments exits 2 (argparse's SystemExit).
 
-    No arrays: returns an ``argparse.ArgumentParser`` (str / int options). Building it never raises. Source: the
+    Returns an ``argparse.ArgumentParser`` (str / int options). Building it never raises. Source: the
     project CLI convention (``stapo-jax <command>``, verl-style dotted ``key.sub=value`` overrides).
     """
     p = argparse.ArgumentParser(prog="stapo-jax serve",
@@ -107,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
       0 after a clean shutdown, 2 on a configuration error.
 
-    No arrays: ``argv`` a sequence of str; returns an int exit code. Configuration errors (ConfigError,
+    ``argv`` a sequence of str; returns an int exit code. Configuration errors (ConfigError,
     EngineConfigError, ValueError, FileNotFoundError) are printed and give 2, not raised; argparse errors exit 2
     (SystemExit). Source: JetStream's server process convention (serve until a signal).
     """

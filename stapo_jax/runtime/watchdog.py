@@ -43,7 +43,7 @@ def resolve_timeout(value: Optional[float], backend: str) -> float:
     """``trainer.stall_timeout_s`` in seconds: ``value`` if set (0 = off), else 600 s on the ``"cpu"`` backend and
     1800 s on accelerators (``"gpu"``, ``"tpu"``, ...).
 
-    No arrays: a float / None and a str in, a float out. Raises ValueError for a negative value. Source: this
+    A float / None and a str in, a float out. Raises ValueError for a negative value. Source: this
     project's stall bound (issue 34; a 0.6B update compiles in minutes, never in half an hour).
     """
     if value is None:
@@ -56,7 +56,7 @@ def resolve_timeout(value: Optional[float], backend: str) -> float:
 def parse_hang(spec: Optional[str]) -> Optional[tuple[int, str, Optional[int]]]:
     """The test hook :data:`HANG_ENV` parsed: ``"1:reward:2"`` -> ``(1, "reward", 2)``; None for unset / empty.
 
-    No arrays: str in, a (process int, phase str, step int or None) tuple out. Raises ValueError naming
+    Str in, a (process int, phase str, step int or None) tuple out. Raises ValueError naming
     ``STAPO_TEST_HANG`` for a malformed value. Source: this project's test hook (no peer equivalent).
     """
     if not spec:
@@ -102,7 +102,7 @@ class StallWatchdog:
     def mark(self, phase: Optional[str] = None, step: Optional[int] = None) -> None:
         """Record progress now; ``phase`` / ``step`` (when given) become the current phase and RL step.
 
-        No arrays: str / int in, None out. Never raises; sleeps forever if :data:`HANG_ENV` names this process,
+        Str / int in, None out. Never raises; sleeps forever if :data:`HANG_ENV` names this process,
         phase and step (the test hook). Source: this module's phase protocol.
         """
         self._last = time.monotonic()
@@ -119,7 +119,7 @@ class StallWatchdog:
 
     def start(self) -> "StallWatchdog":
         """Start the watchdog thread (a daemon; nothing when ``timeout_s`` is 0) and make this the watchdog
-        :func:`progress` marks. Returns self. No arrays; never raises. Source: this module's design."""
+        :func:`progress` marks. Returns self. Never raises. Source: this module's design."""
         global _active
         with _active_lock:
             _active = self
@@ -131,7 +131,7 @@ class StallWatchdog:
 
     def stop(self) -> None:
         """Stop the thread (joined for at most 5 s) and detach from :func:`progress`. Idempotent; never raises.
-        No arrays. Source: this module's design."""
+        Source: this module's design."""
         global _active
         with _active_lock:
             if _active is self:
@@ -147,7 +147,7 @@ class StallWatchdog:
         self.stop()
 
     def idle_s(self) -> float:
-        """Seconds since the last mark (float). No arrays; never raises. Source: this module's design."""
+        """Seconds since the last mark (float). Never raises. Source: this module's design."""
         return time.monotonic() - self._last
 
     def _watch(self) -> None:
@@ -189,7 +189,7 @@ class StallWatchdog:
 
 def current_phase() -> Optional[str]:
     """The phase last marked on the running :class:`StallWatchdog` (``eval``, ``export``, ...), or None without one.
-    No arrays: returns a str or None; never raises. Source: this module's phase protocol."""
+    Returns a str or None; never raises. Source: this module's phase protocol."""
     wd = _active
     return None if wd is None else wd.phase
 
@@ -199,7 +199,7 @@ def progress(phase: Optional[str] = None, step: Optional[int] = None) -> None:
     long phases (decode steps, verified items). ``phase`` (str) / ``step`` (int, the RL step), when given, become
     the current phase and step.
 
-    No arrays, returns None; never raises (except the test hook's endless sleep, see :meth:`StallWatchdog.mark`).
+    Returns None; never raises (except the test hook's endless sleep, see :meth:`StallWatchdog.mark`).
     Source: this module's phase protocol.
     """
     wd = _active
@@ -216,7 +216,7 @@ def arm_exit_guard(code: int, timeout_s: float = EXIT_GUARD_S) -> threading.Thre
     line to stderr and calls ``os._exit(code)`` (the status the command meant to exit with). Call it once the
     command's work is done.
 
-    No arrays: an int exit status and seconds (float) in, the (started, daemon) thread out. Never raises. Source:
+    An int exit status and seconds (float) in, the (started, daemon) thread out. Never raises. Source:
     this project's exit rule (issue 34: a process that ends with an exception exits).
     """
     def guard():

@@ -213,6 +213,17 @@ def test_public_docstrings(directory):
     assert found == [], "docstring findings:\n" + "\n".join(found)
 
 
+RITUAL_RE = re.compile(r"\bno arrays\b", re.I)  # a phrase once added only to satisfy DTYPE_RE (issue 35)
+
+
+@pytest.mark.parametrize("directory", ALL_DIRS)
+def test_no_ritual_no_arrays_phrase(directory):
+    """Docstrings state what a function takes and returns, not the absence of arrays."""
+    found = [f"{_rel(p)}:{i}" for p in _py_files(directory)
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if RITUAL_RE.search(line)]
+    assert found == [], "'no arrays' in:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("directory", PRIVATE_IMPORT_DIRS)
 def test_no_imports_of_another_modules_private_names(directory):
     found = [f for p in _py_files(directory) for f in private_import_findings(p)]
