@@ -234,7 +234,7 @@ def test_stall_watchdog_ends_both_processes_and_restart_resumes(tmp_path):
         assert f"in phase 'setup' on process {i}" in line, line
         idle = int(line.split("no progress for ")[1].split(" s")[0])
         assert STALL_S <= idle <= STALL_S + 10, line  # within the bound (the thread checks every second)
-        assert "(most recent call first)" in t and "in _train" in t  # the main thread's stack, in the trainer
+        assert "(most recent call first)" in t and "in setup_run" in t  # the main thread's stack, in the trainer's setup
     assert 'watchdog.py", line' in texts[1] and " in mark" in texts[1]  # process 1: asleep in the test hook
     assert "distributed.py" in texts[0]  # process 0: waiting in check_same_config's all-gather
     codes, texts = _run_pair(run, logs, 3)
