@@ -94,13 +94,20 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
+def mask_selects_tokens(token_mask: str) -> bool:
+    """Whether the token mask ``token_mask`` is a *selection* for a penalty (``kl_cov``: registry field
+    ``selects``) rather than a keep mask; ``"none"`` selects nothing. Takes a str name, returns a bool.
+    Raises: ValueError for an unknown mask name. Source: verl ``compute_policy_loss_kl_cov`` (a selection)."""
+    return token_mask != "none" and masks.get_token_mask(token_mask).selects
+
+
 def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
     """Reject a selecting token mask (``kl_cov``: registry field ``selects``) with a policy loss that takes no
     ``kl_cov_selection`` (:data:`~stapo_jax.algo.objectives.KL_COV_POLICY_LOSSES`), e.g. ``gspo``: at config load,
     not at the first update. Both names must be registered (looked up first). Takes str names.
     Raises: ConfigError naming ``actor.policy_loss`` and ``actor.token_mask``. Source: verl's KL-Cov, a
     ``loss_mode`` of its own (``compute_policy_loss_kl_cov``) that no other loss combines with."""
-    if token_mask == "none" or not masks.get_token_mask(token_mask).selects:
+    if not mask_selects_tokens(token_mask):
         return
     if policy_loss not in KL_COV_POLICY_LOSSES:
         raise ConfigError(f"actor.policy_loss={policy_loss} cannot be combined with actor.token_mask={token_mask}: "

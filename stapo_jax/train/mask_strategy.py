@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.masks import get_token_mask, masked_quantile
+from stapo_jax.algo.masks import masked_quantile
 from stapo_jax.algo.objectives import POLICY_LOSSES, kl_has_own_denominator
-from stapo_jax.algo.recipes import Recipe, compute_token_mask
+from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
 from stapo_jax.algo.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
@@ -140,7 +140,7 @@ def mask_selects(recipe: Recipe) -> bool:
     ``kl_cov_selection``, rather than a keep mask (registry field ``selects``).
     Returns a Python bool. Raises: ValueError for an unknown mask name. Source: verl
     ``compute_policy_loss_kl_cov`` (a selection, not a keep mask)."""
-    return recipe.token_mask != "none" and get_token_mask(recipe.token_mask).selects
+    return mask_selects_tokens(recipe.token_mask)
 
 
 def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
