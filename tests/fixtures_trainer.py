@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import yaml
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def write_config(path: Path, run_dir: Path, base: Optional[dict] = None, **secti
 def child_env(devices: int = 1) -> dict:
     """Environment of a ``stapo-jax`` child: CPU JAX with ``devices`` simulated devices, offline HF."""
     env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     return env

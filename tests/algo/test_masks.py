@@ -25,6 +25,7 @@ from stapo_jax.algo.masks import (  # noqa: E402
     s2t_mask,
     top_entropy_mask,
 )
+from xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -259,7 +260,7 @@ SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_global_quantile_exact_on_8_simulated_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)

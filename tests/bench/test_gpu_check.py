@@ -11,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_check_report  # noqa: E402
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_cpu_smoke_runs_every_stage_and_prints_its_figures(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("XLA_FLAGS", None)  # the suite's 8 simulated CPU devices: the check runs on the machine's one device
+    env["XLA_FLAGS"] = xla_flags()  # not the suite's 8 simulated CPU devices: the check runs on one device
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=2400)
     out = proc.stdout

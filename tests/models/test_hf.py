@@ -18,6 +18,7 @@ from fixtures_hf import hf_logits, hf_tied, hf_untied_sharded, padded_batch  # n
 from models.decode import decode_step, greedy_generate, prefill
 from models.hf import CheckpointError, iter_hf_tensors, load_hf_checkpoint, resolve_checkpoint, save_hf_checkpoint
 from models.qwen3 import init_cache
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -272,7 +273,7 @@ def test_load_and_export_do_not_import_torch(hf_tied, tmp_path):
         f"save_hf_checkpoint(m, cfg, {str(tmp_path / 'out')!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("ok")

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from xla_env import xla_flags
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -48,7 +49,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_eight_devices_equal_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))

@@ -20,6 +20,7 @@ from stapo_jax.rollout.driver import PromptTooLongError, RolloutDriver, RolloutI
 from stapo_jax.rollout.dispatch import DISPATCH_WINDOW
 from stapo_jax.rollout.sampling import SamplingParams
 from stapo_jax.rollout.server import serve
+from xla_env import xla_flags
 
 MAX_PROMPT, MAX_NEW = 15, 12
 SAMPLING = SamplingParams(top_k=1)  # greedy, expressed through the run config (rollout.top_k=1)
@@ -34,7 +35,7 @@ class Server:
             f"tokenizer: {{path: {os.path.abspath(TOKENIZER_DIR)}}}\n"
             f"data: {{max_prompt_length: {MAX_PROMPT}}}\n"
             f"rollout: {{max_new_tokens: {MAX_NEW}, max_concurrent_decodes: 3, top_k: 1}}\n")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+        env = dict(os.environ, XLA_FLAGS=xla_flags())  # one CPU device
         env["JAX_PLATFORMS"] = "cpu"
         self.log = open(tmp / f"serve_{self.port}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "stapo_jax.tools.cli", "serve", "--config", str(cfg),

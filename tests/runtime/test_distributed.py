@@ -11,6 +11,7 @@ import portpicker
 import pytest
 
 from stapo_jax.runtime import distributed
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -27,7 +28,7 @@ def test_two_processes_equal_one_process(tmp_path):
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "two.npz")], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                              env=_env(XLA_FLAGS=xla_flags(2),
                                        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                                        JAX_PROCESS_ID=str(i)))
              for i in range(2)]
@@ -35,7 +36,7 @@ def test_two_processes_equal_one_process(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(x[-3000:] for x in logs)
     single = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "one.npz")], cwd=REPO, text=True,
                             capture_output=True, timeout=600,
-                            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                            env=_env(XLA_FLAGS=xla_flags(4)))
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert int(one["process_count"]) == 1 and int(two["process_count"]) == 2

@@ -34,6 +34,7 @@ import pytest
 from stapo_jax.rewards.pool import PoolFailure, VerifierPool
 from stapo_jax.runtime.launch import process_env
 from stapo_jax.runtime.watchdog import EXIT_STALL, HANG_ENV
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -169,7 +170,7 @@ def test_run_that_raises_in_step_one_exits(tmp_path):
             "trainer.save_every=1", "trainer.train_batch_size=4", "actor.ppo_mini_batch_size=2",
             f"trainer.run_dir={tmp_path / 'run'}"]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     log = tmp_path / "log"
     p = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
@@ -255,7 +256,7 @@ def test_sigterm_to_the_process_group_stops_after_the_step(tmp_path):
             "trainer.save_every=0", "trainer.train_batch_size=4", "actor.ppo_mini_batch_size=2",
             f"trainer.run_dir={run}"]
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     log = tmp_path / "log"
     p = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                          start_new_session=True)

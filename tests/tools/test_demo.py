@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from fixtures_hf import make_hf_model
 from stapo_jax.assets import qwen3_tokenizer_dir
 from stapo_jax.tools.demo import main
+from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = qwen3_tokenizer_dir()
@@ -124,7 +125,7 @@ def test_demo_errors_are_reported_with_exit_code_2(tmp_path, capsys):
 
 
 def test_stapo_jax_demo_command(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "stapo_jax", "demo", "--max-new-tokens", "2"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -139,7 +140,7 @@ def test_demo_two_processes_print_once_and_equal_one(tmp_path):
     single printed record (process 0's) equals a one-process run's (greedy, same seed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
                                                                      "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1", STAPO_DISTRIBUTED="auto", PYTHONPATH=str(REPO))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), HF_HUB_OFFLINE="1", STAPO_DISTRIBUTED="auto", PYTHONPATH=str(REPO))
     args = ["demo", "--max-new-tokens", "3", "--seed", "3"]
     one = subprocess.run([sys.executable, "-m", "stapo_jax", *args], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
