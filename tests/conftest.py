@@ -7,9 +7,10 @@ loadfile``: a file's tests, and its module-scoped runs, stay on one worker) star
 """
 import os
 
-from xla_env import xla_flags  # noqa: E402  (tests/ is on sys.path)
+from xla_env import with_test_flags  # noqa: E402  (tests/ is on sys.path)
 
-os.environ.setdefault("XLA_FLAGS", xla_flags(8))
+# 8 simulated devices and the fast-compile flags (tests/xla_env.py), added to any XLA_FLAGS the user set
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""), 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -21,3 +21,11 @@ def xla_flags(devices: Optional[int] = None) -> str:
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return " ".join(flags)
+
+
+def with_test_flags(existing: str, devices: int) -> str:
+    """``existing`` XLA flags (the user's ``XLA_FLAGS``) plus each flag of :func:`xla_flags` whose name they do not
+    set: a user's own ``--xla_force_host_platform_device_count`` or optimization level wins."""
+    flags = existing.split()
+    names = {f.split("=", 1)[0] for f in flags}
+    return " ".join(flags + [f for f in xla_flags(devices).split() if f.split("=", 1)[0] not in names])

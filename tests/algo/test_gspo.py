@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from verl.trainer.ppo import core_algos
-from verl.workers.config.actor import ActorConfig
+
+from fixtures_peers import verl_actor_config
 
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig, safe_divide
 from stapo_jax.algo.policy_losses.gspo import compute_policy_loss_gspo
@@ -37,8 +38,7 @@ def inputs(seed: int):
 @pytest.mark.parametrize("mode", MODES)
 def test_gspo_matches_verl(mode):
     lp, old, adv, mask = inputs(1)
-    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
-                         clip_ratio_low=0.2, clip_ratio_high=0.28)
+    config = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28)
     t_lp = torch.tensor(lp, requires_grad=True)
     v_t, m_t = core_algos.compute_policy_loss_gspo(torch.tensor(old), t_lp, torch.tensor(adv), torch.tensor(mask),
                                                    loss_agg_mode=mode, config=config)

@@ -11,18 +11,14 @@ tokens in its denominator (our ``renormalize=False``) and draws the entropy mask
 
 from __future__ import annotations
 
-import collections
-import functools
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from trl.trainer.grpo_trainer import GRPOTrainer
 from verl.trainer.ppo import core_algos
-from verl.workers.config.actor import ActorConfig
+
+from fixtures_peers import trl_loss_and_grad, trl_trainer_view, verl_actor_config
 
 from stapo_jax.algo.masks import s2t_mask, top_entropy_mask
 from stapo_jax.algo.objectives import PolicyLossConfig, compute_policy_loss, kl_has_own_denominator, safe_divide
@@ -62,9 +58,8 @@ def ours(lp, old, adv, mask, keep, cfg, ref, renormalize):
 def verl_masked_loss(lp, old, adv, mask, keep, ref, mode, kl_type):
     """verl 0.9.1: the vanilla policy loss over the kept tokens plus ``kl_loss_coef * agg_loss(kl_penalty,
     response_mask)``, as ``verl.workers.utils.losses.ppo_loss`` adds them; value, gradient and the KL value."""
-    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1,
-                         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, use_kl_loss=True,
-                         kl_loss_coef=BETA, kl_loss_type=kl_type, loss_agg_mode=mode)
+    config = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, use_kl_loss=True,
+                               kl_loss_coef=BETA, kl_loss_type=kl_type, loss_agg_mode=mode)
     t_lp = torch.tensor(lp, requires_grad=True)
     kept = torch.tensor(mask * keep)
     pg, _ = core_algos.compute_policy_loss_vanilla(torch.tensor(old), t_lp, torch.tensor(adv), kept,
@@ -101,41 +96,17 @@ def test_kl_under_a_token_mask_matches_verl(mask_name, mode):
     assert np.all(np.abs(g_o[dropped]) > 0)
 
 
-def trl_view(beta: float, top_entropy_quantile: float):
-    """The attributes ``GRPOTrainer._compute_loss`` reads, around the real method (loss_type ``dapo``)."""
-    from accelerate import Accelerator
-
-    view = types.SimpleNamespace(
-        loss_type="dapo", beta=beta, top_entropy_quantile=top_entropy_quantile, epsilon_low=0.2, epsilon_high=0.28,
-        importance_sampling_level="token", off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
-        current_gradient_accumulation_steps=1, max_completion_length=T, model=types.SimpleNamespace(training=True),
-        accelerator=Accelerator(cpu=True),
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        _metrics={"train": collections.defaultdict(list), "eval": collections.defaultdict(list)},
-    )
-    view.get_high_entropy_mask = functools.partial(GRPOTrainer.get_high_entropy_mask, view)
-    return view
-
-
 @pytest.mark.parametrize("ratio", [0.2, 0.5])
 def test_dapo_kl_top_entropy_matches_trl(ratio):
     """DAPO + KL (k3, beta 0.1) + TRL's entropy mask: TRL's loss and gradient, with the KL on every valid token."""
     lp, old, adv, mask, ent, ref = inputs(5)
-    view = trl_view(BETA, ratio)
-    t_lp = torch.tensor(lp, requires_grad=True)
-    view._get_per_token_logps_and_entropies = lambda *a, **k: (t_lp, torch.tensor(ent), None)
-    batch = {"prompt_ids": torch.zeros((B, 2), dtype=torch.long), "prompt_mask": torch.ones((B, 2)),
-             "completion_ids": torch.zeros((B, T), dtype=torch.long), "completion_mask": torch.tensor(mask),
-             "advantages": torch.tensor(adv[:, 0]), "old_per_token_logps": torch.tensor(old),
-             "num_items_in_batch": torch.tensor(mask.sum()), "ref_per_token_logps": torch.tensor(ref)}
-    loss = GRPOTrainer._compute_loss(view, None, batch)
-    loss.backward()
+    view = trl_trainer_view("dapo", max_completion_length=T, beta=BETA, top_entropy_quantile=ratio)
+    v_t, g_t = trl_loss_and_grad(view, lp, old, adv, mask, ent, ref)
     # the mask TRL draws (its parity with ours: test_peer_parity.py::test_trl_high_entropy_mask_and_masked_loss_match)
     keep = view.get_high_entropy_mask(torch.tensor(ent), torch.tensor(mask), 1 - ratio).numpy().astype(bool)
     assert 0 < keep.sum() < mask.sum()
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, loss_agg_mode="token-mean",
                            use_kl_loss=True, kl_loss_coef=BETA, kl_loss_type="k3")
     v_o, g_o, _ = ours(lp, old, adv[:, 0], mask, keep, cfg, ref, renormalize=False)
-    assert abs(v_o - float(loss.detach())) <= 1e-10 * max(1.0, abs(float(loss.detach())))
-    np.testing.assert_allclose(g_o, t_lp.grad.numpy(), atol=1e-10, rtol=1e-10)
+    assert abs(v_o - v_t) <= 1e-10 * max(1.0, abs(v_t))
+    np.testing.assert_allclose(g_o, g_t, atol=1e-10, rtol=1e-10)

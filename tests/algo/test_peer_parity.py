@@ -13,19 +13,17 @@ never from a copy. Values and gradients agree within 1e-10 unless a documented c
 
 from __future__ import annotations
 
-import collections
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from trl.trainer.grpo_trainer import GRPOTrainer
 from verl.trainer.ppo import core_algos
-from verl.workers.config.actor import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
+
+from fixtures_peers import policy_inputs, trl_loss_and_grad, trl_trainer_view, verl_actor_config
 
 from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from stapo_jax.algo.masks import clip_cov_mask, kl_cov_mask, top_entropy_mask
@@ -34,22 +32,6 @@ from stapo_jax.tools.dump import TRL_LOSS_AGG_MODES
 
 B, T = 6, 7
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-def _inputs(seed: int, empty_row: bool = True):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, T + 1, size=B)
-    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float64)
-    if empty_row:
-        mask[2] = 0.0
-    lp = rng.normal(size=(B, T)) * 0.6 - 1.5
-    old = lp + rng.normal(size=(B, T)) * 0.3
-    adv = np.repeat(rng.normal(size=(B, 1)), T, axis=1)
-    return lp, old, adv, mask
-
-
-def _actor_config(**kw):
-    return ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_mini_batch_size=1, **kw)
 
 
 def _ours_loss_and_grad(lp, old, adv, mask, cfg, token_mask=None, renormalize=True, kl_cov_selection=None):
@@ -72,14 +54,14 @@ def _verl_loss_and_grad(fn, lp, old, adv, mask, mode, config):
     loss, metrics = fn(torch.tensor(old), t_lp, torch.tensor(adv), torch.tensor(mask), loss_agg_mode=mode,
                        config=config)
     loss.backward()
-    return float(loss), t_lp.grad.numpy(), metrics
+    return float(loss.detach()), t_lp.grad.numpy(), metrics
 
 
 @pytest.mark.parametrize("mode", VERL_AGG_MODES)
 def test_agg_loss_matches_verl(mode):
     rng = np.random.default_rng(1)
     loss_mat = rng.normal(size=(B, T))
-    _, _, _, mask = _inputs(1)
+    _, _, _, mask = policy_inputs(1, B, T)
     theirs = float(core_algos.agg_loss(torch.tensor(loss_mat), torch.tensor(mask), mode))
     with jax.enable_x64(True):
         m = jnp.asarray(mask)
@@ -90,10 +72,10 @@ def test_agg_loss_matches_verl(mode):
 @pytest.mark.parametrize("mode", VERL_AGG_MODES)
 @pytest.mark.parametrize("clip_ratio_c", [3.0, 10.0])
 def test_policy_loss_vanilla_matches_verl(mode, clip_ratio_c):
-    lp, old, adv, mask = _inputs(2)
+    lp, old, adv, mask = policy_inputs(2, B, T)
     adv[1] = -2.5  # a negative advantage with a large ratio somewhere exercises the dual clip
     old[1, 0] = lp[1, 0] - 3.0  # ratio e^3 > c
-    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c)
+    cfg = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c)
     v_t, g_t, m_t = _verl_loss_and_grad(core_algos.compute_policy_loss_vanilla, lp, old, adv, mask, mode, cfg)
     ours_cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c,
                                 loss_agg_mode=mode)
@@ -164,7 +146,7 @@ def _verl_clip_cov_priority(lp, old, adv, mask, seed, clip_ratio_low, clip_ratio
 
 
 def _cov_inputs(seed, short_row, short_from, b=8, t=40):
-    """Wider-spread log-probs and advantages than :func:`_inputs`, so covariances reach the Cov bounds."""
+    """Wider-spread log-probs and advantages than :func:`fixtures_peers.policy_inputs`, so covariances reach the Cov bounds."""
     rng = np.random.default_rng(seed)
     mask = np.ones((b, t))
     mask[short_row, short_from:] = 0
@@ -178,7 +160,7 @@ def _cov_inputs(seed, short_row, short_from, b=8, t=40):
 def test_clip_cov_matches_verl_replaying_its_draw(mode):
     lp, old, adv, mask = _cov_inputs(5, 3, 25)
     ratio_c, lb, ub = 0.05, 0.5, 5.0
-    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=VerlPolicyLossConfig(
+    cfg = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=VerlPolicyLossConfig(
         loss_mode="clip_cov", clip_cov_ratio=ratio_c, clip_cov_lb=lb, clip_cov_ub=ub))
     priority, n_cand = _verl_clip_cov_priority(lp, old, adv, mask, 0, 0.2, 0.28, lb, ub)
     assert n_cand > int(ratio_c * mask.sum()) > 1  # the draw matters
@@ -197,7 +179,7 @@ def test_clip_cov_matches_verl_replaying_its_draw(mode):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_kl_cov_matches_verl(mode):
     lp, old, adv, mask = _cov_inputs(6, 5, 10)
-    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28,
+    cfg = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28,
                         policy_loss=VerlPolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.02))
     v_t, g_t, _ = _verl_loss_and_grad(core_algos.compute_policy_loss_kl_cov, lp, old, adv, mask, mode, cfg)
     with jax.enable_x64(True):
@@ -213,38 +195,6 @@ def test_kl_cov_matches_verl(mode):
 # ------------------------------------------------------------------------------------------------ TRL
 
 
-def _trl_trainer_view(loss_type, *, beta=0.0, top_entropy_quantile=1.0, max_completion_length=T):
-    """The attributes ``GRPOTrainer._compute_loss`` reads, around the real method and a real ``Accelerator``
-    (one process); the model forward is replaced by the given log-probs and entropies."""
-    from accelerate import Accelerator
-
-    view = types.SimpleNamespace(
-        loss_type=loss_type, beta=beta, top_entropy_quantile=top_entropy_quantile, epsilon_low=0.2,
-        epsilon_high=0.28, importance_sampling_level="token", off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, aux_loss_enabled=False, _entropy_bonus_enabled=False,
-        current_gradient_accumulation_steps=1, max_completion_length=max_completion_length,
-        model=types.SimpleNamespace(training=True), accelerator=Accelerator(cpu=True),
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        _metrics={"train": collections.defaultdict(list), "eval": collections.defaultdict(list)},
-    )
-    view.get_high_entropy_mask = functools.partial(GRPOTrainer.get_high_entropy_mask, view)
-    return view
-
-
-def _trl_loss_and_grad(view, lp, old, adv, mask, ent, ref=None):
-    t_lp = torch.tensor(lp, requires_grad=True)
-    view._get_per_token_logps_and_entropies = lambda *a, **k: (t_lp, torch.tensor(ent), None)
-    inputs = {"prompt_ids": torch.zeros((B, 2), dtype=torch.long), "prompt_mask": torch.ones((B, 2)),
-              "completion_ids": torch.zeros((B, T), dtype=torch.long), "completion_mask": torch.tensor(mask),
-              "advantages": torch.tensor(adv[:, 0]), "old_per_token_logps": torch.tensor(old),
-              "num_items_in_batch": torch.tensor(mask.sum())}
-    if ref is not None:
-        inputs["ref_per_token_logps"] = torch.tensor(ref)
-    loss = GRPOTrainer._compute_loss(view, None, inputs)
-    loss.backward()
-    return float(loss), t_lp.grad.numpy()
-
-
 # TRL loss_type -> our loss_agg_mode (with loss_scale_factor = max_completion_length for dr_grpo): the table
 # stapo_jax.tools.dump writes into a TRL dump's settings, so this test checks the one check uses
 TRL_MODES = TRL_LOSS_AGG_MODES
@@ -253,10 +203,11 @@ TRL_MODES = TRL_LOSS_AGG_MODES
 @pytest.mark.parametrize("loss_type", sorted(TRL_MODES))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_trl_grpo_loss_matches(loss_type, beta):
-    lp, old, adv, mask = _inputs(7, empty_row=False)
+    lp, old, adv, mask = policy_inputs(7, B, T, empty_row=False)
     ref = lp + np.random.default_rng(8).normal(size=lp.shape) * 0.2
     ent = np.abs(np.random.default_rng(9).normal(size=lp.shape))
-    v_t, g_t = _trl_loss_and_grad(_trl_trainer_view(loss_type, beta=beta), lp, old, adv, mask, ent, ref)
+    view = trl_trainer_view(loss_type, max_completion_length=T, beta=beta)
+    v_t, g_t = trl_loss_and_grad(view, lp, old, adv, mask, ent, ref)
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None,
                            loss_agg_mode=TRL_MODES[loss_type], loss_scale_factor=float(T),
                            use_kl_loss=beta > 0, kl_loss_coef=beta, kl_loss_type="k3")
@@ -275,15 +226,15 @@ def test_trl_grpo_loss_matches(loss_type, beta):
 
 @pytest.mark.parametrize("ratio", [0.2, 0.5, 1.0])
 def test_trl_high_entropy_mask_and_masked_loss_match(ratio):
-    lp, old, adv, mask = _inputs(10, empty_row=False)
+    lp, old, adv, mask = policy_inputs(10, B, T, empty_row=False)
     ent = np.abs(np.random.default_rng(11).normal(size=lp.shape))
-    view = _trl_trainer_view("bnpo", top_entropy_quantile=ratio)
+    view = trl_trainer_view("bnpo", max_completion_length=T, top_entropy_quantile=ratio)
     theirs = view.get_high_entropy_mask(torch.tensor(ent), torch.tensor(mask), 1 - ratio).numpy()
     with jax.enable_x64(True):
         ours = np.asarray(top_entropy_mask(jnp.asarray(ent), jnp.asarray(mask), ratio=ratio,
                                            quantile_method="linear")[0])
     np.testing.assert_array_equal(ours, theirs)
-    v_t, g_t = _trl_loss_and_grad(view, lp, old, adv, mask, ent)
+    v_t, g_t = trl_loss_and_grad(view, lp, old, adv, mask, ent)
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, loss_agg_mode="token-mean")
     v_o, g_o, _ = _ours_loss_and_grad(lp, old, adv, mask, cfg, token_mask=ours, renormalize=False)
     assert abs(v_o - v_t) <= 1e-10 * max(1.0, abs(v_t))

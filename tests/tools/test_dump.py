@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algo"))  # tests/algo/test_peer_parity.py
-from test_peer_parity import _actor_config, _inputs, _trl_loss_and_grad, _trl_trainer_view  # noqa: E402
 from verl import DataProto
 from verl.trainer.ppo import core_algos
+
+from fixtures_peers import policy_inputs, trl_loss_and_grad, trl_trainer_view, verl_actor_config
 
 from stapo_jax.tools.check import load_dump_settings, main as check_main
 from stapo_jax.tools.dump import (SETTINGS_METADATA_KEY, TRL_LOSS_AGG_MODES, dump_trl_step, dump_verl_batch,
                                   group_ids_from_uids, trl_loss_settings)
+
+B, T = 6, 7  # rows and response tokens of the dumped steps
 
 
 def test_group_ids_from_uids_keeps_first_appearance_order():
@@ -27,7 +27,7 @@ def test_group_ids_from_uids_keeps_first_appearance_order():
 
 
 def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
-    lp, old, _, mask = _inputs(12, empty_row=False)
+    lp, old, _, mask = policy_inputs(12, B, T, empty_row=False)
     uids = np.array(["p0", "p1", "p0", "p1", "p2", "p2"], dtype=object)
     rewards = np.zeros_like(mask)
     rewards[:, -1] = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
@@ -35,7 +35,7 @@ def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
     data = DataProto.from_dict(tensors={"old_log_probs": torch.tensor(old), "advantages": adv,
                                         "response_mask": torch.tensor(mask), "token_level_rewards": torch.tensor(rewards)},
                                non_tensors={"uid": uids})
-    cfg = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    cfg = verl_actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(torch.tensor(old), torch.tensor(lp), adv,
                                                                  torch.tensor(mask), loss_agg_mode="token-mean",
                                                                  config=cfg)
@@ -63,10 +63,10 @@ def test_verl_dataproto_dump_is_checked(tmp_path, capsys):
 @pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dr_grpo"])
 def test_trl_step_dump_is_checked(tmp_path, loss_type):
     """TRL's loss settings travel with the dump (trainer=...): check needs no loss flag for any loss_type."""
-    lp, old, adv, mask = _inputs(13, empty_row=False)
+    lp, old, adv, mask = policy_inputs(13, B, T, empty_row=False)
     ent = np.abs(np.random.default_rng(14).normal(size=lp.shape))
-    view = _trl_trainer_view(loss_type)
-    loss, _ = _trl_loss_and_grad(view, lp, old, adv, mask, ent)
+    view = trl_trainer_view(loss_type, max_completion_length=T)
+    loss, _ = trl_loss_and_grad(view, lp, old, adv, mask, ent)
     inputs = {"completion_mask": torch.tensor(mask), "advantages": torch.tensor(adv[:, 0]),
               "old_per_token_logps": torch.tensor(old)}
     path = str(tmp_path / "trl.safetensors")
@@ -83,10 +83,10 @@ def test_trl_step_dump_is_checked(tmp_path, loss_type):
 
 
 def test_trl_settings_without_a_counterpart_are_refused():
-    view = _trl_trainer_view("cispo")
+    view = trl_trainer_view("cispo", max_completion_length=T)
     with pytest.raises(ValueError, match="loss_type='cispo'"):
         trl_loss_settings(view)
-    view = _trl_trainer_view("bnpo")
+    view = trl_trainer_view("bnpo", max_completion_length=T)
     view.args.delta = 2.0
     with pytest.raises(ValueError, match="delta"):
         trl_loss_settings(view)
