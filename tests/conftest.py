@@ -31,7 +31,8 @@ settings.load_profile("stapo_jax")
 # the longest files of a full run (pytest --durations), longest first; every other file keeps its place after them
 SLOW_FIRST = ("test_multihost.py", "test_run_robustness.py", "test_resume.py", "test_remove_padding.py",
               "test_gpu_check.py", "test_soak.py", "test_compile_accounting.py", "test_train_step.py",
-              "test_objectives.py", "test_trainer_e2e.py", "test_attention.py", "test_packing.py",
+              "test_objectives.py", "test_trainer_e2e.py", "test_reference_policy.py",
+              "test_attention.py", "test_packing.py",
               "test_verifiers_benchmarks.py", "test_readme_outputs.py")
 
 

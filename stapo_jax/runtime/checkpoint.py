@@ -96,6 +96,20 @@ class Checkpointer:
                                   f"and run again to resume from the step before it)") from e
         return step, out["state"], dict(out["data"] or {}), dict(out["meta"] or {})
 
+    def read_meta(self, step: Optional[int] = None) -> dict:
+        """The ``meta`` item of ``step`` (default: latest) alone, without restoring the state: what a resumed run
+        checks before building the restore target. ``{}`` when the step holds none.
+        Raises: CheckpointError when no committed checkpoint exists or the item cannot be read."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint in {self.directory}")
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises several types
+            raise CheckpointError(f"cannot read the metadata of step {step} in {self.directory}: "
+                                  f"{type(e).__name__}: {' '.join(str(e).split())[:MAX_ERROR_DETAIL]}") from e
+        return dict(out["meta"] or {})
+
     def wait(self) -> None:
         """Block until pending asynchronous saves are committed."""
         self._mngr.wait_until_finished()

@@ -63,6 +63,15 @@ class Loop:
     rng: np.ndarray             # the RL seed stream: uint32 key data on the host, identical on every process
     start: int                  # the first RL step of this process (the restored step when resuming)
     rows: list = field(default_factory=list)  # every RL step's metrics (the steady-state summary)
+    ref_params: Any = None      # the reference policy (actor.use_kl_loss): the parameters RL started from
+
+    def checkpoint_items(self) -> dict:
+        """What a checkpoint of this loop holds: the train state, the RL seed stream and, with a KL term, the
+        reference policy (a resumed run's KL keeps the first start's reference)."""
+        items = {"train": self.state, "rng": self.rng}
+        if self.ref_params is not None:
+            items["ref"] = self.ref_params
+        return items
 
 
 def rl_step(run: Run, loop: Loop, step: int, rollout_cfg: RolloutConfig, actor: ActorConfig,
@@ -106,8 +115,9 @@ def rl_step(run: Run, loop: Loop, step: int, rollout_cfg: RolloutConfig, actor: 
     else:
         run.logger.advance(step + 1)
     progress("checkpoint")
-    run.ckpt.save(step + 1, {"train": loop.state, "rng": loop.rng}, data_state={"iterator": loop.data_it.get_state()},
-                  meta={"step": step + 1, "dataset_fingerprint": run.train_ds.fingerprint},
+    run.ckpt.save(step + 1, loop.checkpoint_items(), data_state={"iterator": loop.data_it.get_state()},
+                  meta={"step": step + 1, "dataset_fingerprint": run.train_ds.fingerprint,
+                        "kl_reference": loop.ref_params is not None},
                   force=stop or step + 1 == trainer.total_steps)
     return m, stop
 
@@ -145,7 +155,7 @@ def step_update(run: Run, loop: Loop, exp: Experience, step: int, actor: ActorCo
     progress("update")
     first_fn, step_fn, log_prob_fn = loop.programs.get(kk)
     update_kw = dict(mini_rows=run.mini_rows, ppo_epochs=actor.ppo_epochs, mesh=run.mesh, num_micro_batches=kk,
-                     use_remove_padding=run.packed, long_rows=run.long_rows)
+                     use_remove_padding=run.packed, long_rows=run.long_rows, ref_params=loop.ref_params)
     geometries = update_geometries(run.mini_rows, kk, data_parallel_size(run.mesh), exp.arrays["input_ids"].shape[1],
                                    run.long_rows) if run.bounded and run.packed else None
     if run.bounded and step == loop.start:  # every update program of the run, before the first update runs

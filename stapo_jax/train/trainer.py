@@ -13,10 +13,11 @@ import os
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stapo_jax.config.schema import Config, load_config
+from stapo_jax.config.schema import Config, ConfigError, load_config
 from stapo_jax.data.prompts import make_iterator
 from stapo_jax.rollout import build_rollout
 from stapo_jax.runtime.checkpoint import export_hf
@@ -121,7 +122,9 @@ def start_rl(cfg: Config, run: Run, rollout) -> Loop:
     """The loop's starting state: optimizer and sharded ``TrainState``, the update programs, the global
     prompt-batch iterator (every process iterates the same batches; rollouts and rewards split them), the host
     RL seed stream (uint32 key data of ``trainer.seed``), all restored from the latest checkpoint when resuming
-    (the rollout engine re-synced, the metrics files cut back to the restored step). Takes the whole ``Config``:
+    (the rollout engine re-synced, the metrics files cut back to the restored step). With ``actor.use_kl_loss``
+    the reference policy is a copy of the parameters RL starts from (after the SFT warm-up; verl's ``ref``
+    worker holds the initial actor), checkpointed with the state. Takes the whole ``Config``:
     ``build_optimizer`` reads ``actor.optim`` and the trainer's step counts. Raises: what checkpoint restore raises
     (a checkpoint of another shape). Source: verl ``fit``'s ``_load_checkpoint``."""
     optimizer = build_optimizer(cfg)
@@ -133,10 +136,14 @@ def start_rl(cfg: Config, run: Run, rollout) -> Loop:
                             shuffle=cfg.data.shuffle, shard_index=0, shard_count=1)
     # the RL seed stream lives on the host (numpy): identical on every process, checkpointed by process 0
     rng = np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.trainer.seed)))
-    start = 0
+    ref_params = jax.tree.map(jnp.copy, state.params) if cfg.actor.use_kl_loss else None  # the update donates
+    loop = Loop(rollout=rollout, programs=programs, data_it=data_it, state=state, rng=rng, start=0,
+                ref_params=ref_params)
     if run.resuming:
-        start, restored, data_state, meta = run.ckpt.restore({"train": state, "rng": rng})
+        check_kl_reference(run.ckpt, cfg.actor.use_kl_loss)
+        start, restored, data_state, meta = run.ckpt.restore(loop.checkpoint_items())
         state, rng = restored["train"], np.asarray(restored["rng"])
+        loop.state, loop.rng, loop.start, loop.ref_params = state, rng, start, restored.get("ref")
         if meta.get("dataset_fingerprint") not in (None, run.train_ds.fingerprint):
             log.warning("the training prompts differ from those of the checkpointed run: the resumed run "
                         "will not see the same samples as an uninterrupted one")
@@ -149,7 +156,21 @@ def start_rl(cfg: Config, run: Run, rollout) -> Loop:
                     "server's policy while the trainer's moves on (off-policy; ratios are still computed "
                     "against the trainer's θ_old). Restart the server from a new export to refresh it.",
                     cfg.rollout.mode)
-    return Loop(rollout=rollout, programs=programs, data_it=data_it, state=state, rng=rng, start=start)
+    return loop
+
+
+def check_kl_reference(ckpt, use_kl_loss: bool) -> None:
+    """A resumed run's ``actor.use_kl_loss`` must match its latest checkpoint, which holds the KL term's reference
+    policy exactly when the run that wrote it had one (its ``kl_reference`` meta; checkpoints of earlier versions
+    have none). Raises: ConfigError naming the key, the step and the two ways on; CheckpointError from reading
+    the metadata. Source: verl keeps its ``ref`` worker for the whole run."""
+    meta = ckpt.read_meta()
+    saved = bool(meta.get("kl_reference", False))
+    if saved != use_kl_loss:
+        raise ConfigError(f"actor.use_kl_loss={str(use_kl_loss).lower()}, but the checkpoint of step "
+                          f"{meta.get('step', ckpt.latest_step())} in {ckpt.directory} was written "
+                          f"{'with' if saved else 'without'} a KL reference policy: resume with "
+                          f"actor.use_kl_loss={str(saved).lower()}, or start fresh with trainer.resume=false")
 
 
 def finish_run(run: Run, loop: Loop, stop: bool, summary: dict, *, max_new_tokens: int, export: bool,

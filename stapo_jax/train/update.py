@@ -120,7 +120,7 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
                   mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
                   balance_micro_batches: bool = False, long_rows: bool = True, slots=None,
-                  geometries=None, compile_only: bool = False):
+                  geometries=None, compile_only: bool = False, ref_params=None):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -149,6 +149,10 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
         population or metric. Replaces ``balance_micro_batches``. Only where :func:`balance_allowed`.
       geometries: with ``use_remove_padding``, the bounded set of packed ``(M, L)`` of ``trainer.precompile``
         (``packing.fixed_geometries``; None: the tightest geometry of each mini-batch).
+      ref_params: the reference policy's parameters (``actor.use_kl_loss``; the policy at the start of RL, same
+        tree and shardings as ``state.params``): the same log-prob program gives ``ref_log_probs`` [B, R] float32
+        for every mini-batch's ``Batch`` (verl's ``compute_ref_log_prob``, at the rollout temperature); None:
+        no KL term's inputs.
       compile_only: compile (``jit(...).lower(...).compile()``) the old-log-prob pass and every step this update
         would run, at exactly the shapes, dtypes and shardings of its arrays, without running them; returns
         ``(state, {})`` with ``state`` untouched (the compiled programs serve the later calls).
@@ -167,8 +171,8 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     put = lambda x: place_rows(x, mesh)  # noqa: E731
     packing = dict(num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh), long_rows=long_rows,
                    geometries=geometries) if use_remove_padding else None
-    old_lp, old_ent, layouts = _old_log_probs(state, a, log_prob_fn, num_rows, mini_rows, mesh, put, packing,
-                                              compile_only)
+    old_lp, old_ent, ref_lp, layouts = _old_log_probs(state, a, log_prob_fn, num_rows, mini_rows, mesh, put,
+                                                      packing, compile_only, ref_params)
     metrics: list[dict] = []
     compiled: list = []
     rollout_lp = a.get("rollout_log_probs")
@@ -179,6 +183,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
                           response_mask=put(a["response_mask"][sl]), advantages=put(a["advantages"][sl]),
                           old_log_probs=put(old_lp[sl]), old_entropy=put(old_ent[sl]),
                           rollout_log_probs=None if rollout_lp is None else put(rollout_lp[sl]),
+                          ref_log_probs=None if ref_lp is None else put(ref_lp[sl]),
                           packing=layouts.get(s))
             fn = step_fns[0 if (epoch == 0 and s == 0) else 1]
             if compile_only:
@@ -210,14 +215,15 @@ def _arrange_rows(a: dict, num_rows: int, mini_rows: int, mesh, num_micro_batche
 
 
 def _old_log_probs(state: TrainState, a: dict, log_prob_fn, num_rows: int, mini_rows: int, mesh, put,
-                   packing: Optional[dict], compile_only: bool):
-    """``(old_log_probs, old_entropy, layouts)``: the θ_old pass per mini-batch, gathered to ``[B, R]`` float32 on
-    the host (zeros with ``compile_only``, which compiles the pass once), and each mini-batch's packed layout
+                   packing: Optional[dict], compile_only: bool, ref_params=None):
+    """``(old_log_probs, old_entropy, ref_log_probs, layouts)``: the θ_old pass per mini-batch, gathered to
+    ``[B, R]`` float32 on the host (zeros with ``compile_only``, which compiles the pass once), the same pass
+    with ``ref_params`` (None without them; the same compiled program), and each mini-batch's packed layout
     (``packing``: ``pack_micro_batches``' keyword arguments, None = padded rows) by its first row."""
     R = a["response_mask"].shape[1]
     get = (lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))) if mesh is not None \
         else np.asarray
-    old_lp, old_ent, layouts = [], [], {}
+    old_lp, old_ent, ref_lp, layouts = [], [], [], {}
     for s in range(0, num_rows, mini_rows):
         if packing is not None:
             lay = pack_micro_batches(a["input_ids"][s:s + mini_rows], a["attention_mask"][s:s + mini_rows], R,
@@ -228,13 +234,16 @@ def _old_log_probs(state: TrainState, a: dict, log_prob_fn, num_rows: int, mini_
         if compile_only:
             if s == 0:
                 log_prob_fn.lower(*args).compile()
-            old_lp.append(np.zeros((mini_rows, R), np.float32))
-            old_ent.append(np.zeros((mini_rows, R), np.float32))
+            for out in (old_lp, old_ent, ref_lp):
+                out.append(np.zeros((mini_rows, R), np.float32))
             continue
         lp, ent = log_prob_fn(*args)
         old_lp.append(get(lp))
         old_ent.append(get(ent))
-    return np.concatenate(old_lp), np.concatenate(old_ent), layouts
+        if ref_params is not None:
+            ref_lp.append(get(log_prob_fn(ref_params, *args[1:])[0]))
+    ref = np.concatenate(ref_lp) if ref_params is not None else None
+    return np.concatenate(old_lp), np.concatenate(old_ent), ref, layouts
 
 
 def _update_metrics(metrics: list[dict], a: dict, old_lp: np.ndarray) -> dict[str, float]:
