@@ -126,7 +126,8 @@ def start_rl(cfg: Config, run: Run, rollout) -> Loop:
     the reference policy is a copy of the parameters RL starts from (after the SFT warm-up; verl's ``ref``
     worker holds the initial actor), checkpointed with the state. Takes the whole ``Config``:
     ``build_optimizer`` reads ``actor.optim`` and the trainer's step counts. Raises: what checkpoint restore raises
-    (a checkpoint of another shape). Source: verl ``fit``'s ``_load_checkpoint``."""
+    (a checkpoint of another shape); ConfigError from :func:`check_kl_reference`. Source: verl ``fit``'s
+    ``_load_checkpoint``."""
     optimizer = build_optimizer(cfg)
     state = TrainState.create(run.model, optimizer, run.mesh)
     progress("setup")

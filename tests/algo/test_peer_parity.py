@@ -146,7 +146,8 @@ def _verl_clip_cov_priority(lp, old, adv, mask, seed, clip_ratio_low, clip_ratio
 
 
 def _cov_inputs(seed, short_row, short_from, b=8, t=40):
-    """Wider-spread log-probs and advantages than :func:`fixtures_peers.policy_inputs`, so covariances reach the Cov bounds."""
+    """Wider-spread log-probs and advantages than :func:`fixtures_peers.policy_inputs`, so covariances reach the
+    Cov bounds."""
     rng = np.random.default_rng(seed)
     mask = np.ones((b, t))
     mask[short_row, short_from:] = 0

@@ -140,7 +140,8 @@ def test_demo_two_processes_print_once_and_equal_one(tmp_path):
     single printed record (process 0's) equals a one-process run's (greedy, same seed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
                                                                      "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), HF_HUB_OFFLINE="1", STAPO_DISTRIBUTED="auto", PYTHONPATH=str(REPO))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), HF_HUB_OFFLINE="1", STAPO_DISTRIBUTED="auto",
+               PYTHONPATH=str(REPO))
     args = ["demo", "--max-new-tokens", "3", "--seed", "3"]
     one = subprocess.run([sys.executable, "-m", "stapo_jax", *args], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
