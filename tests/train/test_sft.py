@@ -8,6 +8,7 @@ from flax import nnx
 
 from models.decode import greedy_generate
 from models.qwen3 import Qwen3, Qwen3Config
+from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.train.optim import make_optimizer
 from stapo_jax.train.sft import run_sft, sft_step
 
@@ -85,8 +86,9 @@ def test_should_stop_ends_the_warm_up_at_the_next_check():
 
 def test_sft_batch_rows_over_the_data_axes():
     """With the model on a 4-device data mesh, each device gets 2 of the 8 rows (the step all-reduces the
-    gradient): same losses and parameters as the whole batch on one device within float tolerance; a batch
-    size that does not split over the shards names ``sft.batch_size``."""
+    gradient): same losses and parameters as the whole batch on one device within float tolerance, the step
+    compiled once for batches of one shape; a batch size that does not split over the shards names
+    ``sft.batch_size``."""
     import pytest
 
     from models.sharding import make_mesh, shard_model
@@ -96,7 +98,10 @@ def test_sft_batch_rows_over_the_data_axes():
     one, dp = Qwen3(CFG, rngs=nnx.Rngs(4)), shard_model(Qwen3(CFG, rngs=nnx.Rngs(4)), mesh)
     assert model_mesh(one) is None and model_mesh(dp) is mesh
     h1 = run_sft(one, _examples(), steps=5, batch_size=8, lr=1e-2, warmup_steps=0, pad_id=0)
-    h4 = run_sft(dp, _examples(), steps=5, batch_size=8, lr=1e-2, warmup_steps=0, pad_id=0)
+    with CompileStats() as stats:  # the batches have one shape: the step compiles once, not again at step 2
+        h4 = run_sft(dp, _examples(), steps=5, batch_size=8, lr=1e-2, warmup_steps=0, pad_id=0)
+    (row,) = [r for r in stats.table() if r["program"] == "sft_step"]
+    assert row["n_compiles"] + row["cache_hits"] == 1, row
     for key in ("sft/loss", "sft/grad_norm"):
         np.testing.assert_allclose([m[key] for m in h4], [m[key] for m in h1], rtol=1e-5, err_msg=key)
     assert h4[0]["sft/tokens"] == 16.0
