@@ -67,7 +67,8 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
       out: where prefixed lines go (default stdout).
       module: run ``python -m module *argv`` (default ``stapo_jax``); None runs ``python *argv``.
     Returns:
-      0 if every process exited 0, else the first non-zero exit code observed (124 on timeout).
+      0 if every process exited 0, else the first non-zero exit code observed (124 on timeout); a process
+      ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137).
     Raises:
       ValueError: ``n`` < 1 or an empty ``argv``.
     argv: str arguments; returns an int exit code.
@@ -99,7 +100,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             timed_out = deadline is not None and time.monotonic() > deadline
             if failed or timed_out:
-                rc = failed[0] if failed else 124
+                rc = shell_exit_code(failed[0]) if failed else 124
                 out.write(f"[launch] {'a process exited with ' + str(rc) if failed else 'timeout'}: stopping the "
                           f"others (SIGTERM, SIGKILL after {kill_after_s}s)\n")
                 _stop(procs, kill_after_s)
@@ -113,7 +114,14 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
             t.join(timeout=5)
     codes = [p.returncode for p in procs]
     first_bad = next((c for c in codes if c != 0), 0)
-    return rc or (first_bad if first_bad > 0 else (1 if first_bad else 0))
+    return rc or shell_exit_code(first_bad)
+
+
+def shell_exit_code(returncode: int) -> int:
+    """A child's ``Popen.returncode`` as a process exit status: ``-N`` (ended by signal N) becomes ``128 + N``,
+    the shell's convention, so that it fits the launcher's own exit status (0..255); others unchanged. Int in,
+    int out; never raises. Source: POSIX shells' ``$?`` for a signalled child."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _stop(procs, kill_after_s: float) -> None:

@@ -26,8 +26,9 @@ TINY = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hi
 
 def _need_8_devices():
     assert jax.device_count() == 8, (
-        "tests/models/test_sharding.py needs 8 host devices: run through pytest so tests/conftest.py sets "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax is imported")
+        f"tests/models/test_sharding.py needs 8 host devices, found {jax.device_count()}: run through pytest so "
+        "tests/conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax is imported, and do "
+        "not set that flag in your own XLA_FLAGS (yours wins)")
 
 
 def _abstract_state(cfg):

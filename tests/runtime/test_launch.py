@@ -26,3 +26,14 @@ def test_failure_stops_the_others_and_is_returned():
     assert rc == 7 and time.monotonic() - t0 < 30
     text = out.getvalue()
     assert "[p0] hello 0" in text and "[p1] hello 1" in text and "a process exited with 7" in text
+
+
+def test_a_process_killed_by_a_signal_gives_128_plus_the_signal():
+    """kill -9 of one process: the launcher exits 137 (128 + SIGKILL, as a shell reports it), not the raw -9
+    (which ``sys.exit`` would turn into 247)."""
+    code = ("import os, signal, time; i = int(os.environ['JAX_PROCESS_ID']);"
+            " os.kill(os.getpid(), signal.SIGKILL) if i == 1 else time.sleep(60)")
+    out = io.StringIO()
+    assert launch.launch_local(2, ["-c", code], kill_after_s=5, out=out, module=None) == 137
+    assert "a process exited with 137" in out.getvalue()
+    assert [launch.shell_exit_code(c) for c in (-15, 0, 3)] == [143, 0, 3]
