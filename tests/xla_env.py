@@ -16,7 +16,8 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_
 
 def xla_flags(devices: Optional[int] = None) -> str:
     """``XLA_FLAGS`` for a test process: the fast-compile flags, plus ``devices`` simulated CPU devices (None: the
-    machine's one CPU device)."""
+    machine's one CPU device). A child process started with it does not get the user's own ``XLA_FLAGS`` (e.g.
+    ``--xla_dump_to``); only the pytest processes do (:func:`with_test_flags`)."""
     flags = list(FAST_COMPILE_FLAGS)
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
