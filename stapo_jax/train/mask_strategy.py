@@ -40,7 +40,7 @@ from stapo_jax.algo.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES",
-           "register_mask_strategy", "mask_strategy", "mask_selects", "masked_policy_loss", "kl_apart", "mask_metrics",
+           "register_mask_strategy", "mask_strategy", "masked_policy_loss", "kl_apart", "mask_metrics",
            "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy", "prepass_stats",
            "split_micro_batches", "join_micro_batches", "s2t_strategy", "old_policy_stats", "correction_strategy"]
 
@@ -135,14 +135,6 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
     return full_batch_strategy(prepass_stats) if recipe.mask_scope == "minibatch" else per_micro_batch_strategy()
 
 
-def mask_selects(recipe: Recipe) -> bool:
-    """Whether the recipe's mask is a *selection* for a penalty (``kl_cov``), passed to the objective as
-    ``kl_cov_selection``, rather than a keep mask (registry field ``selects``).
-    Returns a Python bool. Raises: ValueError for an unknown mask name. Source: verl
-    ``compute_policy_loss_kl_cov`` (a selection, not a keep mask)."""
-    return mask_selects_tokens(recipe.token_mask)
-
-
 def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
     policy loss (``objectives.POLICY_LOSSES.lookup(recipe.policy_loss)``, signature of ``compute_policy_loss``) on
@@ -152,7 +144,7 @@ def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     KL term out of ``loss_sum`` (:func:`kl_apart`).
     Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
     ``compute_policy_loss_kl_cov`` (selection)."""
-    selects, policy_loss = mask_selects(recipe), POLICY_LOSSES.lookup(recipe.policy_loss)
+    selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
 
     def surrogate(lp, ent, mb, keep):
         return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
@@ -168,7 +160,7 @@ def kl_apart(recipe: Recipe) -> bool:
     token) can differ from the policy gradient's (the kept tokens), and the kept-token count of the mini-batch is
     known only after the gradient pass (``objectives.kl_has_own_denominator``). Returns a bool.
     Never raises. Source: verl actor (``pg_loss + kl_loss_coef * agg_loss(kld, response_mask)``)."""
-    has_mask = recipe.token_mask != "none" and not mask_selects(recipe)
+    has_mask = recipe.token_mask != "none" and not mask_selects_tokens(recipe.token_mask)
     return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
 
 
@@ -180,7 +172,7 @@ def mask_metrics(recipe: Recipe, out: "MaskOutcome", batch, vocab_size: Optional
     3.1 bounds (None: skipped). Raises: ValueError as ``token_diagnostics``. Source: stapo_spec.md §3, §7."""
     loss = recipe.loss
     m = token_diagnostics(*out.diag_stats, batch.advantages, batch.old_log_probs,
-                          batch.response_mask.astype(jnp.float32), None if mask_selects(recipe) else out.keep,
+                          batch.response_mask.astype(jnp.float32), None if mask_selects_tokens(recipe.token_mask) else out.keep,
                           tau_p=recipe.s2t.tau_p, tau_h=out.tau_rows, clip_ratio_low=loss.clip_ratio_low,
                           clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
                           vocab_size=vocab_size, log_ratio_clamp=loss.log_ratio_clamp)

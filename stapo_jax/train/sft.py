@@ -22,22 +22,8 @@ from flax import nnx
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.optim import make_optimizer, update_with_norm
 from stapo_jax.train.policy import response_log_probs_and_entropy
-from stapo_jax.train.train_step import optimizer_state_shardings, place_rows
+from stapo_jax.train.train_step import init_optimizer_state, place_rows
 from stapo_jax.train.update import data_parallel_size
-
-
-def init_optimizer_state(optimizer: optax.GradientTransformation, params):
-    """``optimizer.init(params)`` placed as :func:`sft_step` returns it: on a mesh (``NamedSharding`` parameters)
-    the moments sharded like their parameters and the counts replicated on the mesh, so the second step does not
-    compile the step again for the counts' sharding (``train_step.optimizer_state_shardings``); otherwise on the
-    parameters' device. ``params``: the model's parameter tree (float arrays). Raises: ValueError from optax /
-    jax for a tree the optimizer cannot take. Source: optax ``init``; ZeRO-3 placement of the RL update."""
-    leaf = jax.tree.leaves(params)[0]
-    if isinstance(leaf.sharding, jax.sharding.NamedSharding):
-        shardings = jax.tree.map(lambda x: x.sharding, params)
-        out = optimizer_state_shardings(optimizer, params, shardings, leaf.sharding.mesh)
-        return jax.jit(optimizer.init, out_shardings=out)(params)
-    return optimizer.init(params)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))

@@ -42,7 +42,7 @@ from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
 __all__ = ["TrainState", "Batch", "make_train_step", "make_update_steps", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
-           "optimizer_state_shardings"]
+           "optimizer_state_shardings", "init_optimizer_state"]
 
 DATA_AXES = ("data", "fsdp")
 
@@ -59,6 +59,20 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     rep = NamedSharding(mesh, P())
     return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), param_shardings,
                                  transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params):
+    """``optimizer.init(params)`` placed as the update steps return it: on a mesh (``NamedSharding`` parameters)
+    by :func:`optimizer_state_shardings` (moments like their parameters, counts replicated on the mesh), so a
+    step's second call does not compile again for the counts' sharding; otherwise on the parameters' device.
+    ``params``: the model's parameter tree (float arrays). Raises: ValueError from optax / jax for a tree the
+    optimizer cannot take. Source: optax ``init``; ZeRO-3 placement of optimizer state (verl's FSDP actor)."""
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf.sharding, NamedSharding):
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+        out = optimizer_state_shardings(optimizer, params, shardings, leaf.sharding.mesh)
+        return jax.jit(optimizer.init, out_shardings=out)(params)
+    return jax.jit(optimizer.init)(params)
 
 
 @flax.struct.dataclass
@@ -78,12 +92,8 @@ class TrainState:
         if mesh is not None:
             from models.sharding import param_shardings
 
-            p_sh = param_shardings(params, mesh)
-            params = jax.device_put(params, p_sh)
-            opt_sh = optimizer_state_shardings(optimizer, params, p_sh, mesh)
-            opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-        else:
-            opt_state = jax.jit(optimizer.init)(params)
+            params = jax.device_put(params, param_shardings(params, mesh))
+        opt_state = init_optimizer_state(optimizer, params)
         step = jnp.zeros((), jnp.int32)
         if mesh is not None:
             rep = NamedSharding(mesh, P())
