@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from models.platform import mesh_platform
+
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "blockwise", "cudnn", "splash", "auto")
@@ -70,12 +72,14 @@ def segment_ids_from_mask(attention_mask: jax.Array) -> jax.Array:
 
 
 def resolve_implementation(name: str, dtype, backend: Optional[str] = None) -> str:
-    """The concrete implementation for ``name`` on ``backend`` (default ``jax.default_backend()``).
+    """The concrete implementation for ``name`` on ``backend`` (default: the active mesh's platform).
 
     Args:
       name: one of :data:`IMPLEMENTATIONS`.
       dtype: the compute dtype of q/k/v (a numpy/jax dtype or its name).
-      backend: ``"cpu" | "gpu" | "cuda" | "rocm" | "tpu"``; default the current default backend.
+      backend: ``"cpu" | "gpu" | "cuda" | "rocm" | "tpu"``; default the platform of the active mesh's devices
+        (:func:`models.platform.mesh_platform`: the target's when compiling for a TPU / GPU topology on a CPU host),
+        else the default backend.
     Returns:
       ``"xla" | "blockwise" | "cudnn" | "splash"``. ``auto`` -> splash on TPU; cudnn on an NVIDIA GPU for
       bfloat16/float16; blockwise otherwise (CPU, fp32 on GPU, ROCm). The auto choice is logged once.
@@ -86,7 +90,7 @@ def resolve_implementation(name: str, dtype, backend: Optional[str] = None) -> s
     """
     if name not in IMPLEMENTATIONS:
         raise AttentionError(f"model.attention={name!r}: expected one of {list(IMPLEMENTATIONS)}")
-    backend = backend or jax.default_backend()
+    backend = backend or mesh_platform()
     dt = jnp.dtype(dtype)
     half = dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if name == "auto":
@@ -462,11 +466,12 @@ def splash_attention(q, k, v, segment_ids, *, scale: float, causal: bool = True,
     with segment id 0 to a multiple of the tile); interpret (Pallas interpret mode, any backend).
     Returns [B, T, N, H] in q's dtype.
     Raises:
-      AttentionError: off TPU without ``interpret=True`` (the kernel is Mosaic TPU code).
+      AttentionError: off TPU without ``interpret=True`` (the kernel is Mosaic TPU code; the platform is the active
+        mesh's, :func:`models.platform.mesh_platform`).
     Source: ``jax.experimental.pallas.ops.tpu.splash_attention`` (multi-query kernels per KV head, as MaxText).
     """
-    if not interpret and jax.default_backend() != "tpu":
-        raise AttentionError(f"model.attention='splash' runs on TPU (backend here: {jax.default_backend()}); "
+    if not interpret and mesh_platform() != "tpu":
+        raise AttentionError(f"model.attention='splash' runs on TPU (platform of the mesh here: {mesh_platform()}); "
                              f"use 'blockwise' or 'auto'")
     b, t, n, h = q.shape
     lanes = 128  # Mosaic tiles: every splash block is a multiple of 128 tokens

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from models.linear import check_kernel_layout, preferred_kernel_layout
+from models.platform import mesh_platform
 from models.qwen3 import KVCache, Qwen3, init_cache
 from models.sharding import param_path
 
@@ -222,7 +223,7 @@ def greedy_generate(model: Qwen3, input_ids, attention_mask, max_new_tokens: int
     if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
         raise ValueError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be equal [B, T]")
     graphdef, state = nnx.split(model)
-    state = split_layers(state, kernel_layout=preferred_kernel_layout(jax.default_backend()))
+    state = split_layers(state, kernel_layout=preferred_kernel_layout(mesh_platform()))
     b, t = input_ids.shape
     cache = init_cache(model.config, b, t + max_new_tokens)
     logits, cache = prefill(graphdef, state, input_ids, attention_mask, cache)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import jax
+from models.platform import mesh_platform
 
 CPU_SCAN_UNROLL = 4  # layers per scan iteration that ``auto`` picks on CPU (bench_scan_layers.py; docs/benchmarks.md)
 
@@ -22,11 +22,11 @@ CPU_SCAN_UNROLL = 4  # layers per scan iteration that ``auto`` picks on CPU (ben
 def resolve_scan_unroll(value: Union[int, str], platform: Optional[str] = None) -> int:
     """``model.scan_unroll`` as the int ``jax.lax.scan(unroll=)`` takes: an int >= 1 is returned as is;
     ``"auto"`` gives :data:`CPU_SCAN_UNROLL` on the ``"cpu"`` platform and 1 (the rolled loop) on ``"gpu"`` /
-    ``"tpu"`` (``platform`` defaults to ``jax.default_backend()``). Raises ValueError naming
+    ``"tpu"`` (``platform`` defaults to the active mesh's, :func:`models.platform.mesh_platform`). Raises ValueError naming
     ``scan_unroll`` for anything else (0, a negative int, another string, a bool). Source: ``jax.lax.scan``'s
     ``unroll`` argument; MaxText's ``scan_layers`` keeps the rolled loop on accelerators."""
     if value == "auto" and isinstance(value, str):
-        return CPU_SCAN_UNROLL if (platform or jax.default_backend()) == "cpu" else 1
+        return CPU_SCAN_UNROLL if (platform or mesh_platform()) == "cpu" else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"scan_unroll must be 'auto' or an int >= 1 (layers per scan iteration), got {value!r}")
     return value

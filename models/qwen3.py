@@ -29,6 +29,7 @@ from flax import nnx
 
 from models.attention import DEFAULT_BLOCK, IMPLEMENTATIONS, dot_product_attention, segment_ids_from_mask
 from models.linear import Linear, set_kernel_layout
+from models.platform import mesh_platform
 from models.sharding import constrain
 from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
@@ -347,15 +348,14 @@ def write_rows(cache: jax.Array, update: jax.Array, index: jax.Array) -> jax.Arr
     index ``[B]`` int32 write positions (clamped by ``dynamic_update_slice`` so the T tokens fit).
     Returns the updated cache (same shape and dtype).
 
-    One batched (vmapped) dynamic-update-slice, except for a 16-bit cache on XLA:CPU: that backend has no
-    in-place 16-bit-float update and converts the whole cache to float32 and back (2x the cache in
-    temporaries, every step), so there the rows are written one by one in a ``fori_loop``, which it does
-    update in place. TPU/GPU take the batched form for every dtype.
+    One batched (vmapped) dynamic-update-slice, except for a 16-bit cache on XLA:CPU (no in-place 16-bit update:
+    it would convert the whole cache to float32 and back every step): rows written one by one in a ``fori_loop``.
+    TPU/GPU (the active mesh's platform, ``models.platform``) take the batched form.
 
     Never raises (traced). Source: HF transformers ``StaticCache.update`` (per-row write at the cache position).
     """
     update = update.astype(cache.dtype)
-    if jnp.dtype(cache.dtype).itemsize == 2 and jax.default_backend() == "cpu":
+    if jnp.dtype(cache.dtype).itemsize == 2 and mesh_platform() == "cpu":
         def row(r, c):
             return jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(update, r, 1, 0), (r, 0, index[r], 0))
 

@@ -27,6 +27,7 @@ from jetstream.engine import engine_api  # noqa: E402
 from models import decode as model_decode  # noqa: E402
 from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
 from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
+from models.platform import mesh_platform  # noqa: E402
 from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
 from stapo_jax.rollout.engine_settings import EngineConfig  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
@@ -171,16 +172,15 @@ class DecodeSpec:
 
 def resolve_kernel_layout(kernel_layout: str, mesh) -> str:
     """``EngineConfig.kernel_layout`` resolved for ``mesh``: ``"auto"`` becomes
-    :func:`models.linear.preferred_kernel_layout` of the mesh's device platform (``jax.default_backend()`` for
-    a mesh without devices, e.g. ``AbstractMesh``); ``"in_out"`` / ``"out_in"`` are returned as they are.
+    :func:`models.linear.preferred_kernel_layout` of the mesh's device platform
+    (:func:`models.platform.mesh_platform`: a concrete mesh's devices, an ``AbstractMesh``'s abstract device, else
+    ``jax.default_backend()``); ``"in_out"`` / ``"out_in"`` are returned as they are.
     Raises ValueError for any other value. Source: :func:`models.linear.preferred_kernel_layout`
     (PyTorch's [out, in] ``nn.Linear`` convention on CPU)."""
     if kernel_layout != "auto":
         check_kernel_layout(kernel_layout)
         return kernel_layout
-    devices = getattr(mesh, "devices", None)
-    platform = devices.flat[0].platform if devices is not None and devices.size else jax.default_backend()
-    return preferred_kernel_layout(platform)
+    return preferred_kernel_layout(mesh_platform(mesh))
 
 
 def decode_param_shardings(stacked, num_layers: int, kernel_layout: str = "in_out") -> DecodeParams:

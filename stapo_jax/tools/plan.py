@@ -56,9 +56,12 @@ DEVICE_MEMORY_GB = {"tpu-v5p": 95.0, "tpu-v6e": 32.0, "tpu-v5e": 16.0, "tpu-v4":
 # --------------------------------------------------------------------------------------------- the spec
 
 
-def plan_model_config(cfg) -> Any:
+def plan_model_config(cfg, target_platform: Optional[str] = None) -> Any:
     """The ``Qwen3Config`` of ``cfg.model``; a hub id in ``model.path`` that is not a local directory is
     resolved by preset name (``Qwen/Qwen3-14B-Base`` -> preset ``Qwen3-14B-Base``) so no download happens.
+    ``target_platform`` (``"tpu"`` / ``"gpu"``, ``--target``): the attention stays as configured (``auto`` then
+    resolves from the target mesh's devices while tracing) and ``scan_unroll=auto`` resolves for that platform;
+    None (simulated CPU devices): splash / cudnn are planned as blockwise.
     Raises PlanError (unknown hub id), CheckpointError (bad config.json). Source: HF ``config.json``."""
     import dataclasses as dc
 
@@ -70,9 +73,10 @@ def plan_model_config(cfg) -> Any:
     # the plan compiles on CPU: auto resolves to blockwise there; the TPU/GPU kernels (splash, cudnn) are
     # planned with blockwise, which has the same O(T x block) attention memory. It plans an accelerator run, so
     # scan_unroll=auto is planned as there (1: the rolled loop); set an int to plan a CPU run's unroll
-    attention = "blockwise" if m.attention in ("splash", "cudnn") else m.attention
+    attention = m.attention if target_platform else "blockwise" if m.attention in ("splash", "cudnn") else m.attention
+    platform = target_platform or PLANNED_PLATFORM
     extra = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention,
-                 scan_unroll=resolve_scan_unroll(m.scan_unroll, PLANNED_PLATFORM))
+                 scan_unroll=resolve_scan_unroll(m.scan_unroll, platform))
     if m.path:
         p = Path(m.path).expanduser()
         if p.is_dir() or p.is_file():
@@ -84,7 +88,7 @@ def plan_model_config(cfg) -> Any:
         except KeyError as e:
             raise PlanError(f"model.path={m.path!r} is not a local checkpoint and not a known preset name; "
                             f"pass a local directory with config.json") from e
-    return dc.replace(model_config(cfg, platform=PLANNED_PLATFORM), **extra)
+    return dc.replace(model_config(cfg, platform=platform), **extra)
 
 
 def _mesh_sizes(spec: Optional[str], cfg, devices: Optional[int]) -> tuple[dict[str, int], Optional[str]]:
@@ -136,7 +140,7 @@ def _mesh_sizes(spec: Optional[str], cfg, devices: Optional[int]) -> tuple[dict[
 
 def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
               hbm_gb: Optional[float] = None, decode: bool = True, train: bool = True,
-              opt_state: str = "trainer") -> dict:
+              opt_state: str = "trainer", target: Optional[str] = None) -> dict:
     """A JSON-able plan spec from a run config (the input of :func:`run_plan`).
 
     Args:
@@ -147,24 +151,49 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
       decode, train: which programs to plan.
       opt_state: ``"trainer"`` (the optimizer-state shardings ``TrainState.create`` produces: moments sharded
         like their parameters) or ``"replicated"`` (what-if); see :func:`abstract_train_state`.
+      target: a ``stapo_jax.tools.targets.TARGETS`` name: compile every program of the run with that chip's real
+        compiler (the mesh defaults to ``configs/mesh/<target>.yaml`` when it exists, else ``cfg.mesh``; its size
+        must equal the target's chips); HBM and chip facts from the target.
     Returns:
       dict with ``model`` (Qwen3Config fields), ``mesh`` sizes, ``devices``, ``hbm_gb``, batch shapes, ``recipe``,
       optimizer and engine settings.
     Raises:
       PlanError: see :func:`_mesh_sizes`; the mini-batch does not split over the data shards and micro-batches.
     Int / float / bool / str fields. Source: verl's ``ppo_mini_batch_size`` / ``ppo_micro_batch_size``."""
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.rollout import engine_config
+    from stapo_jax.tools.targets import REPO, TargetError, get_target
 
+    tgt = None
+    if target is not None:
+        try:
+            tgt = get_target(target)
+        except TargetError as e:
+            raise PlanError(str(e)) from None
+        if mesh is None and (REPO / "configs" / "mesh" / f"{target}.yaml").is_file():
+            mesh = target
+        devices = tgt.chips if devices is None else devices
     sizes, kind = _mesh_sizes(mesh, cfg, devices)
     n = math.prod(sizes.values())
     dp = sizes["data"] * sizes["fsdp"]
-    try:
-        accum = cfg.grad_accum_steps(dp)
-    except ConfigError as e:
-        raise PlanError(str(e)) from e
-    qcfg = plan_model_config(cfg)
+    from stapo_jax.train.update import micro_batch_count
+
+    accum = micro_batch_count(cfg.actor.ppo_mini_batch_size * cfg.rollout.n, dp, cfg.actor.ppo_micro_batch_size)
+    if accum is None:  # the trainer's rule (update.num_micro_batches)
+        raise PlanError(f"actor.ppo_mini_batch_size x rollout.n = {cfg.actor.ppo_mini_batch_size * cfg.rollout.n} "
+                        f"sequences do not split into {dp} data-parallel shards of micro-batches of "
+                        f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change one of them or mesh.*")
+    qcfg = plan_model_config(cfg, tgt.platform if tgt else None)
     a = cfg.actor
+    ecfg = engine_config(cfg)
+    engine = {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg) if f.name != "sampling"}
+    if tgt is not None:
+        hbm_gb = tgt.hbm_gb if hbm_gb is None else hbm_gb
+        kind = tgt.name
     return {
+        "target": dataclasses.asdict(tgt) if tgt else None,
+        "engine": engine, "sampling": dataclasses.asdict(ecfg.sampling),
+        "steps_per_sync": cfg.rollout.steps_per_sync, "ppo_epochs": a.ppo_epochs,
+        "greedy_eval": bool(cfg.trainer.eval_every),  # held-out passes decode greedily (when a split exists)
         "model": dataclasses.asdict(qcfg),
         "mesh": sizes, "devices": n,
         "hbm_gb": hbm_gb if hbm_gb is not None else DEVICE_MEMORY_GB.get(kind) if kind else None,
@@ -202,10 +231,18 @@ def run_plan(spec: dict) -> dict:
     from models.qwen3 import Qwen3Config
     from models.sharding import make_mesh
 
+    qcfg = Qwen3Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["model"].items()})
+    if spec.get("target"):  # every program of the run, by the target's real compiler
+        from stapo_jax.tools.plan_run import run_programs
+        from stapo_jax.tools.targets import Target, compiler_version, target_devices
+
+        tgt = Target(**spec["target"])
+        mesh = make_mesh(**spec["mesh"], devices=target_devices(tgt))
+        return {"spec": spec, "analytic": analytic(spec, qcfg), "compiler": compiler_version(tgt),
+                **run_programs(spec, qcfg, mesh, hosts=tgt.hosts)}
     if len(jax.devices()) != spec["devices"]:
         raise PlanError(f"run_plan: this process has {len(jax.devices())} devices, the plan needs "
                         f"{spec['devices']} (use plan(), which simulates them in a subprocess)")
-    qcfg = Qwen3Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["model"].items()})
     mesh = make_mesh(**spec["mesh"])
     out = {"spec": spec, "analytic": analytic(spec, qcfg)}
     if spec.get("plan_train", True):
@@ -219,7 +256,8 @@ def run_plan(spec: dict) -> dict:
 
 
 def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
-    """:func:`run_plan` with ``spec["devices"]`` simulated CPU devices, in a fresh subprocess.
+    """:func:`run_plan` with ``spec["devices"]`` simulated CPU devices (or, with a target, its compiler's
+    topology devices: ``targets.target_environment``), in a fresh subprocess.
 
     Raises:
       RuntimeError: the subprocess failed (its output tail is in the message).
@@ -231,6 +269,10 @@ def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
                    + f" --xla_force_host_platform_device_count={spec['devices']}")
+        if spec.get("target"):
+            from stapo_jax.tools.targets import Target, target_environment
+
+            env = target_environment(Target(**spec["target"]), env)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run([sys.executable, "-m", "stapo_jax.tools.plan", "--worker", str(spec_path), str(out_path)],
@@ -358,14 +400,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opt-state", choices=("trainer", "replicated"), default="trainer",
                    help="optimizer-state shardings: as TrainState.create makes them (default: AdamW moments "
                         "sharded like their parameters), or replicated (what-if of a plain jit(optimizer.init))")
+    p.add_argument("--target", help="compile every program of the run with a real TPU / GPU compiler on this host: "
+                                    "tpu-v5e-4, tpu-v4-32, tpu-v5p-64, tpu-v6e-64, tpu-v5e-256, gpu-2xh100, "
+                                    "gpu-8xh100, gpu-8xh200, gpu-2x8xh100 (needs make setup-targets)")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the compile subprocess (seconds)")
     p.add_argument("--json", help="also write the full result as JSON here")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``stapo-jax plan``; exit code 0 (fits or unknown memory), 1 (does not fit), 2 (bad input).
-    Argv str, int exit code; ConfigError / PlanError / FileNotFoundError / KeyError exit 2, not raised."""
+    """``stapo-jax plan``; exit code 0 (fits or unknown memory), 1 (does not fit, or with ``--target`` a program
+    failed to compile), 2 (bad input, missing target packages), 3 (the compile passed ``--timeout-s``).
+    Argv str, int exit code; ConfigError / PlanError / TargetError / FileNotFoundError / KeyError exit 2, not
+    raised."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         spec = json.loads(Path(args.worker[0]).read_text())
@@ -381,15 +429,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         spec = make_spec(cfg, mesh=args.mesh, devices=args.devices, hbm_gb=args.hbm_gb,
-                         train=args.only != "decode", decode=args.only != "train", opt_state=args.opt_state)
-    except (ConfigError, PlanError, FileNotFoundError, KeyError) as e:
+                         train=args.only != "decode", decode=args.only != "train", opt_state=args.opt_state,
+                         target=args.target)
+        if args.target:
+            from stapo_jax.tools.targets import check_packages, get_target
+
+            check_packages(get_target(args.target))
+    except (ConfigError, PlanError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"stapo-jax plan: {e}", file=sys.stderr)
         return 2
-    result = plan(spec)
-    print(format_report(result))
+    try:
+        result = plan(spec, timeout_s=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"stapo-jax plan: the compile subprocess passed --timeout-s {args.timeout_s:g} s; stopped", file=sys.stderr)
+        return 3
+    if args.target:
+        from stapo_jax.tools.plan_report import fits_programs, format_programs
+
+        print(format_programs(result))
+        ok = fits_programs(result)
+    else:
+        print(format_report(result))
+        ok = fits(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    ok = fits(result)
     return 1 if ok is False else 0
 
 

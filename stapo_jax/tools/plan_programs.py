@@ -10,7 +10,7 @@ from typing import Optional
 
 from stapo_jax.tools.plan_analytic import packed_slot_bound, spec_recipe
 
-__all__ = ["PlanError", "shard_bytes", "total_bytes", "abstract_train_state", "abstract_engine_spec",
+__all__ = ["PlanError", "shard_bytes", "total_bytes", "abstract_params", "abstract_train_state", "abstract_engine_spec",
            "train_batch_layout", "plan_train", "plan_decode"]
 
 
@@ -73,6 +73,19 @@ def _flops(compiled) -> Optional[float]:
     return float(v) if v is not None else None
 
 
+def abstract_params(qcfg, mesh):
+    """``(graphdef, abstract parameters)`` of a ``Qwen3`` with ``qcfg``: ``jax.ShapeDtypeStruct`` leaves (param_dtype)
+    carrying ``models.sharding.param_shardings`` on ``mesh``; nothing allocated or executed. Raises what
+    ``param_shardings`` raises for a mesh without the model's axes. Source: ``nnx.eval_shape``."""
+    from flax import nnx
+
+    from models.qwen3 import Qwen3
+    from models.sharding import param_shardings
+
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
+    return graphdef, _abstract(params, param_shardings(params, mesh))
+
+
 def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
     """``(abstract TrainState, its shardings)``; nothing is allocated.
 
@@ -81,22 +94,20 @@ def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
     * ``"trainer"``: what ``stapo_jax.train.train_step.TrainState.create`` places (``optimizer_state_shardings``:
       AdamW moments sharded like their parameters, scalars replicated);
     * ``"replicated"``: the what-if of a plain ``jit(optimizer.init)``, whose moments XLA replicates.
+    Call it outside ``jax.set_mesh`` of a target mesh: optax's ``tree_map_params`` runs ``optimizer.init`` eagerly
+    (on the host's default device, not the target's).
     Leaves ``jax.ShapeDtypeStruct`` (param_dtype, int32 step); PlanError for another opt_state. Source: optax."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from models.qwen3 import Qwen3
-    from models.sharding import param_shardings
     from stapo_jax.train.train_step import TrainState, optimizer_state_shardings
 
     if opt_state not in ("trainer", "replicated"):
         raise PlanError(f"opt_state={opt_state!r}: expected 'trainer' or 'replicated'")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
-    p_sh = param_shardings(params, mesh)
-    params = _abstract(params, p_sh)
+    graphdef, params = abstract_params(qcfg, mesh)
+    p_sh = jax.tree.map(lambda x: x.sharding, params)
     rep = NamedSharding(mesh, P())
     opt_abs = jax.eval_shape(optimizer.init, params)
     if opt_state == "trainer":  # what TrainState.create places: moments sharded like their parameters
@@ -164,8 +175,8 @@ def plan_train(spec: dict, qcfg, mesh) -> dict:
     recipe = spec_recipe(spec)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     layout = train_batch_layout(spec, dp)
+    state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))  # outside the mesh
     with jax.set_mesh(mesh):
-        state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
         b, p, r = layout["rows"], spec["prompt_length"], spec["response_length"]
         bs = batch_sharding(mesh)
         sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=bs)  # noqa: E731
@@ -211,21 +222,18 @@ def plan_decode(spec: dict, qcfg, mesh) -> dict:
     ``decode_state_bytes``, ``memory`` (XLA bytes) and ``flops_per_device``. Raises what XLA raises for a program it
     cannot compile, KeyError for a spec not from ``make_spec``. Source: JetStream's generate step."""
     import jax
-    from flax import nnx
 
-    from models.qwen3 import Qwen3
-    from models.sharding import param_shardings
     from stapo_jax.rollout import engine as eng
     from stapo_jax.rollout.decode_fns import init_fn, step_fn
     from stapo_jax.rollout.sampling import SamplingParams
 
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))
-    params = _abstract(params, param_shardings(params, mesh))
+    graphdef, params = abstract_params(qcfg, mesh)
+    key = jax.eval_shape(lambda: jax.random.key(0))  # made outside the mesh: nothing runs on a target's devices
     ecfg = eng.EngineConfig(max_concurrent_decodes=spec["decode_slots"], max_prefill_length=spec["prompt_length"],
                             max_decode_length=spec["response_length"])
     espec = abstract_engine_spec(qcfg, ecfg, mesh, graphdef)
     with jax.set_mesh(mesh):
-        state = _abstract(jax.eval_shape(init_fn, espec, jax.random.key(0)), espec.state_shardings)
+        state = _abstract(jax.eval_shape(init_fn, espec, key), espec.state_shardings)
         compiled = step_fn.lower(espec, params, state, SamplingParams(temperature=spec["temperature"])).compile()
     return {"params_bytes": shard_bytes(params), "kv_cache_bytes": shard_bytes((state.cache.k, state.cache.v)),
             "decode_state_bytes": shard_bytes(state), "memory": _memory(compiled),

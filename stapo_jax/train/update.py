@@ -60,11 +60,25 @@ def data_parallel_size(mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
 
 
+def micro_batch_count(rows: int, dp: int, micro: int) -> Optional[int]:
+    """K for a mini-batch of ``rows`` sequences over ``dp`` data-parallel shards in micro-batches of ``micro``
+    sequences (``actor.ppo_micro_batch_size``): ``rows / dp / micro``, or 1 when ``micro`` is at least the rows per
+    shard; None when the rows do not split evenly. The trainer's and the planner's one rule. Ints in, an int or None
+    out; never raises. Source: verl's gradient accumulation (mini-batch / micro-batch)."""
+    if dp < 1 or micro < 1 or rows % dp:
+        return None
+    per_device = rows // dp
+    k = max(per_device // micro, 1)
+    if per_device % k or (per_device > micro and per_device % micro):
+        return None
+    return k
+
+
 def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
     (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
     ``actor.ppo_micro_batch_size`` (verl's gradient accumulation); a micro-batch size above the rows per shard
-    gives K = 1 (the shard's rows, fewer than asked).
+    gives K = 1 (the shard's rows, fewer than asked): :func:`micro_batch_count`.
 
     Raises:
       ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change), e.g.
@@ -72,10 +86,8 @@ def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
     Returns a Python int.
     """
     dp = data_parallel_size(mesh)
-    per_device = rows // dp
-    micro = cfg.actor.ppo_micro_batch_size
-    k = max(per_device // micro, 1)
-    if rows % dp or per_device % k or (per_device > micro and per_device % micro):
+    k = micro_batch_count(rows, dp, cfg.actor.ppo_micro_batch_size)
+    if k is None:
         raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
                           f"into {dp} data-parallel shards ({jax.process_count()} processes x "
                           f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "

@@ -1,0 +1,274 @@
+"""Every program of an RL run, compiled ahead of time at the run's shapes (``stapo-jax plan --target``).
+
+With ``trainer.precompile`` (on for GPU / TPU) a run compiles a bounded set of programs in its warm-up and nothing
+after it (``stapo_jax.train.precompile``). This module builds that same set from abstract arguments
+(``jax.ShapeDtypeStruct`` with the run's ``NamedSharding``; nothing allocated, nothing executed) and compiles each
+one, so a compiler for another chip can judge them:
+
+* **update**, per packed geometry of ``packing.fixed_geometries`` (or the padded rows): the old-log-prob pass
+  (``train_step.make_log_prob_fn``; the reference policy's pass, ``actor.use_kl_loss``, runs the same program)
+  and the update step(s) of ``make_update_steps`` (two with S2T's ``prepass``);
+* **rollout**, on the engine's mesh (the whole mesh in one process; one host's devices per process in a
+  multi-host job, as ``rollout.multihost.local_mesh``): the prefill of every prefill bucket, and per KV-cache
+  length the decode step (``rollout.steps_per_sync`` steps per call) and the insert of each prefill bucket that
+  fits (``rollout.warmup``); cache resizes are one small copy per length pair and are not listed;
+* **sync**: the per-layer copy of the trainer's stacked parameters into the engine's buffers (``set_params``);
+* **eval**: the greedy decode step per KV-cache length (held-out passes), when the run evaluates.
+
+Each program's entry: compile seconds, XLA's memory analysis (argument / output / alias / temp / peak bytes per
+device), cost analysis (FLOPs, bytes accessed, and on TPU the compiler's ``optimal_seconds``) and the count of
+kernel custom calls (Mosaic ``tpu_custom_call``, cuDNN ``__cudnn$fmha*``). A program that fails to compile gets its
+error line and the others still compile.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import time
+from typing import Callable, Optional
+
+from stapo_jax.tools.plan_analytic import spec_recipe
+
+__all__ = ["compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
+
+_KERNEL_RE = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[A-Za-z]*)"')
+
+
+def _cost(compiled) -> dict:
+    """FLOPs, bytes accessed and (TPU) optimal seconds of a compiled program; GPU executables report none, so
+    XLA's HLO cost analysis runs on the optimized module with the host client (cuDNN calls count 0 FLOPs)."""
+    ca = None
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        ca = None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else None
+    if not ca:
+        try:
+            import jax
+            from jax._src.lib import xla_client
+
+            module = compiled.runtime_executable().hlo_modules()[0]
+            ca = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        except Exception:  # noqa: BLE001 - cost figures are optional
+            ca = {}
+    opt = ca.get("optimal_seconds")
+    return {"flops": float(ca.get("flops", 0.0) or 0.0), "bytes_accessed": float(ca.get("bytes accessed", 0.0) or 0.0),
+            "optimal_seconds": float(opt) if opt is not None and opt > 0 else None}
+
+
+def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple[dict, Optional[object]]:
+    """Lower (``lower()`` returns a ``jax.stages.Lowered``) and compile one program, timing both.
+
+    Returns ``(entry, compiled)``: entry holds ``name``, ``phase``, ``compile_s`` (float seconds, lowering
+    included), ``memory`` (int bytes per device: argument / output / alias / temp / generated_code / peak =
+    argument + output - alias + temp), ``cost`` (see :func:`_cost`) and ``kernels`` (custom-call counts by target);
+    on failure ``error`` (the exception's type and first line) and compiled None. Never raises for a compile
+    error. Source: JAX AOT ``jit(f).lower(...).compile()``, ``memory_analysis`` / ``cost_analysis``."""
+    t0 = time.perf_counter()
+    try:
+        compiled = lower().compile()
+    except Exception as e:  # noqa: BLE001 - reported per program; the other programs still compile
+        msg = str(e).strip().splitlines()
+        return {"name": name, "phase": phase, "compile_s": time.perf_counter() - t0,
+                "error": f"{type(e).__name__}: {msg[0][:400] if msg else ''}"}, None
+    secs = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    mem = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
+                                                              "generated_code")}
+    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    kernels: dict[str, int] = {}
+    for k in _KERNEL_RE.findall(compiled.as_text() or ""):
+        kernels[k] = kernels.get(k, 0) + 1
+    return {"name": name, "phase": phase, "compile_s": secs, "memory": mem, "cost": _cost(compiled),
+            "kernels": kernels}, compiled
+
+
+def engine_mesh(mesh, hosts: int, tensor: int):
+    """The rollout engine's mesh: ``mesh`` itself in a one-process job (``hosts`` = 1); otherwise the first
+    host's devices (``process_index`` 0), shaped as ``rollout.multihost.local_mesh`` shapes them (``tensor`` when
+    it divides the host's devices, else 1; the rest on ``fsdp``). Returns a ``jax.sharding.Mesh``; raises
+    ShardingError from ``make_mesh`` for sizes that do not fit. Source: JetStream / MaxEngine, one engine per
+    host."""
+    from models.sharding import make_mesh
+
+    if hosts <= 1:
+        return mesh
+    devices = [d for d in mesh.devices.flat if d.process_index == 0] or list(mesh.devices.flat)[: mesh.size // hosts]
+    n = len(devices)
+    t = tensor if tensor > 0 and n % tensor == 0 else 1
+    return make_mesh(data=1, fsdp=n // t, tensor=t, devices=devices)
+
+
+def _update_batch(spec: dict, mesh, rows: int, geometry, k: int):
+    """The abstract ``Batch`` of one mini-batch as ``update.update_policy`` places it (``old_entropy`` always
+    present, as the trainer passes it; a ``PackedLayout`` of ``[K * S * M, L]`` rows for a packed geometry)."""
+    import jax
+    import jax.numpy as jnp
+
+    from stapo_jax.train.packing import PackedLayout
+    from stapo_jax.train.train_step import Batch, batch_sharding
+
+    bs = batch_sharding(mesh)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    p, r = spec["prompt_length"], spec["response_length"]
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=bs)  # noqa: E731
+    f32 = lambda: sd((rows, r), jnp.float32)  # noqa: E731
+    packing = None
+    if geometry is not None:
+        m, length = geometry
+        packed = (k * dp * m, length)
+        packing = PackedLayout(sd(packed, jnp.int32), sd(packed, jnp.int32), sd(packed, jnp.int32),
+                               sd((rows, r), jnp.int32), num_shards=dp)
+    return Batch(input_ids=sd((rows, p + r), jnp.int32), attention_mask=sd((rows, p + r), jnp.bool_),
+                 response_mask=sd((rows, r), jnp.bool_), advantages=sd((rows,), jnp.float32), old_log_probs=f32(),
+                 ref_log_probs=f32() if spec["use_kl"] else None,
+                 rollout_log_probs=f32() if spec["sampler_is"] else None, old_entropy=f32(), packing=packing)
+
+
+def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict, object]]:
+    """Compile the update phase's programs (module docstring) for the abstract train ``state`` / ``shardings``
+    (``plan_programs.abstract_train_state``). Returns ``[(entry, compiled)]`` as :func:`compile_program`.
+    Raises KeyError for a spec not from ``plan.make_spec``; compile errors are entries. Source: the trainer's
+    ``rl_step.step_update`` with ``trainer.precompile`` (``precompile.update_geometries``)."""
+    import jax
+
+    from models.attention import resolve_implementation
+    from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.train.packing import packing_long_rows
+    from stapo_jax.train.precompile import update_geometries
+    from stapo_jax.train.train_step import make_log_prob_fn, make_update_steps
+
+    o = spec["optim"]
+    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows, k, r = spec["mini_batch_sequences"], spec["num_micro_batches"], spec["response_length"]
+    width = spec["prompt_length"] + r
+    with jax.set_mesh(mesh):
+        long_rows = packing_long_rows(resolve_implementation(qcfg.attention, qcfg.dtype))
+    geometries = update_geometries(rows, k, dp, width, long_rows) if spec["use_remove_padding"] else [None]
+    common = dict(temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512, vocab_chunk=spec["vocab_chunk"])
+    first, rest = make_update_steps(spec_recipe(spec), opt, num_micro_batches=k, vocab_size=qcfg.vocab_size,
+                                    mesh=mesh, state_shardings=shardings, donate=True, **common)
+    log_prob = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+    out = []
+    for g in geometries:
+        batch = _update_batch(spec, mesh, rows, g, k)
+        tag = "padded rows" if g is None else f"packed {g[0]}x{g[1]}"
+        with jax.set_mesh(mesh):
+            out.append(compile_program(f"old log-probs ({tag})", "update", lambda b=batch: log_prob.lower(
+                state.params, state.graphdef, b.input_ids, b.attention_mask, r, b.packing)))
+            steps = [("update step, first mini-batch", first), ("update step", rest)] if first is not rest \
+                else [("update step", rest)]
+            for name, fn in steps:
+                out.append(compile_program(f"{name} ({tag})", "update", lambda f=fn, b=batch: f.lower(state, b)))
+    return out
+
+
+def _abstract_like(shapes, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def prefill_buckets(max_prefill_length: int) -> list[int]:
+    """The engine's prefill buckets (``Qwen3Engine.prefill_bucket``: powers of two from 16, capped at
+    ``max_prefill_length``), ascending ints. Never raises. Source: JetStream's prefill padding buckets."""
+    out, b = [], 16
+    while True:
+        out.append(min(b, max_prefill_length))
+        if b >= max_prefill_length:
+            return out
+        b *= 2
+
+
+def rollout_programs(spec: dict, qcfg, emesh, params, dparams) -> list[tuple[dict, object]]:
+    """Compile the rollout, sync and eval programs (module docstring) on the engine mesh ``emesh``: ``params``
+    the abstract stacked parameters (``NamedSharding`` on ``emesh``; the sync's source), ``dparams`` the engine's
+    per-layer copy of them (``decode_fns.as_decode_params``). Returns ``[(entry, compiled)]``. Raises KeyError
+    for a spec not from ``plan.make_spec``; compile errors are entries. Source: ``rollout.warmup`` (the driver's
+    program set) and ``Qwen3Engine.set_params``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from models.decode import LAYERS_KEY, copy_layer_into
+    from stapo_jax.rollout import engine as eng
+    from stapo_jax.rollout.decode_fns import abstract_decode_spec, init_fn, insert_fn, kv_length_buckets, \
+        prefill_fn, step_fn
+    from stapo_jax.rollout.sampling import SamplingParams
+
+    ecfg = eng.EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["engine"].items()},
+                            sampling=SamplingParams(**spec["sampling"]))
+    key = jax.eval_shape(lambda: jax.random.key(0))  # made outside the mesh: nothing runs on the target
+    espec = abstract_decode_spec(_graphdef(qcfg), qcfg, ecfg, emesh, eng.engine_stop_ids(qcfg, ecfg))
+    rep = NamedSharding(emesh, P())
+    scalar = lambda shape=(), dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
+    lengths = kv_length_buckets(ecfg.cache_length) if ecfg.kv_cache_buckets else (ecfg.cache_length,)
+    samplings = [("decode", "rollout", ecfg.sampling)] + (
+        [("greedy decode", "eval", SamplingParams(greedy=True))] if spec.get("greedy_eval") else [])
+    n_steps = int(spec.get("steps_per_sync", 1))
+    out, prefixes = [], {}
+    with jax.set_mesh(emesh):
+        for bucket in prefill_buckets(ecfg.max_prefill_length):
+            rows = max(1, min(ecfg.prefill_batch_size, ecfg.prefill_batch_tokens // bucket))
+            args = (scalar((rows, bucket)), scalar((rows,)), scalar((rows,), jnp.bool_))
+            lowered = []
+            entry, compiled = compile_program(f"prefill {rows}x{bucket}", "rollout", lambda a=args: lowered.append(
+                prefill_fn.lower(espec, dparams, *a)) or lowered[-1])
+            out.append((entry, compiled))
+            if compiled is not None:
+                prefixes[bucket] = _abstract_like(lowered[-1].out_info, compiled.output_shardings)
+        for length in lengths:
+            state = _abstract_like(jax.eval_shape(lambda k, n=length: init_fn(espec, k, n), key), espec.state_shardings)
+            for label, phase, sampling in samplings:
+                out.append(compile_program(f"{label} step x{n_steps}, KV {length}", phase, lambda s=state, sp=sampling:
+                                           step_fn.lower(espec, dparams, s, sp, n_steps)))
+            for bucket, prefix in prefixes.items():
+                if bucket <= length:
+                    out.append(compile_program(f"insert {bucket} -> KV {length}", "rollout", lambda p=prefix, s=state:
+                                               insert_fn.lower(espec, p, s, scalar(), scalar(), scalar(), scalar())))
+        copy = jax.jit(functools.partial(copy_layer_into, kernel_layout=espec.kernel_layout), donate_argnums=2,
+                       out_shardings=jax.tree.map(lambda x: x.sharding, dparams.layers[0]))
+        out.append(compile_program("weight sync, one layer (x L)", "sync",
+                                   lambda: copy.lower(params[LAYERS_KEY], scalar(), dparams.layers[0])))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _graphdef(qcfg):
+    from flax import nnx
+
+    from models.qwen3 import Qwen3
+
+    return nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))[0]
+
+
+def run_programs(spec: dict, qcfg, mesh, hosts: int = 1) -> dict:
+    """Compile every program of the run on ``mesh`` (module docstring). Returns ``{"programs": [entry, ...],
+    "engine_devices": int, "resident": {...}}`` with the bytes per device that stay allocated across phases:
+    ``trainer_state`` (parameters + optimizer state), ``trainer_params`` and ``engine_params`` (the engine's
+    per-layer copy, on its mesh). Raises PlanError / KeyError for a bad spec; compile errors are entries.
+    Source: the trainer's warm-up program set (``stapo_jax.train.precompile``)."""
+    import jax
+
+    from stapo_jax.rollout.decode_fns import as_decode_params, resolve_kernel_layout
+    from stapo_jax.tools.plan_programs import abstract_params, abstract_train_state, shard_bytes
+    from stapo_jax.train.optim import make_optimizer
+
+    o = spec["optim"]
+    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
+    emesh = engine_mesh(mesh, hosts, spec["mesh"]["tensor"])
+    eparams = abstract_params(qcfg, emesh)[1]
+    dparams = as_decode_params(eparams, resolve_kernel_layout(spec["engine"]["kernel_layout"], emesh))
+    results = []
+    if spec.get("plan_train", True):
+        results += update_programs(spec, qcfg, mesh, state, shardings)
+    if spec.get("plan_decode", True):
+        results += rollout_programs(spec, qcfg, emesh, eparams, dparams)
+    return {"programs": [e for e, _ in results], "engine_devices": int(emesh.size),
+            "resident": {"trainer_state": shard_bytes(state.params) + shard_bytes(state.opt_state),
+                         "trainer_params": shard_bytes(state.params), "engine_params": shard_bytes(dparams)}}
