@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from typing import Mapping, Optional, Sequence
 
 from stapo_jax.train.metrics import read_metrics
@@ -124,7 +125,11 @@ def draw_panel(ax, key: str, title: str, lines: Sequence[tuple[Optional[str], Se
             style.update(markersize=8 - 5 * i / max(len(lines) - 1, 1), markerfacecolor="none", alpha=0.9)
         ax.plot(list(xs), list(ys), label=label, zorder=3 + i, **style)
         if key == HELDOUT and len(xs) and xs[0] == 0 and i == 0:
-            ax.annotate(BEFORE_RL, (0, ys[0]), xytext=(6, -12), textcoords="offset points", fontsize=8)
+            # above the point when the curve rises from it (the usual case), else below it: never on the x axis
+            up = ys[0] <= statistics.median(ys)
+            ax.annotate(BEFORE_RL, (0, ys[0]), xytext=(6, 5 if up else -5), textcoords="offset points", fontsize=8,
+                        va="bottom" if up else "top")
+            ax.margins(y=0.15)  # room for the label above the highest or below the lowest point
     ax.set_xlabel("RL step" + (" (0: before RL)" if key == HELDOUT else ""))
     ax.set_ylabel(Y_LABELS[key], fontsize=8)
     ax.set_title(title)

@@ -142,3 +142,18 @@ def test_a_comparison_keeps_every_run_visible():
     assert a.get_zorder() < b.get_zorder() < c.get_zorder()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (stapo)", "b (grpo)", "c (dapo)"]
     plt.close(fig)
+
+
+@pytest.mark.parametrize("ys", [[0.2, 0.3, 0.4], [0.5, 0.3, 0.25], [0.3, 0.3, 0.3]])
+def test_the_before_rl_label_stays_inside_the_axes(ys):
+    """Issue 43: the "before RL" label sat 12 points below the lowest point, across the x axis and its tick labels.
+    Rendered: the label's box lies within the axes' box, whichever way the curve goes."""
+    from stapo_jax.train.plots import draw_panel
+
+    plt, fig, ax = _axes()
+    draw_panel(ax, "val/acc", "held-out", [(None, [0, 2, 4], ys)])
+    fig.canvas.draw()
+    box, axes_box = ax.texts[0].get_window_extent(), ax.get_window_extent()
+    assert axes_box.y0 < box.y0 and box.y1 < axes_box.y1, (box, axes_box)
+    assert axes_box.x0 < box.x0 and box.x1 < axes_box.x1, (box, axes_box)
+    plt.close(fig)
