@@ -24,11 +24,12 @@ COMMANDS = {
 
 
 def quiet_third_party_startup() -> None:
-    """Silence two start-up lines every command printed, before the subcommand imports jax / transformers:
+    """Silence the start-up lines every command printed, before the subcommand imports jax / transformers:
 
-    * ``INFO jax._src.xla_bridge: Unable to initialize backend 'tpu': ... libtpu.so ...`` (JAX probes for a TPU
-      on every machine and logs the miss at INFO, shown once a command configures INFO logging): that
-      logger is raised to WARNING (a real backend failure is still reported);
+    * JAX's INFO lines, e.g. ``INFO jax._src.xla_bridge: Unable to initialize backend 'tpu': ... libtpu.so ...``
+      (JAX probes for a TPU on every machine) and ``INFO jax._src.compilation_cache: Resetting cache at
+      <empty>.`` (every start, issue 43), shown once a command configures INFO logging: the ``jax`` logger is
+      raised to WARNING (a real backend failure is still reported);
     * transformers' ``PyTorch was not found...`` advice (``make run`` installs no torch; only the HF export's
       ``from_pretrained`` needs it): ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the user set it.
 
@@ -36,7 +37,7 @@ def quiet_third_party_startup() -> None:
     ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` environment variable.
     """
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("jax").setLevel(logging.WARNING)
 
 
 def _usage() -> str:

@@ -1,8 +1,9 @@
 """Steady-state throughput of an RL run, apart from its warm-up.
 
 Warm-up = everything before the run's first RL step ends (model build, ``trainer.precompile``, the held-out
-pass, RL step 1 of this process, resumed or not). The steady state is every later step; its figures come from
-the per-step metrics the trainer logs (compile seconds already taken out of ``time/*``):
+pass, RL step 1 of this process, resumed or not). The steady state is every later step that compiled nothing
+(``perf/compile_s`` 0: a step with a recompile is left out, and counted); its figures come from the per-step
+metrics the trainer logs (compile seconds already taken out of ``time/*``):
 
 - ``median_step_s``: median ``time/step``;
 - ``rollout_tokens_per_s``: generated (response) tokens / ``time/rollout``, summed over the steps;
@@ -44,12 +45,15 @@ def update_work(qcfg, attention_mask: np.ndarray, response_length: int, ppo_epoc
 
 def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dict:
     """The ``steady_state`` summary over ``rows`` (metric dicts with ``"step"``) whose step is after
-    ``first_step`` (the warm-up step of this process): ``{"steps", "median_step_s", "rollout_tokens_per_s",
-    "update_tokens_per_s", "mfu", "peak_flops", "chip"}`` (+ ``"devices"``, ``"compile_s"`` during them), the
-    figures None without steady steps or without the metrics they need. ``peak``: ``chips.device_peak`` output
-    (or None). Float / int / str values. Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
-    steady = [r for r in rows if r.get("step", 0) > first_step]
-    out: dict = {"steps": len(steady), "median_step_s": None, "rollout_tokens_per_s": None,
+    ``first_step`` (the warm-up step of this process) and that compiled nothing (``perf/compile_s`` 0 or absent):
+    ``{"steps", "median_step_s", "rollout_tokens_per_s", "update_tokens_per_s", "mfu", "peak_flops", "chip"}``
+    (+ ``"devices"``, ``"steps_with_compile"``: the later steps left out because they compiled), the figures None
+    without steady steps or without the metrics they need. ``peak``: ``chips.device_peak`` output (or None).
+    Float / int / str values. Never raises. Source: the trainer's metrics (``time/*``, ``perf/*``)."""
+    later = [r for r in rows if r.get("step", 0) > first_step]
+    steady = [r for r in later if not r.get("perf/compile_s")]
+    out: dict = {"steps": len(steady), "steps_with_compile": len(later) - len(steady), "median_step_s": None,
+                 "rollout_tokens_per_s": None,
                  "update_tokens_per_s": None, "mfu": None,
                  "peak_flops": None if peak is None else peak["peak_flops"],
                  "chip": None if peak is None else peak["chip"],
@@ -69,20 +73,23 @@ def steady_state(rows: list[dict], first_step: int, peak: Optional[dict]) -> dic
         out["update_tokens_per_s"] = upd / t_upd
     if t_upd and flops is not None and peak is not None and peak["peak_flops"]:
         out["mfu"] = flops / t_upd / (peak["peak_flops"] * peak["devices"])
-    out["compile_s"] = total("perf/compile_s")
     return out
 
 
 def format_steady_state(s: dict) -> str:
-    """One log line of :func:`steady_state`'s dict (float / int / str values in, str out). Never raises.
-    Source: the ``steady_state`` key of ``summary.json`` (issue 33)."""
+    """One log line of :func:`steady_state`'s dict (float / int / str values in, str out): the steps it covers,
+    the steps left out for a compile, then the figures. Never raises. Source: the ``steady_state`` key of
+    ``summary.json`` (issue 33, issue 43)."""
     def num(v, fmt):
         return "n/a" if v is None else format(v, fmt)
-    return (f"steady state over {s['steps']} steps after warm-up: median step {num(s['median_step_s'], '.3f')} s, "
+    n_left = s.get("steps_with_compile") or 0
+    left = f" ({n_left} step{'s' if n_left != 1 else ''} with a compile left out)" if n_left else ""
+    return (f"steady state over {s['steps']} step{'s' if s['steps'] != 1 else ''} after warm-up{left}: "
+            f"median step {num(s['median_step_s'], '.3f')} s, "
             f"rollout {num(s['rollout_tokens_per_s'], ',.0f')} tok/s, update {num(s['update_tokens_per_s'], ',.0f')} "
             f"tok/s, MFU {num(None if s['mfu'] is None else 100 * s['mfu'], '.2f')} % of "
             f"{num(None if s['peak_flops'] is None else s['peak_flops'] / 1e12, '.3g')} TFLOP/s x {s['devices']} "
-            f"({s['chip']}), compile in them {num(s['compile_s'], '.2f')} s")
+            f"({s['chip']})")
 
 
 def compiles_after_warmup(executables: list, steps_taken: int, first_step: int) -> list[dict]:
@@ -120,8 +127,23 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
           f"{totals['compile_s']:.1f} s):\n" + format_table(table))
     late = compiles_after_warmup(stats.executables, stats.steps_taken, first_step)
     if late:
-        write(f"compiled after the warm-up (RL step {first_step}): " + ", ".join(
-            f"{e['program']} ({e['when']}: {e['phase']})" for e in late))
+        write(f"compiled after the warm-up (RL step {first_step}): {format_late_compiles(late)}")
     steady = steady_state(rows, first_step, device_peak(dtype))
-    write(format_steady_state(steady))
+    if steady["steps"]:  # a run with no steady step (e.g. a resume that ran one step) prints no line
+        write(format_steady_state(steady))
     return {"compile": table, "compile_after_warmup": late, "steady_state": steady}
+
+
+def format_late_compiles(late: list[dict]) -> str:
+    """:func:`compiles_after_warmup`'s entries grouped by program, in order of first appearance: ``program xN
+    (when: phase, ...)`` with the count when above 1 and each distinct ``when: phase`` once, e.g. ``slice x12
+    (step 22: update)``. Takes dicts of int / str; returns str; never raises. Source: issue 43 (one line per
+    program, not one entry per compile)."""
+    groups: dict[str, list] = {}
+    for e in late:
+        groups.setdefault(e["program"], []).append(f"{e['when']}: {e['phase']}")
+    parts = []
+    for program, whens in groups.items():
+        count = f" x{len(whens)}" if len(whens) > 1 else ""
+        parts.append(f"{program}{count} ({', '.join(dict.fromkeys(whens))})")
+    return ", ".join(parts)

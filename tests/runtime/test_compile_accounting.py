@@ -135,6 +135,38 @@ def test_chip_table_and_steady_state_figures():
     assert steady_state(rows[:1], 1, None)["median_step_s"] is None
 
 
+def test_steady_state_leaves_out_steps_that_compiled_and_runs_without_steady_steps():
+    """Issue 43: a recompile in step 3 (9.4 s) was inside the steady-state line ("compile in them 9.40 s"), and a
+    resumed run with one step printed ``n/a`` figures. Now step 3 is left out and counted, and a run with no steady
+    step prints no line."""
+    from stapo_jax.train.steady_state import format_steady_state, run_report
+
+    rows = [{"step": s, "time/step": t, "time/rollout": 1.0, "time/update": 2.0, "perf/response_tokens": 100.0,
+             "perf/update_tokens": 400.0, "perf/update_flops": 8e12, "perf/compile_s": c}
+            for s, t, c in ((1, 50.0, 40.0), (2, 3.0, 0.0), (3, 9.0, 9.4), (4, 4.0, 0.0), (5, 5.0, 0.0))]
+    s = steady_state(rows, 1, None)
+    assert (s["steps"], s["steps_with_compile"], s["median_step_s"]) == (3, 1, 4.0)
+    assert s["update_tokens_per_s"] == 1200.0 / 6.0
+    line = format_steady_state(s)
+    assert line.startswith("steady state over 3 steps after warm-up (1 step with a compile left out): median "
+                           "step 4.000 s,") and "compile in them" not in line
+    stats = CompileStats()
+    lines = []
+    run_report(stats, rows[:1], 1, "float32", write=lines.append)  # a resume that ran its warm-up step only
+    assert lines and not [x for x in lines if "steady state" in x], lines
+
+
+def test_recompiles_after_the_warm_up_are_grouped_by_program():
+    from stapo_jax.train.steady_state import format_late_compiles
+
+    late = ([{"step": 22, "phase": "update", "program": "slice", "when": "step 22"}] * 12
+            + [{"step": 22, "phase": "update", "program": "gather", "when": "step 22"},
+               {"step": 30, "phase": "update", "program": "gather", "when": "step 30"},
+               {"step": None, "phase": "eval", "program": "step_jit", "when": "after RL"}])
+    assert format_late_compiles(late) == ("slice x12 (step 22: update), gather x2 (step 22: update, step 30: "
+                                          "update), step_jit (after RL: eval)")
+
+
 def _probe_compile() -> None:
     """One backend-compile event through JAX's public monitoring API, as JAX records it for a program ``probe``."""
     jax.monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, 0.25, fun_name="jit(probe)")
