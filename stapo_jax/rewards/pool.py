@@ -58,16 +58,19 @@ log = logging.getLogger(__name__)
 
 STALL_SLACK_S = 240.0  # no item finished for timeout_s + this long while items are pending: the pool is stuck
 #                       (generous: 8 workers starting and warming up sympy took > 70 s under a load average of 27)
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what a job's process group or a terminal's Ctrl-C sends
 STOP_TIMEOUT_S = 15.0  # bound on stopping one pebble pool (its threads are daemons; leftovers are abandoned)
 WAIT_SLICE_S = 0.5
 
 
 @contextlib.contextmanager
 def sigterm_blocked():
-    """Block SIGTERM in the calling thread for the ``with`` body (``pthread_sigmask``); the previous mask after.
+    """Block SIGTERM and SIGINT (:data:`GROUP_SIGNALS`) in the calling thread for the ``with`` body
+    (``pthread_sigmask``); the previous mask after.
 
     Threads and processes started inside inherit the blocked mask (POSIX: a new thread takes its creator's mask,
-    ``fork`` and ``exec`` keep it), which keeps a SIGTERM sent to the trainer's process group away from them.
+    ``fork`` and ``exec`` keep it), which keeps a SIGTERM sent to the trainer's process group, or a Ctrl-C's SIGINT
+    to the terminal's foreground group, away from them.
     A SIGTERM for the trainer itself is delivered to another thread, or to this one when the body ends. No-op
     where ``signal.pthread_sigmask`` does not exist (Windows). Raises nothing of its own. Source:
     POSIX ``pthread_sigmask(2)``, ``signal(7)`` (masks across fork / exec).
@@ -75,7 +78,7 @@ def sigterm_blocked():
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(GROUP_SIGNALS))
     try:
         yield
     finally:
@@ -120,10 +123,10 @@ def worker_init(initializer: Optional[Callable] = None, lifeline=None) -> None:
         watch_owner(lifeline)
     os.setpgrp()
     if hasattr(signal, "pthread_sigmask"):
-        if signal.SIGTERM in signal.sigpending():  # sent to the group before setpgrp: drop it
-            handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignoring discards a pending signal
-            signal.signal(signal.SIGTERM, handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        for sig in set(GROUP_SIGNALS) & signal.sigpending():  # sent to the group before setpgrp: drop it
+            handler = signal.signal(sig, signal.SIG_IGN)  # ignoring discards a pending signal
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(GROUP_SIGNALS))
     if initializer is not None:
         initializer()
 

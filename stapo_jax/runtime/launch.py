@@ -7,13 +7,18 @@ D devices. Every process of the job, a one-process job included, starts ``jax.di
 (``STAPO_DISTRIBUTED=on``): on CPU the cross-device collectives then run through gloo in every layout, so a
 rehearsal as 1 process x 4 devices sums its gradients in the same order as 2 x 2 and 4 x 1 (XLA:CPU's
 in-process all-reduce, used by a process without ``jax.distributed``, sums in another order; DESIGN.md,
-"Multi-process runs"). Every output line is prefixed with ``[p<i>]``. When a process exits non-zero the others
-get SIGTERM, then SIGKILL after ``--kill-after`` seconds; the launcher returns the first non-zero exit code (0
-when all succeed). SIGINT/SIGTERM to the launcher are forwarded to every process (a simulated pod maintenance event).
+"Multi-process runs"). Every output line is prefixed with ``[p<i>]``; a progress bar stays one bar. When a process
+exits non-zero the launcher names it and how it ended, the others get SIGTERM, then SIGKILL after ``--kill-after``
+seconds; the launcher returns the first non-zero exit code (0 when all succeed). The first SIGINT (Ctrl-C) or
+SIGTERM to the launcher is forwarded to every process as SIGTERM (a simulated pod maintenance event: they
+checkpoint and exit 0), a second one stops them at once (exit 130). A process whose launcher dies (kill -9) stops
+within a few seconds as on SIGTERM (``runtime.stopping``). A mistyped launcher option (``--devics-per-process``)
+is an error of ``launch``, not passed on to the command.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import signal
 import socket
@@ -22,6 +27,8 @@ import sys
 import threading
 import time
 from typing import Optional, Sequence
+
+from stapo_jax.runtime.stopping import EXIT_INTERRUPTED, LAUNCHER_PID_ENV
 
 
 def free_port() -> int:
@@ -36,23 +43,69 @@ def free_port() -> int:
 def process_env(i: int, n: int, port: int, devices: Optional[int], base: Optional[dict] = None) -> dict:
     """The environment of process ``i`` of ``n``: coordinator, process count/id, ``STAPO_DISTRIBUTED=on`` (also
     for ``n`` = 1: ``jax.distributed`` and so gloo CPU collectives in every layout), simulated CPU devices.
-    Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection).
+    Inherited ``JAX_*`` coordinates, ``SLURM_*`` and ``OMPI_*`` variables are dropped (no cluster detection);
+    ``STAPO_LAUNCHER_PID`` (this process) lets the process stop when the launcher dies (``runtime.stopping``).
     Takes int ids, a str-to-str environment. Never raises. Source: ``jax.distributed.initialize``'s
     ``JAX_*`` variables; XLA's ``--xla_force_host_platform_device_count``."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_"))}
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
-               STAPO_DISTRIBUTED="on", PYTHONUNBUFFERED="1")
+               STAPO_DISTRIBUTED="on", PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
     if devices:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     return env
 
 
-def _pump(i: int, stream, out) -> None:
-    for line in iter(stream.readline, ""):
-        out.write(f"[p{i}] {line}" if line.endswith("\n") else f"[p{i}] {line}\n")
-        out.flush()
+BAR_EVERY_S = 30.0  # how often a progress bar's state is written as a line where ``out`` is not a terminal
+
+
+class _Console:
+    """Writes the processes' output lines to ``out`` with their ``[p<i>]`` prefix, one writer at a time. A
+    progress-bar refresh (text between ``\\r`` marks, as tqdm writes it) is redrawn in place on a terminal, and
+    elsewhere (a log file, a pipe) kept back and written as a line at most every :data:`BAR_EVERY_S` seconds and
+    when the bar ends: one progress bar per job, not one line per refresh."""
+
+    def __init__(self, out):
+        self.out, self.lock, self.bar_of = out, threading.Lock(), None
+        try:
+            self.tty = bool(out.isatty())
+        except (AttributeError, ValueError):
+            self.tty = False
+
+    def write(self, i: int, text: str, bar: bool = False) -> None:
+        with self.lock:
+            if self.bar_of is not None:  # a bar is drawn: redraw over it (same process) or start below it
+                self.out.write("\r" if self.bar_of == i else "\n")
+            self.out.write(f"[p{i}] {text}" + ("" if bar else "\n"))
+            self.bar_of = i if bar else None
+            self.out.flush()
+
+    def write_launcher(self, text: str) -> None:
+        with self.lock:
+            self.out.write(("\n" if self.bar_of is not None else "") + f"[launch] {text}\n")
+            self.bar_of = None
+            self.out.flush()
+
+
+def _pump(i: int, stream, console: _Console) -> None:
+    pending, last_line, buf = None, time.monotonic(), b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        buf += chunk
+        while (cut := min((k for k in (buf.find(b"\n"), buf.find(b"\r")) if k >= 0), default=-1)) >= 0:
+            seg, end, buf = buf[:cut].decode(errors="replace"), buf[cut:cut + 1], buf[cut + 1:]
+            if end == b"\n":  # a line, or the last state of a bar
+                console.write(i, seg or pending or "")
+                pending = None
+            elif seg and console.tty:
+                console.write(i, seg, bar=True)
+            elif seg and time.monotonic() - last_line >= BAR_EVERY_S:
+                console.write(i, seg)
+                last_line, pending = time.monotonic(), None
+            elif seg:
+                pending = seg
+    if buf or pending:
+        console.write(i, buf.decode(errors="replace") or pending)
 
 
 def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, kill_after_s: float = 30.0,
@@ -64,57 +117,82 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
         "--config", "configs/tiny_cpu.yaml"]``). devices: simulated CPU devices per process (None: unchanged).
       kill_after_s: grace period between SIGTERM and SIGKILL of the remaining processes after a failure.
       timeout_s: stop the whole job (exit code 124) after this many seconds; None waits as long as it runs.
-      out: where prefixed lines go (default stdout).
+      out: where prefixed lines go (default stdout); progress bars are redrawn in place on a terminal, else
+        written as a line at most every :data:`BAR_EVERY_S` s and when they end.
       module: run ``python -m module *argv`` (default ``stapo_jax``); None runs ``python *argv``.
+    A first SIGINT or SIGTERM to the launcher sends SIGTERM to every process (they checkpoint and stop, exit 0),
+    a second sends SIGINT (they stop at once); each is one ``[launch]`` line.
     Returns:
-      0 if every process exited 0, else the first non-zero exit code observed (124 on timeout); a process
-      ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137).
+      0 if every process exited 0, else the first non-zero exit code observed (124 on timeout, 130 after a
+      second stop signal); a process ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137). The
+      ``[launch]`` line names the process and how it ended.
     Raises:
       ValueError: ``n`` < 1 or an empty ``argv``.
     argv: str arguments; returns an int exit code.
     """
     if n < 1 or not argv:
         raise ValueError(f"launch: --local must be >= 1 (got {n}) and a command is required")
-    out = out or sys.stdout
+    console = _Console(out or sys.stdout)
     port = free_port()
-    procs = []
-    for i in range(n):
-        cmd = [sys.executable, *(["-m", module] if module else []), *argv]
-        p = subprocess.Popen(cmd, env=process_env(i, n, port, devices),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        procs.append(p)
-    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
+    procs = [subprocess.Popen([sys.executable, *(["-m", module] if module else []), *argv],
+                              env=process_env(i, n, port, devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for i in range(n)]
+    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, console), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
+    signals = []
 
-    def forward(signum, frame):
+    def forward(signum, frame):  # 1st: every process checkpoints and stops; 2nd: every process stops at once
+        signals.append(signal.Signals(signum).name)
+        first = len(signals) == 1
+        console.write_launcher(f"{signals[-1]}: " + ("asking every process to checkpoint and stop (SIGTERM); send it "
+                                                     "again to stop them at once" if first else
+                                                     "stopping every process now"))
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM if first else signal.SIGINT)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
-    rc, deadline = 0, None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            timed_out = deadline is not None and time.monotonic() > deadline
-            if failed or timed_out:
-                rc = shell_exit_code(failed[0]) if failed else 124
-                out.write(f"[launch] {'a process exited with ' + str(rc) if failed else 'timeout'}: stopping the "
-                          f"others (SIGTERM, SIGKILL after {kill_after_s}s)\n")
-                _stop(procs, kill_after_s)
-                break
-            time.sleep(0.2)
+        rc = _watch(procs, console, kill_after_s, None if timeout_s is None else time.monotonic() + timeout_s)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop(procs, kill_after_s)
         for t in pumps:
             t.join(timeout=5)
-    codes = [p.returncode for p in procs]
-    first_bad = next((c for c in codes if c != 0), 0)
-    return rc or shell_exit_code(first_bad)
+    first_bad = next((c for c in (p.returncode for p in procs) if c != 0), 0)
+    return rc or (EXIT_INTERRUPTED if len(signals) > 1 else shell_exit_code(first_bad))
+
+
+def _watch(procs, console: "_Console", kill_after_s: float, deadline: Optional[float]) -> int:
+    """Wait for the processes; on the first failure (or the deadline) say which process ended how, stop the
+    others and return its exit code (124 on timeout); 0 once all ended without a failure seen."""
+    while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed or (deadline is not None and time.monotonic() > deadline):
+            rc = shell_exit_code(failed[0][1]) if failed else 124
+            what = f"process {failed[0][0]} {exit_description(failed[0][1])}" if failed else "timeout"
+            console.write_launcher(f"{what}: stopping the others (SIGTERM, SIGKILL after {kill_after_s:g} s)")
+            _stop(procs, kill_after_s)
+            return rc
+        time.sleep(0.2)
+    return 0
+
+
+def exit_description(returncode: int) -> str:
+    """How a child ended, in words: ``exited with 75 (the stall watchdog: resumable)``, ``was killed by SIGKILL
+    (exit 137)``. Takes ``Popen.returncode`` (int); returns str; never raises. Source: POSIX exit status,
+    ``sysexits.h``'s 75."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit {shell_exit_code(returncode)})"
+    known = {75: "the stall watchdog: resumable", 130: "interrupted", 2: "bad input or config"}
+    return f"exited with {returncode}" + (f" ({known[returncode]})" if returncode in known else "")
 
 
 def shell_exit_code(returncode: int) -> int:
@@ -140,7 +218,8 @@ def _stop(procs, kill_after_s: float) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``stapo-jax launch --local N [--devices-per-process D] [--command train] [ARGS...]``.
     argv: str arguments; returns the int exit code. Raises: ValueError for ``--local`` or ``--devices-per-process``
-    < 1."""
+    < 1; SystemExit(2) with one line for an option close to one of the launcher's own (a typo, difflib ratio >=
+    0.8), which would otherwise reach the command."""
     p = argparse.ArgumentParser(prog="stapo-jax launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local", type=int, required=True, metavar="N", help="number of JAX processes on this machine")
@@ -150,6 +229,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--kill-after", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds (exit 124)")
     a, rest = p.parse_known_args(argv)
+    ours = ["--local", "--devices-per-process", "--command", "--kill-after", "--timeout", "--help"]
+    for arg in rest:
+        flag = arg.split("=", 1)[0]
+        near = difflib.get_close_matches(flag, ours, n=1, cutoff=0.8) if flag.startswith("--") else []
+        if near:
+            p.error(f"unknown option {flag}: did you mean {near[0]}? (the options of `stapo-jax launch` come first; "
+                    f"the rest goes to `stapo-jax {a.command}`)")
     if a.local < 1:
         raise ValueError(f"--local must be >= 1, got {a.local}")
     if a.devices_per_process is not None and a.devices_per_process < 1:

@@ -50,13 +50,16 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv[0]`` to its module's ``main(argv[1:])``; returns the process exit code.
 
-    ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input). ValueError
+    ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input, 130 interrupted:
+    a KeyboardInterrupt is one line, no traceback). ValueError
     / FileNotFoundError / NotADirectoryError / IsADirectoryError / PermissionError (EACCES / EPERM; the message
     names the path) / ``stapo_jax.runtime.checkpoint.CheckpointError``
     (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other
     errors propagate. Called as the process entry point (``argv`` None), it first re-executes
     the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
-    bad value of that variable is one line, exit 2. As the entry point, the process then ends within 120 s
+    bad value of that variable is one line, exit 2; SIGTERM then interrupts like SIGINT (a command may install
+    its own stop, ``runtime.stopping``) and a process of ``stapo-jax launch`` stops when its launcher dies. As the
+    entry point, the process then ends within 120 s
     whatever thread or child process is left (``runtime.watchdog.arm_exit_guard``). Source: the git-style
     ``COMMAND [ARGS...]`` CLI convention.
     """
@@ -78,10 +81,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stapo-jax {name}: error: {e}", file=sys.stderr)
             return 2
     quiet_third_party_startup()
-    module = importlib.import_module(COMMANDS[name][0])
+    if entry_point:  # SIGTERM = SIGINT until a command installs its own stop (train, sft); a dead launcher stops it
+        from stapo_jax.runtime.stopping import interrupt_on_sigterm, watch_launcher_from_env
+
+        interrupt_on_sigterm()
+        watch_launcher_from_env()
     code = 1  # an exception below
     try:
+        module = importlib.import_module(COMMANDS[name][0])
         code = int(module.main(rest) or 0)
+        return code
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside a command's own stop handling: one line
+        from stapo_jax.runtime.stopping import EXIT_INTERRUPTED, say
+
+        say(f"stapo-jax {name}: stopped by {e.args[0] if e.args else 'SIGINT'} (exit {EXIT_INTERRUPTED})")
+        code = EXIT_INTERRUPTED
         return code
     except Exception as e:
         # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint): one line.

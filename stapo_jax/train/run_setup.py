@@ -23,13 +23,14 @@ from stapo_jax.runtime.allocator import ENV_ALLOCATOR, allocator_mode, loaded_al
 from stapo_jax.runtime.checkpoint import Checkpointer
 from stapo_jax.runtime.compile_stats import CompileStats, enable_compilation_cache, resolve_cache_dir
 from stapo_jax.runtime.distributed import check_same_config
+from stapo_jax.runtime.stopping import Preemption
 from stapo_jax.runtime.watchdog import progress
 from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.train.packing import packing_long_rows
 from stapo_jax.train.precompile import precompile_enabled
 from stapo_jax.train.run_files import check_run_dir, check_same_model, load_val_examples, set_aside_earlier_run
 from stapo_jax.train.sft import check_batch_size as check_sft_batch_size
-from stapo_jax.train.update import Preemption, num_micro_batches
+from stapo_jax.train.update import num_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Run:
     scorer: Any
     ckpt: Checkpointer
     logger: MetricsLogger
-    preempt: Preemption        # SIGTERM: stop at the next agreed point (10 SFT steps, an RL step), exit 0
+    preempt: Preemption        # SIGTERM / SIGINT: stop at the next agreed point (10 SFT steps, an RL step), exit 0
     resuming: bool             # trainer.resume and a checkpoint exists
     mini_rows: int             # global rows per mini-batch (ppo_mini_batch_size x rollout.n)
     num_micro_batches: int     # K from the mesh (update.num_micro_batches)
@@ -111,7 +112,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     stack.callback(logger.close)
     log.info("compilation cache: %s; trainer.precompile=%s (%s)", cache_dir or "off", t.precompile,
              "fixed update shapes" if bounded else "tightest shapes per batch")
-    preempt = Preemption()  # from here on SIGTERM: stop at the next agreed point, exit 0
+    preempt = Preemption()  # from here on SIGTERM / SIGINT: stop at the next agreed point, exit 0
     stack.callback(preempt.restore)
     stack.callback(stats.close)  # idempotent: first to close at the end of the run (the ExitStack is LIFO)
     return Run(run_dir=run_dir, main_process=main_process, bounded=bounded, stats=stats, mesh=mesh, recipe=recipe,

@@ -23,7 +23,7 @@ from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.optim import make_optimizer, update_with_norm
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.train.train_step import init_optimizer_state, place_rows
-from stapo_jax.train.update import data_parallel_size
+from stapo_jax.train.update import data_parallel_size, stop_requested
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -208,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``stapo-jax sft --config FILE [key=value ...]``: SFT warm-up only; exports the model as HF safetensors
     to ``<trainer.run_dir>/sft_hf`` (use it as ``model.path`` of an RL run).
 
+    SIGTERM / SIGINT stop every process at the next 10-step check with one line, nothing exported, exit 0.
     argv: str arguments; returns the int exit status 0. Raises ConfigError for a bad config or an
     ``sft.batch_size`` that does not split over the devices, DistributedError for processes started with
     different configs. Source: verl ``trainer/sft_trainer.py``'s CLI entry."""
@@ -216,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stapo_jax.runtime import build
     from stapo_jax.runtime.checkpoint import export_hf
     from stapo_jax.runtime.distributed import check_same_config, initialize
+    from stapo_jax.runtime.stopping import Preemption
     from stapo_jax.config.schema import load_config
     from stapo_jax.data.prompts import load_prompt_dataset
 
@@ -232,7 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=cfg.trainer.seed)
     examples = load_prompt_dataset(cfg, tok, "train").examples
-    hist = sft_from_config(cfg, model, examples, tok)
+    # SIGTERM / SIGINT: every process stops at the same 10-step check (a collective); a second one stops at once
+    preempt = Preemption("stopping at the next 10-step check; stapo-jax sft keeps no checkpoint, nothing is saved")
+    try:
+        hist = sft_from_config(cfg, model, examples, tok, should_stop=lambda: stop_requested(preempt))
+    finally:
+        preempt.restore()
+    if len(hist) < cfg.sft.steps:
+        print(f"SFT: {preempt.signal_name or 'SIGTERM'}: stopped after {len(hist)} of {cfg.sft.steps} steps; "
+              f"nothing saved")
+        return 0
     out = os.path.join(cfg.trainer.run_dir, "sft_hf")
     export_hf(model, tok, out)
     print(f"SFT: {cfg.sft.steps} steps, loss {hist[0]['sft/loss']:.4f} -> {hist[-1]['sft/loss']:.4f}; saved {out}")

@@ -40,8 +40,9 @@ def train(cfg: Config) -> dict[str, Any]:
     with held-out accuracy before/after RL (when a validation split exists), final step and run directory.
 
     A stall watchdog (``trainer.stall_timeout_s``, :mod:`stapo_jax.runtime.watchdog`) runs throughout: no progress
-    for that long dumps all thread stacks and exits the process with code 75. SIGTERM stops every process after
-    the same step (SFT: nothing is saved and no summary is written; RL: the step is checkpointed) and returns.
+    for that long dumps all thread stacks and exits the process with code 75. SIGTERM or SIGINT stops every process
+    after the same step (SFT: nothing is saved and no summary is written; RL: the step is checkpointed) and
+    returns; a second one exits at once (130, ``runtime.stopping``).
     Everything the setup opened (compile listener, SIGTERM handler, logger, checkpointer, reward pool) is closed
     on the way out, also when the setup itself raises.
 
@@ -86,8 +87,8 @@ def before_rl(cfg: Config, run: Run, summary: dict) -> Optional[Any]:
     if cfg.sft.steps and not run.resuming and not sft_warmup(cfg, run.model, run.train_ds.examples, run.tok, logger,
                                                              should_stop=lambda: progress("sft") or
                                                              stop_requested(run.preempt)):
-        logger.write("SIGTERM during the SFT warm-up: stopping before RL; nothing is saved, a restart runs the "
-                     "warm-up again")
+        logger.write(f"{run.preempt.signal_name or 'SIGTERM'} during the SFT warm-up: stopping before RL; "
+                     "nothing is saved, a restart runs the warm-up again")
         summary.update(final_step=0, preempted=True)
         return None  # the caller's ExitStack closes the logger, checkpointer and reward pool
     rollout = build_rollout(cfg, run.model, run.mesh, run.tok)
@@ -186,7 +187,8 @@ def finish_run(run: Run, loop: Loop, stop: bool, summary: dict, *, max_new_token
     run.logger.close_progress()
     summary["optimizer_steps"] = int(loop.state.step)
     if stop:
-        run.logger.write(f"SIGTERM: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")
+        why = run.preempt.signal_name or "SIGTERM"  # the signal here, else the one another process received
+        run.logger.write(f"{why}: stopping after RL step {summary['final_step']} (checkpointed steps are kept)")
         summary["preempted"] = True
     nnx.update(run.model, loop.state.params)
     if run.val_examples and not summary.get("preempted"):

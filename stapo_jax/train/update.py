@@ -4,7 +4,6 @@ preemption (SIGTERM) agreement and the finite-parameter check the loop runs afte
 """
 from __future__ import annotations
 
-import signal
 from typing import Optional
 
 import jax
@@ -14,28 +13,14 @@ from jax.experimental import multihost_utils
 
 from stapo_jax.config.schema import Config, ConfigError
 from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.runtime.stopping import Preemption
 from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, place_rows
 
 
-class Preemption:
-    """SIGTERM (TPU preemption) sets ``requested``; the RL loop agrees on it over processes (``stop_requested``),
-    saves a checkpoint after the current step and exits 0. ``restore()`` puts the previous handler back."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        """Put back the SIGTERM handler that was installed before this object (call once the loop ends)."""
-        signal.signal(signal.SIGTERM, self._old)
-
-
 def stop_requested(preempt: Preemption) -> bool:
-    """True on every process when SIGTERM reached any of them (a max all-gather over processes, so all of them
+    """True on every process when SIGTERM or SIGINT (``runtime.stopping.Preemption``) reached any of them (a max
+    all-gather over processes, so all of them
     stop after the same step); a collective: every process must call it at the same point.
     Raises what the JAX all-gather raises when the processes are out of step. Source: SLURM / TPU preemption sends
     SIGTERM. Returns a Python bool."""
