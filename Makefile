@@ -2,6 +2,7 @@
 #   make run        - the main job (configs/tiny_cpu.yaml); installs the runtime packages only
 #   make test       - the whole test suite (what CI runs); adds the test extras and torch
 #   make test-quick - a small, fast subset of the tests (losses, masks, config, model), verbose; not what CI runs
+#   make setup-targets - the TPU / GPU compilers of `stapo-jax plan --target` (libtpu, CUDA plugin; .venv/targets)
 #   make soak       - the randomized multi-process soak (tests/soak.py: 8 configs x 2x2, 4x1 vs 1x4; docs/multiprocess.md)
 PY ?= python3
 VENV ?= .venv
@@ -10,9 +11,10 @@ QUICK_TESTS := tests/algo/test_advantages.py tests/algo/test_masks.py tests/algo
 	tests/algo/test_logprobs.py tests/algo/test_diagnostics.py tests/tools/test_passk.py tests/config/test_config.py \
 	tests/models/test_qwen3.py
 
-.PHONY: run test test-quick soak setup setup-test
+.PHONY: run test test-quick soak setup setup-test setup-targets
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
+setup-targets: $(VENV)/.targets
 
 $(VENV)/.runtime: requirements.txt requirements-jetstream.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,9 +24,14 @@ $(VENV)/.runtime: requirements.txt requirements-jetstream.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-peers.txt
+$(VENV)/.test: $(VENV)/.runtime $(VENV)/.targets requirements-test.txt requirements-peers.txt
 	$(BIN)/pip install -q -r requirements-test.txt
 	$(BIN)/pip install -q --no-deps -r requirements-peers.txt
+	touch $@
+
+# kept out of the venv's site-packages: only `stapo-jax plan --target`'s compile subprocess puts it on its path
+$(VENV)/.targets: $(VENV)/.runtime requirements-targets.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/targets -r requirements-targets.txt
 	touch $@
 
 run: setup

@@ -36,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -239,7 +240,7 @@ def run_plan(spec: dict) -> dict:
         tgt = Target(**spec["target"])
         mesh = make_mesh(**spec["mesh"], devices=target_devices(tgt))
         return {"spec": spec, "analytic": analytic(spec, qcfg), "compiler": compiler_version(tgt),
-                **run_programs(spec, qcfg, mesh, hosts=tgt.hosts)}
+                **run_programs(spec, qcfg, mesh, target_devices(tgt, host=True) if tgt.hosts > 1 else None)}
     if len(jax.devices()) != spec["devices"]:
         raise PlanError(f"run_plan: this process has {len(jax.devices())} devices, the plan needs "
                         f"{spec['devices']} (use plan(), which simulates them in a subprocess)")
@@ -259,12 +260,16 @@ def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
     """:func:`run_plan` with ``spec["devices"]`` simulated CPU devices (or, with a target, its compiler's
     topology devices: ``targets.target_environment``), in a fresh subprocess.
 
+    With a target, a compiler that aborts the process is recorded as the failing program's error and the compile
+    goes on with the rest (``plan_run.Journal``).
     Raises:
-      RuntimeError: the subprocess failed (its output tail is in the message).
+      RuntimeError: the subprocess failed outside a compile (its output tail is in the message).
     Returns int / float / str dicts; ``timeout_s`` seconds, past it ``subprocess.TimeoutExpired``. Source: JAX
     ``--xla_force_host_platform_device_count``."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        if spec.get("target"):
+            spec = dict(spec, journal=str(Path(tmp) / "journal.jsonl"))
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
@@ -275,11 +280,27 @@ def plan(spec: dict, *, timeout_s: Optional[float] = None) -> dict:
             env = target_environment(Target(**spec["target"]), env)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, "-m", "stapo_jax.tools.plan", "--worker", str(spec_path), str(out_path)],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not out_path.is_file():
-            raise RuntimeError(f"plan subprocess failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-        return json.loads(out_path.read_text())
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:  # a compiler abort costs one program, not the plan (plan_run.Journal); at most one per program
+            left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
+            proc = subprocess.run([sys.executable, "-m", "stapo_jax.tools.plan", "--worker", str(spec_path),
+                                   str(out_path)], env=env, capture_output=True, text=True, timeout=left)
+            if proc.returncode == 0 and out_path.is_file():
+                result = json.loads(out_path.read_text())
+                result["spec"].pop("journal", None)
+                return result
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            crashed = None
+            if spec.get("journal"):
+                from stapo_jax.tools.plan_run import record_crash
+
+                lines = tail.strip().splitlines() or ["?"]
+                crashed = record_crash(spec["journal"], next((x for x in reversed(lines) if "Check failed" in x),
+                                                             lines[-1]))
+            if crashed is None:
+                raise RuntimeError(f"plan subprocess failed (exit {proc.returncode}):\n{tail}")
+            print(f"stapo-jax plan: the compiler aborted on {crashed!r} (exit {proc.returncode}); going on without it",
+                  file=sys.stderr)
 
 
 def _gb(x: Optional[float]) -> str:

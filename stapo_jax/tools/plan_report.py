@@ -10,11 +10,14 @@ aliased + temporaries) plus what stays allocated while it runs and is not among 
 * sync: + the trainer's optimizer state and the engine's other layers.
 
 Prediction: per program, the TPU compiler's ``optimal_seconds`` (its cost model of the scheduled program) or,
-without it (GPU), the roofline ``max(FLOPs / peak, bytes / HBM bandwidth)`` of XLA's HLO cost analysis (cuDNN
-calls count no FLOPs there, so the model's analytic FLOPs are used where larger). An RL step is predicted as:
-old-log-prob passes (x2 with a KL reference) and update steps at the largest geometry (a full padded
-micro-batch: an upper bound), prefill of every sequence at the largest prefill bucket, and decode calls at the
-largest KV-cache length for ``ceil(sequences / slots)`` waves of ``R`` tokens. Not included: host work (rewards,
+without it (GPU, or a TPU program it gives none for), the roofline ``max(FLOPs / peak, bytes / HBM bandwidth)``
+of XLA's HLO cost analysis (cuDNN calls count no FLOPs there, so the model's analytic FLOPs are used where
+larger). XLA's cost analysis counts a loop body once, so the run's own programs (layer scan, micro-batch map,
+multi-step decode) are not timed; loop-free unit programs are (``plan_run.unit_programs``: one micro-batch at 1
+and 2 unrolled layers, extrapolated to the depth; one decode step). An RL step is predicted as: old-log-prob
+passes (x2 with a KL reference) and update steps of K micro-batches at the largest geometry (a full padded
+micro-batch: an upper bound), prefill of every sequence at the largest prefill bucket, and decode at the largest
+KV-cache length for ``ceil(sequences / slots)`` waves of ``R`` tokens. Not included: host work (rewards,
 packing, data), collectives across hosts the compiler does not see (the multi-host weight gather), dispatch gaps,
 and the gain of shorter KV buckets. These are compiler predictions, not measurements.
 """
@@ -26,7 +29,7 @@ from typing import Optional
 GB = 1000 ** 3
 PHASES = ("update", "rollout", "sync", "eval")
 
-__all__ = ["program_seconds", "phase_memory", "predict", "fits_programs", "format_programs"]
+__all__ = ["program_seconds", "phase_memory", "unit_seconds", "predict", "fits_programs", "format_programs"]
 
 
 def program_seconds(entry: dict, spec: dict, analytic_flops: float = 0.0) -> Optional[float]:
@@ -68,45 +71,57 @@ def phase_memory(result: dict) -> dict:
     return out
 
 
-def _largest(result: dict, phase: str, prefix: str) -> Optional[dict]:
-    ok = [e for e in result["programs"] if e["phase"] == phase and e["name"].startswith(prefix) and "cost" in e]
+def _named(result: dict, prefix: str) -> Optional[dict]:
+    ok = [e for e in result["programs"] if e["name"].startswith(prefix) and "cost" in e]
     return max(ok, key=lambda e: e["memory"]["argument"] + e["memory"]["temp"]) if ok else None
 
 
+def unit_seconds(result: dict, what: str, analytic_flops_per_layer: float = 0.0,
+                 analytic_flops_rest: float = 0.0) -> Optional[float]:
+    """Predicted seconds of one micro-batch's ``what`` (``"old log-probs"`` / ``"update step"``) at the run's
+    depth from the 1- and 2-layer unit programs: ``t1 + (L - 1) (t2 - t1)`` (``plan_run.unit_programs``). The
+    analytic FLOPs (per layer, and of the rest: embedding, LM head) floor the roofline where the compiler gives no
+    ``optimal_seconds``. Float or None (a unit missing or failed); never raises. Source: XLA cost analysis."""
+    spec = result["spec"]
+    e1, e2 = _named(result, f"unit: {what}, 1 layer"), _named(result, f"unit: {what}, 2 layers")
+    if e1 is None or e2 is None:
+        return None
+    t1 = program_seconds(e1, spec, analytic_flops_rest + analytic_flops_per_layer)
+    t2 = program_seconds(e2, spec, analytic_flops_rest + 2 * analytic_flops_per_layer)
+    layers = spec["model"]["num_hidden_layers"]
+    return t1 + (layers - 1) * max(t2 - t1, 0.0)
+
+
 def predict(result: dict) -> dict:
-    """The predicted RL step (module docstring): seconds per part, the step, update MFU (analytic model FLOPs of
-    the step's updates over predicted update seconds x chips x bf16 peak) and decode tokens/s, with the roofline of
-    the decode step (engine parameters + KV cache read once per token). Floats (None where a program failed).
-    Never raises for a ``run_programs`` result. Source: XLA cost analysis; MFU as PaLM (Chowdhery et al., 2022)."""
+    """The predicted RL step (module docstring), from the unit programs: seconds of the old-log-prob passes, the
+    update steps, prefill and decode, their sum, update MFU (analytic model FLOPs of an update over its predicted
+    seconds x chips x bf16 peak) and decode tokens/s at full slots with its ratio to the HBM roofline (engine
+    parameters + KV cache read once per token). Floats; a part whose programs failed is left out. Never raises
+    for a ``run_programs`` result. Source: XLA cost analysis; MFU as PaLM (Chowdhery et al., 2022)."""
     spec, a = result["spec"], result["analytic"]
     t = spec["target"]
+    k, layers = spec["num_micro_batches"], spec["model"]["num_hidden_layers"]
     out: dict = {}
     mini_batches = spec["rollout_sequences_per_step"] // max(spec["mini_batch_sequences"], 1)
-    lp = _largest(result, "update", "old log-probs")
-    step = _largest(result, "update", "update step (") or _largest(result, "update", "update step")
-    flops_update = a["train_flops_per_update"]
-    if lp and step:
-        lp_s = program_seconds(lp, spec, a["forward_flops_per_sequence"] * spec["mini_batch_sequences"])
-        st_s = program_seconds(step, spec, flops_update)
-        out["old_log_probs_s"] = lp_s * mini_batches * (2 if spec["use_kl"] else 1)
-        out["update_s"] = st_s * spec["updates_per_step"]
-        out["update_mfu"] = flops_update / (st_s * t["chips"] * t["peak_flops"])
-    dec = _largest(result, "rollout", "decode")
-    pre = _largest(result, "rollout", "prefill")
+    per_layer = a["forward_flops_per_sequence"] * spec["mini_batch_sequences"] / k / layers
+    lp = unit_seconds(result, "old log-probs", per_layer)
+    st = unit_seconds(result, "update step", a["train_flops_per_update"] / k / layers)
+    if lp is not None and st is not None:
+        out["old_log_probs_s"] = lp * k * mini_batches * (2 if spec["use_kl"] else 1)
+        out["update_s"] = st * k * spec["updates_per_step"]
+        out["update_mfu"] = a["train_flops_per_update"] / (st * k * t["chips"] * t["peak_flops"])
+    dec, pre = _named(result, "unit: decode step x1"), _named(result, "prefill")
     if dec and pre:
         hosts = max(t["hosts"], 1)
         slots = spec["decode_slots"] * hosts
-        n_steps = max(int(spec.get("steps_per_sync", 1)), 1)
-        waves = math.ceil(spec["rollout_sequences_per_step"] / slots)
-        dec_s = program_seconds(dec, spec, a["decode_flops_per_step"] * n_steps)
+        dec_s = program_seconds(dec, spec, a["decode_flops_per_step"])
         rows = int(pre["name"].split()[1].split("x")[0])
         out["prefill_s"] = program_seconds(pre, spec) * math.ceil(spec["rollout_sequences_per_step"] / (rows * hosts))
-        out["decode_s"] = dec_s * waves * math.ceil(spec["response_length"] / n_steps)
-        out["decode_tokens_per_s"] = slots * n_steps / dec_s
-        weights_kv = dec["memory"]["argument"]  # engine parameters + decode state (the KV cache), per device
-        out["decode_roofline_s"] = n_steps * weights_kv / t["hbm_bandwidth"]
+        out["decode_s"] = dec_s * math.ceil(spec["rollout_sequences_per_step"] / slots) * spec["response_length"]
+        out["decode_tokens_per_s"] = slots / dec_s
+        out["decode_roofline_s"] = dec["memory"]["argument"] / t["hbm_bandwidth"]  # weights + KV state, per device
         out["decode_vs_roofline"] = dec_s / out["decode_roofline_s"]
-    if all(k in out for k in ("old_log_probs_s", "update_s", "prefill_s", "decode_s")):
+    if all(x in out for x in ("old_log_probs_s", "update_s", "prefill_s", "decode_s")):
         out["step_s"] = out["old_log_probs_s"] + out["update_s"] + out["prefill_s"] + out["decode_s"]
     out["source"] = "TPU compiler optimal_seconds" if t["platform"] == "tpu" else \
         "roofline of XLA GPU cost analysis (flops, bytes) at the chip's peak and HBM bandwidth"
@@ -145,11 +160,12 @@ def format_programs(result: dict) -> str:
         f"recipe: {spec['recipe']}; mini-batch {spec['mini_batch_sequences']} x {spec['prompt_length']}+"
         f"{spec['response_length']} tokens, K={spec['num_micro_batches']}, {spec['updates_per_step']} updates per step",
         ""]
-    for phase in PHASES:
+    for phase in PHASES + ("unit",):
         rows = [e for e in result["programs"] if e["phase"] == phase]
         if not rows:
             continue
-        lines.append(f"{phase}: {len(rows)} program(s)                       compile s   args GB  temp GB  peak GB"
+        title = "prediction units (not run)" if phase == "unit" else f"{phase}: {len(rows)} program(s)"
+        lines.append(f"{title:<45} compile s   args GB  temp GB  peak GB"
                      f"  predicted ms  kernels")
         for e in rows:
             if "error" in e:

@@ -23,13 +23,15 @@ error line and the others still compile.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from stapo_jax.tools.plan_analytic import spec_recipe
 
-__all__ = ["compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
+__all__ = ["Journal", "JOURNAL", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
 
 _KERNEL_RE = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[A-Za-z]*)"')
 
@@ -58,6 +60,65 @@ def _cost(compiled) -> dict:
             "optimal_seconds": float(opt) if opt is not None and opt > 0 else None}
 
 
+class Journal:
+    """The programs of one plan compiled so far, as a JSONL file (``{"start": name}`` before each compile, the
+    entry after it). A compiler that aborts the process (a C++ ``Check failed``) leaves a start without an entry:
+    ``plan.plan`` records it as that program's error (:func:`record_crash`) and restarts the compile, which takes
+    the entries already made from here and goes on past the crashed program. Without a path it records nothing."""
+
+    def __init__(self):
+        self.path: Optional[Path] = None
+        self.entries: dict[str, dict] = {}
+
+    def open(self, path: Optional[str]) -> None:
+        """Start journalling into ``path`` (None: off), reading the entries a previous attempt left there."""
+        self.path, self.entries = (Path(path) if path else None), {}
+        if self.path and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                rec = json.loads(line)
+                if "name" in rec:
+                    self.entries[rec["name"]] = rec
+
+    def reuse(self, name: str) -> Optional[dict]:
+        """The entry of ``name`` from a previous attempt: a failure, or a success whose compiled program no
+        later program needs (a prefill's output shardings feed the inserts, so prefills compile again)."""
+        rec = self.entries.get(name)
+        if rec is None or ("error" not in rec and name.startswith("prefill")):
+            return None
+        return rec
+
+    def write(self, rec: dict) -> None:
+        """Append one record (flushed at once, so it survives an abort of the process)."""
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+JOURNAL = Journal()
+
+
+def record_crash(path: str, message: str) -> Optional[str]:
+    """After the compile process died: the program it had started and not finished gets the entry ``{"name",
+    "phase", "error": "compiler crashed: <message>"}`` in the journal at ``path``; returns its name, or None
+    when no program was in progress (the crash is then not a compile's). Never raises for a readable file.
+    Source: this module's :class:`Journal` format."""
+    p = Path(path)
+    started, done = None, set()
+    if p.is_file():
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            if "start" in rec:
+                started = rec
+            elif "name" in rec:
+                done.add(rec["name"])
+    if started is None or started["start"] in done:
+        return None
+    with p.open("a") as f:
+        f.write(json.dumps({"name": started["start"], "phase": started["phase"], "compile_s": 0.0,
+                            "error": f"compiler crashed: {message[:400]}"}) + "\n")
+    return started["start"]
+
+
 def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple[dict, Optional[object]]:
     """Lower (``lower()`` returns a ``jax.stages.Lowered``) and compile one program, timing both.
 
@@ -65,14 +126,21 @@ def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple
     included), ``memory`` (int bytes per device: argument / output / alias / temp / generated_code / peak =
     argument + output - alias + temp), ``cost`` (see :func:`_cost`) and ``kernels`` (custom-call counts by target);
     on failure ``error`` (the exception's type and first line) and compiled None. Never raises for a compile
-    error. Source: JAX AOT ``jit(f).lower(...).compile()``, ``memory_analysis`` / ``cost_analysis``."""
+    error. With :data:`JOURNAL` open, a program a previous attempt compiled or crashed on is taken from it.
+    Source: JAX AOT ``jit(f).lower(...).compile()``, ``memory_analysis`` / ``cost_analysis``."""
+    previous = JOURNAL.reuse(name)
+    if previous is not None:
+        return previous, None
+    JOURNAL.write({"start": name, "phase": phase})
     t0 = time.perf_counter()
     try:
         compiled = lower().compile()
     except Exception as e:  # noqa: BLE001 - reported per program; the other programs still compile
         msg = str(e).strip().splitlines()
-        return {"name": name, "phase": phase, "compile_s": time.perf_counter() - t0,
-                "error": f"{type(e).__name__}: {msg[0][:400] if msg else ''}"}, None
+        entry = {"name": name, "phase": phase, "compile_s": time.perf_counter() - t0,
+                 "error": f"{type(e).__name__}: {msg[0][:400] if msg else ''}"}
+        JOURNAL.write(entry)
+        return entry, None
     secs = time.perf_counter() - t0
     m = compiled.memory_analysis()
     mem = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
@@ -81,24 +149,24 @@ def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple
     kernels: dict[str, int] = {}
     for k in _KERNEL_RE.findall(compiled.as_text() or ""):
         kernels[k] = kernels.get(k, 0) + 1
-    return {"name": name, "phase": phase, "compile_s": secs, "memory": mem, "cost": _cost(compiled),
-            "kernels": kernels}, compiled
+    entry = {"name": name, "phase": phase, "compile_s": secs, "memory": mem, "cost": _cost(compiled),
+             "kernels": kernels}
+    JOURNAL.write(entry)
+    return entry, compiled
 
 
-def engine_mesh(mesh, hosts: int, tensor: int):
-    """The rollout engine's mesh: ``mesh`` itself in a one-process job (``hosts`` = 1); otherwise the first
-    host's devices (``process_index`` 0), shaped as ``rollout.multihost.local_mesh`` shapes them (``tensor`` when
-    it divides the host's devices, else 1; the rest on ``fsdp``). Returns a ``jax.sharding.Mesh``; raises
-    ShardingError from ``make_mesh`` for sizes that do not fit. Source: JetStream / MaxEngine, one engine per
-    host."""
+def engine_mesh(mesh, host_devices, tensor: int):
+    """The rollout engine's mesh: ``mesh`` itself in a one-process job (``host_devices`` None); otherwise one
+    host's devices, shaped as ``rollout.multihost.local_mesh`` shapes them (``tensor`` when it divides the host's
+    devices, else 1; the rest on ``fsdp``). Returns a ``jax.sharding.Mesh``; raises ShardingError from
+    ``make_mesh`` for sizes that do not fit. Source: JetStream / MaxEngine, one engine per host."""
     from models.sharding import make_mesh
 
-    if hosts <= 1:
+    if host_devices is None:
         return mesh
-    devices = [d for d in mesh.devices.flat if d.process_index == 0] or list(mesh.devices.flat)[: mesh.size // hosts]
-    n = len(devices)
+    n = len(host_devices)
     t = tensor if tensor > 0 and n % tensor == 0 else 1
-    return make_mesh(data=1, fsdp=n // t, tensor=t, devices=devices)
+    return make_mesh(data=1, fsdp=n // t, tensor=t, devices=list(host_devices))
 
 
 def _update_batch(spec: dict, mesh, rows: int, geometry, k: int):
@@ -127,6 +195,27 @@ def _update_batch(spec: dict, mesh, rows: int, geometry, k: int):
                  rollout_log_probs=f32() if spec["sampler_is"] else None, old_entropy=f32(), packing=packing)
 
 
+def _geometries(spec: dict, qcfg, mesh) -> list:
+    """The packed ``(M, L)`` geometries of the run's update (``precompile.update_geometries``), or ``[None]``."""
+    import jax
+
+    from models.attention import resolve_implementation
+    from stapo_jax.train.packing import packing_long_rows
+    from stapo_jax.train.precompile import update_geometries
+
+    if not spec["use_remove_padding"]:
+        return [None]
+    with jax.set_mesh(mesh):  # the attention the target runs decides whether packed rows may be long
+        long_rows = packing_long_rows(resolve_implementation(qcfg.attention, qcfg.dtype))
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    return update_geometries(spec["mini_batch_sequences"], spec["num_micro_batches"], dp,
+                             spec["prompt_length"] + spec["response_length"], long_rows)
+
+
+def _largest_geometry(spec: dict, qcfg, mesh):
+    return _geometries(spec, qcfg, mesh)[-1]
+
+
 def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict, object]]:
     """Compile the update phase's programs (module docstring) for the abstract train ``state`` / ``shardings``
     (``plan_programs.abstract_train_state``). Returns ``[(entry, compiled)]`` as :func:`compile_program`.
@@ -134,20 +223,13 @@ def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict
     ``rl_step.step_update`` with ``trainer.precompile`` (``precompile.update_geometries``)."""
     import jax
 
-    from models.attention import resolve_implementation
     from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.train.packing import packing_long_rows
-    from stapo_jax.train.precompile import update_geometries
     from stapo_jax.train.train_step import make_log_prob_fn, make_update_steps
 
     o = spec["optim"]
     opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
     rows, k, r = spec["mini_batch_sequences"], spec["num_micro_batches"], spec["response_length"]
-    width = spec["prompt_length"] + r
-    with jax.set_mesh(mesh):
-        long_rows = packing_long_rows(resolve_implementation(qcfg.attention, qcfg.dtype))
-    geometries = update_geometries(rows, k, dp, width, long_rows) if spec["use_remove_padding"] else [None]
+    geometries = _geometries(spec, qcfg, mesh)
     common = dict(temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512, vocab_chunk=spec["vocab_chunk"])
     first, rest = make_update_steps(spec_recipe(spec), opt, num_micro_batches=k, vocab_size=qcfg.vocab_size,
                                     mesh=mesh, state_shardings=shardings, donate=True, **common)
@@ -163,6 +245,45 @@ def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict
                 else [("update step", rest)]
             for name, fn in steps:
                 out.append(compile_program(f"{name} ({tag})", "update", lambda f=fn, b=batch: f.lower(state, b)))
+    return out
+
+
+def unit_programs(spec: dict, qcfg, mesh, geometry, dparams_fn=None) -> list[tuple[dict, object]]:
+    """Loop-free programs whose count per RL step is known, for the predicted step time (phase ``"unit"``; not
+    programs of the run): one micro-batch's old-log-prob pass and update step (K = 1, the rows of one micro-batch,
+    at ``geometry``, the largest packed ``(M, L)`` or None for padded rows), each for a model of 1 and of 2 decoder
+    layers unrolled (``scan_unroll`` = layers) and the LM head in one chunk, so the compiler's cost model sees every
+    operation once: ``t(L layers) = t1 + (L - 1) (t2 - t1)``. XLA's cost analysis counts a loop body once, so the
+    run's own programs (layer scan, micro-batch map) cannot give it. Returns ``[(entry, compiled)]`` named
+    ``"unit: old log-probs, N layer(s)"`` / ``"unit: update step, N layer(s)"``. Raises KeyError for a spec not
+    from ``plan.make_spec``. Source: XLA cost analysis (``optimal_seconds`` on TPU)."""
+    import dataclasses
+
+    import jax
+
+    from stapo_jax.train.optim import make_optimizer
+    from stapo_jax.train.train_step import make_log_prob_fn, make_update_steps
+    from stapo_jax.tools.plan_programs import abstract_train_state
+
+    o = spec["optim"]
+    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    k, r = spec["num_micro_batches"], spec["response_length"]
+    rows = spec["mini_batch_sequences"] // k
+    common = dict(temperature=spec["temperature"], seq_chunk=r, vocab_chunk=None)
+    out = []
+    for layers in (1, 2):
+        ucfg = dataclasses.replace(qcfg, num_hidden_layers=layers, scan_unroll=layers)
+        state, shardings = abstract_train_state(ucfg, opt, mesh, spec.get("opt_state", "trainer"))
+        _, rest = make_update_steps(spec_recipe(spec), opt, num_micro_batches=1, vocab_size=ucfg.vocab_size,
+                                    mesh=mesh, state_shardings=shardings, donate=True, **common)
+        log_prob = jax.jit(make_log_prob_fn(num_micro_batches=1, **common), static_argnums=(1, 4))
+        batch = _update_batch(spec, mesh, rows, geometry, 1)  # one micro-batch: S x M packed rows
+        tag = f"{layers} layer{'s' if layers > 1 else ''}"
+        with jax.set_mesh(mesh):
+            out.append(compile_program(f"unit: old log-probs, {tag}", "unit", lambda b=batch, s=state, f=log_prob:
+                                       f.lower(s.params, s.graphdef, b.input_ids, b.attention_mask, r, b.packing)))
+            out.append(compile_program(f"unit: update step, {tag}", "unit", lambda b=batch, s=state, f=rest:
+                                       f.lower(s, b)))
     return out
 
 
@@ -226,6 +347,9 @@ def rollout_programs(spec: dict, qcfg, emesh, params, dparams) -> list[tuple[dic
             for label, phase, sampling in samplings:
                 out.append(compile_program(f"{label} step x{n_steps}, KV {length}", phase, lambda s=state, sp=sampling:
                                            step_fn.lower(espec, dparams, s, sp, n_steps)))
+            if length == lengths[-1] and spec.get("plan_units", True):  # one token, no scan: for the prediction
+                out.append(compile_program(f"unit: decode step x1, KV {length}", "unit", lambda s=state:
+                                           step_fn.lower(espec, dparams, s, ecfg.sampling, 1)))
             for bucket, prefix in prefixes.items():
                 if bucket <= length:
                     out.append(compile_program(f"insert {bucket} -> KV {length}", "rollout", lambda p=prefix, s=state:
@@ -246,27 +370,31 @@ def _graphdef(qcfg):
     return nnx.split(nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0))))[0]
 
 
-def run_programs(spec: dict, qcfg, mesh, hosts: int = 1) -> dict:
+def run_programs(spec: dict, qcfg, mesh, host_devices=None) -> dict:
     """Compile every program of the run on ``mesh`` (module docstring). Returns ``{"programs": [entry, ...],
     "engine_devices": int, "resident": {...}}`` with the bytes per device that stay allocated across phases:
     ``trainer_state`` (parameters + optimizer state), ``trainer_params`` and ``engine_params`` (the engine's
-    per-layer copy, on its mesh). Raises PlanError / KeyError for a bad spec; compile errors are entries.
+    per-layer copy, on its mesh). ``host_devices``: one host's devices in a multi-host job (the engine's mesh,
+    :func:`engine_mesh`), None in one process. Raises PlanError / KeyError for a bad spec; compile errors are
+    entries.
     Source: the trainer's warm-up program set (``stapo_jax.train.precompile``)."""
-    import jax
-
     from stapo_jax.rollout.decode_fns import as_decode_params, resolve_kernel_layout
     from stapo_jax.tools.plan_programs import abstract_params, abstract_train_state, shard_bytes
     from stapo_jax.train.optim import make_optimizer
 
+    JOURNAL.open(spec.get("journal"))
     o = spec["optim"]
     opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
     state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
-    emesh = engine_mesh(mesh, hosts, spec["mesh"]["tensor"])
+    emesh = engine_mesh(mesh, host_devices, spec["mesh"]["tensor"])
     eparams = abstract_params(qcfg, emesh)[1]
     dparams = as_decode_params(eparams, resolve_kernel_layout(spec["engine"]["kernel_layout"], emesh))
     results = []
     if spec.get("plan_train", True):
         results += update_programs(spec, qcfg, mesh, state, shardings)
+        if spec.get("plan_units", True):
+            geometry = _largest_geometry(spec, qcfg, mesh)
+            results += unit_programs(spec, qcfg, mesh, geometry)
     if spec.get("plan_decode", True):
         results += rollout_programs(spec, qcfg, emesh, eparams, dparams)
     return {"programs": [e for e, _ in results], "engine_devices": int(emesh.size),

@@ -52,20 +52,22 @@ class Target:
     hbm_bandwidth: float
     topology: Optional[str] = None      # GPU: "<slices>x<hosts>x<devices per host>"
     hosts: int = 1
+    host_topology: Optional[str] = None  # one host's devices (the rollout engine's mesh in a multi-host job)
 
 
 _TPU = dict(platform="tpu")
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("tpu-v5e-4", topology_name="v5e:2x2", chips=4, chip="TPU v5e", hbm_gb=16.0, peak_flops=197e12,
            hbm_bandwidth=819e9, **_TPU),
-    Target("tpu-v4-32", topology_name="v4:2x2x4", chips=16, chip="TPU v4", hbm_gb=32.0, peak_flops=275e12,
-           hbm_bandwidth=1228e9, hosts=4, **_TPU),
+    # v4: libtpu's topology describes each TensorCore as a device (2 per chip): 32 devices of half a chip
+    Target("tpu-v4-32", topology_name="v4:2x2x4", chips=32, chip="TPU v4 (per TensorCore)", hbm_gb=16.0,
+           peak_flops=137.5e12, hbm_bandwidth=614e9, hosts=4, host_topology="v4:2x2x1", **_TPU),
     Target("tpu-v5p-64", topology_name="v5p:4x4x2", chips=32, chip="TPU v5p", hbm_gb=95.0, peak_flops=459e12,
-           hbm_bandwidth=2765e9, hosts=8, **_TPU),
+           hbm_bandwidth=2765e9, hosts=8, host_topology="v5p:2x2x1", **_TPU),
     Target("tpu-v6e-64", topology_name="v6e:8x8", chips=64, chip="TPU v6e", hbm_gb=32.0, peak_flops=918e12,
-           hbm_bandwidth=1640e9, hosts=16, **_TPU),
+           hbm_bandwidth=1640e9, hosts=16, host_topology="v6e:2x2", **_TPU),
     Target("tpu-v5e-256", topology_name="v5e:16x16", chips=256, chip="TPU v5e", hbm_gb=16.0, peak_flops=197e12,
-           hbm_bandwidth=819e9, hosts=64, **_TPU),
+           hbm_bandwidth=819e9, hosts=64, host_topology="v5e:2x2", **_TPU),
     Target("gpu-2xh100", platform="gpu", topology_name="h100", topology="1x1x2", chips=2, chip="NVIDIA H100",
            hbm_gb=80.0, peak_flops=989.4e12, hbm_bandwidth=3.35e12),
     Target("gpu-8xh100", platform="gpu", topology_name="h100", topology="1x1x8", chips=8, chip="NVIDIA H100",
@@ -73,7 +75,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("gpu-8xh200", platform="gpu", topology_name="h200", topology="1x1x8", chips=8, chip="NVIDIA H200",
            hbm_gb=141.0, peak_flops=989.4e12, hbm_bandwidth=4.8e12),
     Target("gpu-2x8xh100", platform="gpu", topology_name="h100", topology="1x2x8", chips=16, chip="NVIDIA H100",
-           hbm_gb=80.0, peak_flops=989.4e12, hbm_bandwidth=3.35e12, hosts=2),
+           hbm_gb=80.0, peak_flops=989.4e12, hbm_bandwidth=3.35e12, hosts=2, host_topology="1x1x8"),
 )}
 
 # Published facts of the GPU chips (NVIDIA datasheets; SM count, memory, L2, clocks of the SXM parts):
@@ -163,7 +165,8 @@ def compiler_version(target: Target) -> str:
 
 def target_environment(target: Target, env: dict) -> dict:
     """``env`` for the compile subprocess of ``target``: the packages directory on ``PYTHONPATH``,
-    ``JAX_PLATFORMS=cpu`` (the host runs nothing on the target), libtpu's metadata probing off (TPU), and XLA's
+    ``JAX_PLATFORMS=cpu`` (the host runs nothing on the target), libtpu's metadata probing and single-process
+    lockfile off (TPU), and XLA's
     own sort kernel (GPU: CUB's radix sort needs a device to size its scratch). Returns a new dict of str; never
     raises. Source: libtpu's ``TPU_SKIP_MDS_QUERY``; jax's ``tests/deviceless_aot_test.py``."""
     out = dict(env)
@@ -173,32 +176,38 @@ def target_environment(target: Target, env: dict) -> dict:
     out["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in out.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     if target.platform == "tpu":
-        out.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5e-4", TPU_WORKER_HOSTNAMES="localhost")
+        # no metadata server here; several compiles at once (no chip is opened, so libtpu's lockfile is moot)
+        out.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5e-4", TPU_WORKER_HOSTNAMES="localhost",
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     else:
         flags.append("--xla_gpu_enable_cub_radix_sort=false")
     out["XLA_FLAGS"] = " ".join(flags)
     return out
 
 
-def target_devices(target: Target) -> list:
+def target_devices(target: Target, host: bool = False) -> list:
     """The target's devices from its real compiler's topology (``jax.experimental.topologies``; no accelerator
     needed): ``target.chips`` TPU or GPU device objects a ``Mesh`` can be built on, for ``jit(...).lower(...)
-    .compile()``. Runs in the compile subprocess (:func:`target_environment`). Raises TargetError when the
-    topology cannot be made (the compiler's message attached). Source: ``get_topology_desc``."""
+    .compile()``; with ``host``, one host's devices as a topology of their own (``target.host_topology``: a
+    program over part of a slice must be compiled for that part, the compiler numbers its devices from 0).
+    Runs in the compile subprocess (:func:`target_environment`). Raises TargetError when the topology cannot be
+    made (the compiler's message attached). Source: ``get_topology_desc``."""
     from jax.experimental import topologies
 
+    name = target.topology_name
     try:
         if target.platform == "tpu":
-            topo = topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name)
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=(target.host_topology if host
+                                                                               else name))
         else:
-            topo = topologies.get_topology_desc(platform="cuda", topology_name=target.topology_name,
-                                                topology=target.topology,
-                                                target_config=gpu_target_config(target.topology_name))
+            topo = topologies.get_topology_desc(platform="cuda", topology_name=name,
+                                                topology=target.host_topology if host else target.topology,
+                                                target_config=gpu_target_config(name))
     except Exception as e:  # the plugin's own error types differ by version
         raise TargetError(f"--target {target.name}: the {target.platform.upper()} compiler could not describe "
-                          f"{target.topology_name} ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
+                          f"{name} ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
     devices = list(topo.devices)
-    if len(devices) != target.chips:
-        raise TargetError(f"--target {target.name}: topology {target.topology_name} has {len(devices)} devices, "
-                          f"expected {target.chips}")
+    want = target.chips // max(target.hosts, 1) if host else target.chips
+    if len(devices) != want:
+        raise TargetError(f"--target {target.name}: topology {name} has {len(devices)} devices, expected {want}")
     return devices
