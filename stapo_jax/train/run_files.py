@@ -35,8 +35,8 @@ def dump_experience(directory: str, step: int, exp) -> None:
 def check_run_dir(run_dir: str, create: bool = False) -> None:
     """``trainer.run_dir`` can be written: the folder, or where it is missing the nearest existing folder above
     it, is a writable directory (``os.access``; nothing is written unless ``create``). With ``create`` the
-    folder is also made (``os.makedirs``), and a PermissionError of that (EACCES, or EPERM which ``os.access``
-    cannot foresee) is turned into the same one-line error.
+    folder is also made (``os.makedirs``), and an OSError of that (EACCES, EPERM which ``os.access`` cannot
+    foresee, ENOENT from a pseudo file system such as ``/proc``) is turned into the same one-line error.
 
     Takes a str path. Raises: ConfigError naming ``trainer.run_dir``, the path and the folder that
     refused it (the CLI prints it as one line, exit 2, like every other path error). Source: the run directory
@@ -55,7 +55,7 @@ def check_run_dir(run_dir: str, create: bool = False) -> None:
     if create:
         try:
             os.makedirs(run_dir, exist_ok=True)
-        except PermissionError as e:
+        except OSError as e:  # EACCES / EPERM, or a folder that refuses new entries (e.g. under /proc)
             refuse(e.filename or run_dir, e.strerror or "permission denied")
 
 
@@ -82,7 +82,8 @@ def check_same_model(cfg: Config, run_dir: str) -> None:
 
 
 # what an RL run writes into its run directory (besides exports of other commands: sft_hf/, eval/)
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "plots", "summary.json", "config.yaml", "hf", "hf.old")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "plots", "summary.json", "config.yaml",
+               "config_history", "hf", "hf.old")
 
 
 def earlier_run_outputs(run_dir: str) -> list[str]:

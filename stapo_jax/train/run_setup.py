@@ -28,7 +28,8 @@ from stapo_jax.runtime.watchdog import progress
 from stapo_jax.train.metrics import MetricsLogger
 from stapo_jax.train.packing import packing_long_rows
 from stapo_jax.train.precompile import precompile_enabled
-from stapo_jax.train.run_files import check_run_dir, check_same_model, load_val_examples, set_aside_earlier_run
+from stapo_jax.train.run_dir import check_resume_settings, claim_run_dir, has_checkpoints, record_start
+from stapo_jax.train.run_files import check_run_dir, load_val_examples, set_aside_earlier_run
 from stapo_jax.train.sft import check_batch_size as check_sft_batch_size
 from stapo_jax.train.update import num_micro_batches
 
@@ -65,7 +66,8 @@ class Run:
 def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     """Check ``cfg`` and build everything the RL loop needs; each resource that must be closed (compile listener,
     reward scorer, checkpointer, metrics logger, SIGTERM handler) is registered on ``stack`` when it is opened,
-    so it is released when ``stack`` closes, also when a later setup step raises. At the end of a run they close
+    so it is released when ``stack`` closes, also when a later setup step raises; the run directory is made,
+    locked and checked (:func:`claim_run_dir_for`) before any data is loaded. At the end of a run they close
     in the order listener, SIGTERM handler, logger, checkpointer, scorer. Every check that can reject the config
     runs before anything is written into ``trainer.run_dir``. Takes objects and int / bool fields.
     Raises: ConfigError (missing ``trainer.total_steps``, inconsistent batch or mesh), AttentionError, OSError
@@ -88,6 +90,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     if cfg.sft.steps:
         check_sft_batch_size(cfg.sft.batch_size, mesh)
     long_rows = log_kernels(cfg.model)
+    claim_run_dir_for(cfg, run_dir, main_process, stack)  # before any data is loaded or model built
     recipe, tok = build.build_recipe(cfg), build.build_tokenizer(cfg)
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
     progress("setup")  # each setup boundary counts as progress (compiles in between cannot mark)
@@ -95,17 +98,14 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     scorer = make_scorer(cfg, on_progress=progress)
     stack.callback(scorer.close)
     progress("setup")
-    check_run_dir(run_dir, create=True)
     if not t.resume:
         set_aside_earlier_run(run_dir, main_process)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=t.save_every or t.total_steps,
                         keep=t.keep_checkpoints)
     stack.callback(ckpt.close)
     resuming = t.resume and ckpt.latest_step() is not None
-    if resuming:
-        check_same_model(cfg, run_dir)
-    if main_process:
-        cfg.save(run_dir)
+    if main_process:  # config_history/ gets this start's settings; config.yaml stays the run's (run_dir.py)
+        record_start(cfg, run_dir, resuming)
     logger = MetricsLogger.from_config(  # trainer.logger: console / tensorboard / wandb, on process 0
         run_dir if main_process else os.path.join(run_dir, f"process_{jax.process_index()}"), cfg,
         main_process=main_process)
@@ -120,6 +120,21 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
                scorer=scorer, ckpt=ckpt, logger=logger, preempt=preempt, resuming=resuming, mini_rows=mini_rows,
                num_micro_batches=k, long_rows=long_rows, packed=cfg.model.use_remove_padding,
                max_prompt_length=cfg.data.max_prompt_length if bounded else None)
+
+
+def claim_run_dir_for(cfg: Config, run_dir: str, main_process: bool, stack: contextlib.ExitStack) -> None:
+    """Make ``run_dir`` (a path that cannot be made is one line naming ``trainer.run_dir``), lock it for this run
+    (released when ``stack`` closes) and, when this start will resume its checkpoints, check that the settings
+    that cannot change mid-run are the run's (``run_dir.check_resume_settings``). A collective (the lock's
+    agreement). Raises: ConfigError naming ``trainer.run_dir``, the lock's holder or the differing keys. Source:
+    issue 43 (one run per run directory)."""
+    check_run_dir(run_dir, create=True)
+    claim_run_dir(run_dir, main_process, stack)
+    if cfg.trainer.resume and has_checkpoints(run_dir):
+        changed = check_resume_settings(cfg, run_dir)
+        if changed:
+            log.info("resuming %s with changed settings %s (config_history/ records this start)", run_dir,
+                     ", ".join(changed))
 
 
 def log_kernels(model_cfg: ModelConfig) -> bool:

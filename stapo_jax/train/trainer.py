@@ -57,6 +57,9 @@ def train(cfg: Config) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:  # closes what setup_run opened, in reverse (listener first)
             run = setup_run(cfg, stack)
             summary: dict[str, Any] = {"run_dir": run.run_dir}
+            if (done := finished_before(run, cfg.trainer.total_steps)) is not None:
+                summary["final_step"] = done  # a resume with total_steps at or below the last checkpoint
+                return summary
             rollout = before_rl(cfg, run, summary)
             if rollout is None:  # SIGTERM during the SFT warm-up: no RL, no summary file
                 return summary
@@ -74,6 +77,18 @@ def train(cfg: Config) -> dict[str, Any]:
             write_plots(run.run_dir, summary)
             write_summary(run.run_dir, summary)
         return summary
+
+
+def finished_before(run: Run, total_steps: int) -> Optional[int]:
+    """The last checkpointed step when a resumed run already reached ``trainer.total_steps`` (it then ends at once
+    after one note; a larger ``total_steps`` extends the run instead), else None. Int in, an int or None out.
+    Raises: what reading the checkpoint folder raises. Source: issue 43 (a smaller total_steps ends the run)."""
+    latest = run.ckpt.latest_step() if run.resuming else None
+    if latest is None or latest < total_steps:
+        return None
+    run.logger.write(f"trainer.total_steps={total_steps}: the run in {run.run_dir} already reached step {latest}; "
+                     f"nothing to do (a larger trainer.total_steps extends it)")
+    return int(latest)
 
 
 def before_rl(cfg: Config, run: Run, summary: dict) -> Optional[Any]:

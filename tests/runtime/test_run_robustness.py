@@ -280,6 +280,39 @@ def test_sigterm_to_the_process_group_stops_after_the_step(tmp_path):
     assert "rebuilding it" not in text, text[-3000:]
 
 
+def test_ctrl_c_to_a_2x2_launch_checkpoints_the_last_step(tmp_path):
+    """Issue 43: Ctrl-C (SIGINT) to ``stapo-jax launch --local 2 --devices-per-process 2`` printed a
+    KeyboardInterrupt traceback per process and exited 130 with the running step lost. Now the launcher forwards it
+    as SIGTERM: both processes checkpoint the step they finish and exit 0, and so does the launcher."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "stapo_jax", "launch", "--local", "2", "--devices-per-process", "2", "--config",
+            CONFIG, *OVERRIDES, "trainer.total_steps=50", "trainer.train_batch_size=4",
+            "actor.ppo_mini_batch_size=2", f"trainer.run_dir={run}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    log = tmp_path / "log"
+    p = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        end = time.monotonic() + 600
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+            assert p.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(p.pid, signal.SIGINT)  # after RL step 1, to the launcher only (as a terminal's Ctrl-C would)
+        rc = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    k = len(rows)
+    assert 1 <= k < 50 and [r["step"] for r in rows] == list(range(1, k + 1)), text[-3000:]
+    assert sorted(os.listdir(run / "checkpoints")) == [str(k)], text[-3000:]  # the last finished step
+    for i in range(2):
+        assert f"[p{i}] final_step: {k}" in text and f"[p{i}] preempted: True" in text, text[-3000:]
+
+
 POOL_OWNER = """
 import json, os, signal, sys, time
 import psutil

@@ -219,3 +219,28 @@ def test_resume_false_starts_fresh_beside_the_earlier_run(runs, tmp_path):
     assert committed_steps(run_dir / "checkpoints") == [1, 2]
     assert [r["step"] for r in metric_rows(run_dir)] == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
+
+
+def test_a_smaller_total_steps_ends_at_once_and_keeps_config_yaml(runs, tmp_path):
+    """Issue 43: ``trainer.total_steps=3`` on the finished 12-step run U (a copy): it used to rewrite ``config.yaml``
+    with total_steps 3 and the new run_dir. Now it ends at once with a note, ``config.yaml``, the metrics and the
+    summary unchanged; the start's settings go to ``config_history/``."""
+    import shutil
+
+    from fixtures_trainer import run_cli
+
+    u = runs["U"]
+    run_dir = tmp_path / "U"
+    shutil.copytree(u["run_dir"], run_dir)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "summary.json")}
+    cfg = write_config(tmp_path / "U.yaml", run_dir, trainer={"total_steps": 3, "save_every": 1,
+                                                               "keep_checkpoints": TOTAL + 1},
+                       data=dict(TINY_CONFIG["data"], gym=dict(TINY_CONFIG["data"]["gym"], val_size=0)))
+    res = run_cli("train", "--config", str(cfg))
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-3000:]
+    assert f"trainer.total_steps=3: the run in {run_dir} already reached step {TOTAL}; nothing to do" in text
+    assert f"final_step: {TOTAL}" in res.stdout
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    history = list((run_dir / "config_history").iterdir())
+    assert len(history) == 2 and sorted(h.name.split("-")[-1] for h in history) == ["fresh.yaml", "resume.yaml"]

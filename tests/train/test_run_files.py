@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 from fixtures_trainer import cli_args, child_env, write_config
 
 from stapo_jax.config.schema import ConfigError
@@ -93,3 +94,110 @@ def test_the_before_rl_accuracy_is_kept_for_a_resumed_run(tmp_path):
     write_summary(str(tmp_path), {"heldout_acc_before": 0.25})     # written right after it is measured
     write_summary(str(tmp_path), {"final_step": 3, "preempted": True})
     assert earlier_summary(str(tmp_path)) == {"heldout_acc_before": 0.25, "final_step": 3, "preempted": True}
+
+
+# --- issue 43: one run per run directory ---------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from stapo_jax.train.run_dir import RunDirLock
+RunDirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_a_locked_run_dir_stops_at_once_naming_the_holder(tmp_path):
+    """Two ``train`` processes on one run_dir used to both run, ``metrics.jsonl`` holding every step twice. Now the
+    second exits 2 within 10 s with one line naming the first's pid and host, and writes nothing there."""
+    import socket
+    import sys
+    import time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], env=child_env(1), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        cfg = write_config(tmp_path / "tiny.yaml", run_dir, trainer={"total_steps": 2})
+        t0 = time.monotonic()
+        out = subprocess.run(cli_args("train", "--config", str(cfg)), env=child_env(1), capture_output=True,
+                             text=True, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait(10)
+    print(f"the second train exited {out.returncode} after {took:.1f} s")
+    assert out.returncode == 2 and took < 10, (took, out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"stapo-jax train: error: ConfigError: trainer.run_dir={run_dir} is in use by another run (pid {holder.pid} "
+        f"on {socket.gethostname()}, started "), out.stderr[-3000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # no metrics, no config written
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path):
+    from stapo_jax.train.run_dir import RunDirLock
+
+    first = RunDirLock(str(tmp_path)).acquire()
+    with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()} on "):
+        RunDirLock(str(tmp_path)).acquire()
+    first.release()
+    RunDirLock(str(tmp_path)).acquire().release()
+
+
+def _tiny(tmp_path, *overrides):
+    from stapo_jax.config.schema import load_config
+
+    return load_config(str(write_config(tmp_path / "tiny.yaml", tmp_path / "run")), list(overrides))
+
+
+def test_a_resume_with_other_settings_lists_them_or_applies_what_may_change(tmp_path):
+    """A resume used to overwrite ``config.yaml`` with whatever it was started with. Keys that change what the run
+    computes are refused in one line; where and how it runs (steps, logging, kernels, micro-batches) may change."""
+    from stapo_jax.train.run_dir import check_resume_settings
+
+    run_dir = str(tmp_path / "run")
+    _tiny(tmp_path).save(run_dir)
+    assert check_resume_settings(_tiny(tmp_path), run_dir) == []
+    ok = _tiny(tmp_path, "trainer.total_steps=80", "trainer.logger=[console]", "model.remat=full",
+               "actor.ppo_micro_batch_size=1", f"trainer.run_dir={tmp_path}/elsewhere/../run")
+    assert check_resume_settings(ok, run_dir) == ["actor.ppo_micro_batch_size", "model.remat", "trainer.logger",
+                                                  "trainer.run_dir", "trainer.total_steps"]
+    with pytest.raises(ConfigError) as e:
+        check_resume_settings(_tiny(tmp_path, "actor.optim.lr=0.5", "actor.clip_ratio_high=0.3", "model.hidden_size=64",
+                                    "trainer.total_steps=80"), run_dir)
+    assert str(e.value).startswith(f"trainer.run_dir={run_dir} holds a run with other settings (actor.clip_ratio_high "
+                                   "0.28 -> 0.3; actor.optim.lr 0.001 -> 0.5; model.hidden_size 32 -> 64): ")
+    assert "trainer.resume=false" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_yaml_describes_the_checkpoints_and_each_start_is_kept(tmp_path):
+    """``trainer.total_steps=3`` on a finished 40-step run rewrote ``config.yaml`` (total_steps 3, the new run_dir).
+    Now a fresh start writes it, a resume leaves it alone unless it extends the run, and every start's settings
+    go to ``config_history/``."""
+    import time
+
+    from stapo_jax.train.run_dir import record_start
+
+    run_dir = tmp_path / "run"
+    record_start(_tiny(tmp_path, "trainer.total_steps=40"), str(run_dir), resuming=False)
+    first = (run_dir / "config.yaml").read_bytes()
+    assert yaml.safe_load(first)["trainer"]["total_steps"] == 40
+    time.sleep(1.1)  # another second: another history file name
+    record_start(_tiny(tmp_path, "trainer.total_steps=3", "trainer.logger=[console]"), str(run_dir), resuming=True)
+    assert (run_dir / "config.yaml").read_bytes() == first
+    record_start(_tiny(tmp_path, "trainer.total_steps=60"), str(run_dir), resuming=True)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_steps"] == 60
+    history = sorted(p.name for p in (run_dir / "config_history").iterdir())
+    assert [h.split("-")[-1] for h in history] == ["fresh.yaml", "resume.yaml", "resume.yaml"], history
+    steps = [yaml.safe_load((run_dir / "config_history" / h).read_text())["trainer"]["total_steps"] for h in history]
+    assert sorted(steps) == [3, 40, 60]
+
+
+def test_a_run_dir_the_system_refuses_is_named_as_the_key():
+    """``trainer.run_dir=/proc/x`` ended in a bare FileNotFoundError after the data was loaded; now it is the
+    key's one-line error (setup_run makes the folder before loading data or building the model)."""
+    with pytest.raises(ConfigError, match=r"^trainer.run_dir=/proc/stapo_jax_x/run: cannot write there \(/proc/"):
+        check_run_dir("/proc/stapo_jax_x/run", create=True)
