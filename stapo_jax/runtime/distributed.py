@@ -18,10 +18,12 @@ Timeouts (seconds, environment variables read by :func:`initialize`):
 * ``STAPO_DISTRIBUTED_INIT_TIMEOUT_S`` (default 300): how long a process waits for the coordinator to accept a
   connection and for all processes to register (``jax.distributed.initialize(initialization_timeout=)``); a
   coordinator address nobody listens on gives :class:`DistributedError` after this long.
-* ``STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S`` (default 100): a process that stops answering (killed, crashed,
-  hung) for this long makes every other process abort with JAX's "the JAX distributed service detected fatal
-  errors ... another task died" (``heartbeat_timeout_seconds``); a run therefore never hangs on a dead peer for
-  longer than about this bound.
+* ``STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S`` (default 100, raised for ``train`` above its stall limit): a process
+  that stops answering (killed, crashed, hung) for this long makes every other process abort with JAX's "the JAX
+  distributed service detected fatal errors ... another task died" (``heartbeat_timeout_seconds``); a run
+  therefore never hangs on a dead peer for longer than about this bound. ``train`` asks for a heartbeat above its
+  stall watchdog's limit (``min_heartbeat_s``), so that the watchdog of a process waiting on a stopped peer fires
+  first: its line names the process, phase and step, with every thread's stack, and exits 75 (resumable).
 
 ``mode`` comes from the argument or ``STAPO_DISTRIBUTED`` (``auto`` default; ``on`` always calls
 ``jax.distributed.initialize()`` so JAX's detection decides, as on TPU pod slices where the launch script sets
@@ -132,7 +134,7 @@ def info(method: str = "single", coordinator_address: Optional[str] = None) -> D
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, local_device_ids: Optional[Sequence[int]] = None, *,
                mode: Optional[str] = None, initialization_timeout_s: Optional[int] = None,
-               heartbeat_timeout_s: Optional[int] = None) -> DistributedInfo:
+               heartbeat_timeout_s: Optional[int] = None, min_heartbeat_s: Optional[int] = None) -> DistributedInfo:
     """Initialise multi-process JAX when the job has several processes; a no-op for one process.
 
     Takes str / int arguments only; the timeouts are int seconds. Source:
@@ -148,7 +150,11 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
       initialization_timeout_s: seconds to wait for the coordinator and all processes to connect (default
         ``$STAPO_DISTRIBUTED_INIT_TIMEOUT_S`` or 300).
       heartbeat_timeout_s: seconds without a heartbeat after which a peer counts as dead and every process
-        aborts (default ``$STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S`` or 100).
+        aborts (default ``$STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S``, else the larger of 100 and
+        ``min_heartbeat_s``: :func:`resolve_heartbeat`).
+      min_heartbeat_s: the heartbeat the caller's stall watchdog needs (``runtime.watchdog.heartbeat_floor``), so
+        a stall ends with the watchdog's stacks, not JAX's abort; an explicit heartbeat below it is kept, with a
+        warning.
     Returns:
       :class:`DistributedInfo` (calling again after a successful initialisation returns the same state).
     Raises:
@@ -166,7 +172,8 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     pid = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
     init_s = initialization_timeout_s if initialization_timeout_s is not None else (
         _env_int(INIT_TIMEOUT_ENV) or 300)
-    beat_s = heartbeat_timeout_s if heartbeat_timeout_s is not None else (_env_int(HEARTBEAT_TIMEOUT_ENV) or 100)
+    beat_s = resolve_heartbeat(heartbeat_timeout_s if heartbeat_timeout_s is not None else
+                               _env_int(HEARTBEAT_TIMEOUT_ENV), min_heartbeat_s)
     timeouts = dict(initialization_timeout=int(init_s))
     if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
         timeouts["heartbeat_timeout_seconds"] = int(beat_s)
@@ -206,6 +213,23 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     log.info("jax.distributed.initialize() with JAX's cluster detection (%s)", cluster)
     jax.distributed.initialize(local_device_ids=local_device_ids, **timeouts)
     return info(cluster)
+
+
+DEFAULT_HEARTBEAT_S = 100
+
+
+def resolve_heartbeat(explicit: Optional[int], floor: Optional[int]) -> int:
+    """The heartbeat timeout in seconds: ``explicit`` (the argument or ``$STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S``)
+    when given, with a warning naming both values when it is below ``floor``; else the larger of
+    :data:`DEFAULT_HEARTBEAT_S` and ``floor`` (the stall watchdog's need). Ints or None in, an int out; never
+    raises. Source: issue 43 (JAX's heartbeat abort used to come before the watchdog's message)."""
+    if explicit is None:
+        return int(max(DEFAULT_HEARTBEAT_S, floor or 0))
+    if floor and explicit < floor:
+        log.warning("%s=%d is below the %d s the stall watchdog (trainer.stall_timeout_s) needs: a stalled peer "
+                    "will end the job with JAX's heartbeat abort instead of the watchdog's stacks", HEARTBEAT_TIMEOUT_ENV,
+                    explicit, floor)
+    return int(explicit)
 
 
 def _wait_for_coordinator(addr: str, timeout_s: float) -> None:

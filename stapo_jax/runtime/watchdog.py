@@ -53,6 +53,23 @@ def resolve_timeout(value: Optional[float], backend: str) -> float:
     return float(value)
 
 
+HEARTBEAT_MARGIN_S = 30.0  # between the watchdog's exit (limit + poll + grace) and JAX's heartbeat abort
+
+
+def heartbeat_floor(stall_timeout_s: Optional[float], backend: Optional[str] = None) -> Optional[int]:
+    """The JAX heartbeat timeout (int seconds) a run with ``trainer.stall_timeout_s`` needs so that, when a peer
+    stops (kill -STOP, a hung host), the watchdog of a process waiting on it fires, dumps its stacks and exits
+    :data:`EXIT_STALL` before JAX's heartbeat aborts the job: limit + 1 s poll + :data:`GRACE_S` +
+    :data:`HEARTBEAT_MARGIN_S`. ``stall_timeout_s`` None: the backend's default (``backend`` None, before JAX
+    picked one: the larger, accelerator default); 0 (watchdog off): None. Raises ValueError for a negative
+    value. Source: issue 43 (the heartbeat's C++ abort used to come first, at 100 s against 600 s)."""
+    limit = max(DEFAULT_TIMEOUT_S.values()) if stall_timeout_s is None and backend is None else \
+        resolve_timeout(stall_timeout_s, backend or "cpu")
+    if limit == 0:
+        return None
+    return int(limit + 1.0 + GRACE_S + HEARTBEAT_MARGIN_S + 0.999)
+
+
 def parse_hang(spec: Optional[str]) -> Optional[tuple[int, str, Optional[int]]]:
     """The test hook :data:`HANG_ENV` parsed: ``"1:reward:2"`` -> ``(1, "reward", 2)``; None for unset / empty.
 

@@ -231,9 +231,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         force=True)  # absl (via orbax) installs a WARNING root handler first
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
     from stapo_jax.runtime.distributed import initialize
+    from stapo_jax.runtime.watchdog import heartbeat_floor
 
-    initialize()  # multi-controller (TPU pod / SLURM) before any device is touched; no-op on one process
-    cfg = load_config(a.config, a.overrides)
+    cfg = load_config(a.config, a.overrides)  # touches no device
+    # multi-controller (TPU pod / SLURM) before any device is touched; no-op on one process. JAX's heartbeat stays
+    # above the stall watchdog's limit, so a stopped peer ends the job with the watchdog's stacks (exit 75)
+    initialize(min_heartbeat_s=heartbeat_floor(cfg.trainer.stall_timeout_s, os.environ.get("JAX_PLATFORMS") or None))
     summary = train(cfg)
     for key in ("heldout_acc_before", "heldout_acc_after", "final_step", "preempted", "run_dir", "hf_export"):
         if key in summary:

@@ -83,3 +83,79 @@ def test_exit_guard_ends_a_process_kept_alive_by_a_thread():
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert r.returncode == 3 and time.monotonic() - t0 < 30, (r.returncode, r.stderr)
     assert "main done" in r.stdout and "still alive 1 s after the command ended" in r.stderr
+
+
+def test_the_heartbeat_outlasts_the_watchdog_with_the_defaults():
+    """Issue 43: with the defaults JAX's heartbeat (100 s) aborted a job whose peer stopped long before the
+    watchdog (600 s on CPU) could name the stall. Now ``train`` asks for a heartbeat above limit + poll + grace."""
+    from stapo_jax.runtime.distributed import resolve_heartbeat
+    from stapo_jax.runtime.watchdog import GRACE_S, heartbeat_floor
+
+    for stall, backend, limit in ((None, "cpu", 600), (None, "tpu", 1800), (None, None, 1800), (20, None, 20)):
+        floor = heartbeat_floor(stall, backend)
+        assert floor >= limit + 1 + GRACE_S + 10, (stall, backend, floor)
+        assert resolve_heartbeat(None, floor) == max(100, floor)  # the default heartbeat follows the watchdog
+    assert heartbeat_floor(0) is None and resolve_heartbeat(None, None) == 100
+    assert resolve_heartbeat(10, heartbeat_floor(None, "cpu")) == 10  # an explicit setting is kept (with a warning)
+
+
+STOPPED_PEER = """
+import os, sys, time
+from stapo_jax.runtime.distributed import initialize
+from stapo_jax.runtime.watchdog import StallWatchdog, heartbeat_floor, progress
+stall = float(sys.argv[1])
+initialize(min_heartbeat_s=heartbeat_floor(stall))   # no heartbeat setting: the default the trainer gets
+from stapo_jax.rollout.multihost import allgather_max
+import jax
+with StallWatchdog(stall, process_index=jax.process_index()):
+    for step in range(1, 100000):
+        progress("rollout", step)
+        allgather_max(1.0)                           # a collective per step, as the RL loop's
+        if step == 5:
+            print("ready", jax.process_index(), os.getpid(), flush=True)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_kill_stop_of_either_process_ends_with_the_watchdog_not_a_heartbeat_abort(stopped):
+    """``kill -STOP`` of process ``stopped`` of a 2-process launch (no heartbeat setting): the other process's
+    watchdog names the stall (its process, phase, step) with every thread's stack and exits 75, the launcher
+    reports that process and exits 75 (resumable); no C++ check failure from JAX's heartbeat."""
+    stall = 6
+    env = {k: v for k, v in os.environ.items() if k != "STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S"}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), JAX_PLATFORMS="cpu")
+    launcher = ("import sys; from stapo_jax.runtime.launch import launch_local; "
+                "sys.exit(launch_local(2, ['-c', sys.argv[1], sys.argv[2]], devices=1, kill_after_s=5, timeout_s=150, "
+                "module=None))")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, STOPPED_PEER, str(stall)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines, pids = [], {}
+    try:
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+            if " ready " in line:
+                pids[int(line.split()[2])] = int(line.split()[3])
+        os.kill(pids[stopped], 19)  # SIGSTOP
+        t0 = time.monotonic()
+        text = "".join(lines) + proc.communicate(timeout=120)[0]
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        for pid in pids.values():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    other = 1 - stopped
+    print(f"stopped process {stopped}: the launcher exited {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == EXIT_STALL, text[-3000:]
+    line = next((x for x in text.splitlines() if "stall watchdog: no progress for" in x), text[-3000:])
+    assert line.startswith(f"[p{other}] stall watchdog:") and f"in phase 'rollout' of RL step" in line, line
+    assert f"on process {other};" in line, line
+    assert f"[p{other}] Thread 0x" in text and "(most recent call first)" in text, text[-3000:]  # the stacks
+    assert f"[launch] process {other} exited with 75 (the stall watchdog: resumable)" in text, text[-3000:]
+    assert "Check failure" not in text and "heartbeat" not in text.lower(), text[-3000:]
+    assert took < stall + 40, took
