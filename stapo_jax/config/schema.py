@@ -216,7 +216,9 @@ class ActorConfig(PolicyLossConfig):
     # top_entropy.enabled (the older spelling, still accepted; token_mask_name)
     token_mask: Optional[str] = None
     ppo_mini_batch_size: int = 64
-    ppo_micro_batch_size: int = 4
+    # sequences per device per forward/backward; auto: the whole mini-batch's share of a device (K = 1), resolved
+    # by Config to ppo_mini_batch_size x rollout.n (a size at or above a shard's rows gives K = 1)
+    ppo_micro_batch_size: Union[int, Literal["auto"]] = "auto"
     ppo_epochs: int = 1
     logprob_seq_chunk: Optional[int] = 512
     logprob_vocab_chunk: Optional[int] = None
@@ -225,16 +227,17 @@ class ActorConfig(PolicyLossConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        micro = self.ppo_micro_batch_size if isinstance(self.ppo_micro_batch_size, int) else 1  # auto: resolved later
         _check("actor", [
             (self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs} must be >= 1"),
             (self.ppo_mini_batch_size >= 1, f"ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1"),
-            (self.ppo_micro_batch_size >= 1, f"ppo_micro_batch_size={self.ppo_micro_batch_size} must be >= 1 "
-                                             "(gradient accumulation would be 0)")]
+            (micro >= 1, f"ppo_micro_batch_size={self.ppo_micro_batch_size} must be >= 1 or auto "
+                         "(gradient accumulation would be 0)")]
             + [(getattr(self, k) is None or getattr(self, k) >= 1, f"{k}={getattr(self, k)} must be >= 1 or null "
                 "(no chunking)") for k in ("logprob_seq_chunk", "logprob_vocab_chunk")]
-            + [(self.sequences_cap() >= self.ppo_micro_batch_size, f"max_sequences_per_micro_batch="
-                f"{self.max_sequences_per_micro_batch} must be null or >= actor.ppo_micro_batch_size="
-                f"{self.ppo_micro_batch_size}")])
+            + [(self.max_sequences_per_micro_batch is None or self.max_sequences_per_micro_batch >= micro,
+                f"max_sequences_per_micro_batch={self.max_sequences_per_micro_batch} must be null or >= "
+                f"actor.ppo_micro_batch_size={self.ppo_micro_batch_size}")])
 
     def sequences_cap(self) -> int:
         """Most sequences per device in one micro-batch of a packed update chosen by tokens
@@ -242,6 +245,9 @@ class ActorConfig(PolicyLossConfig):
         when null, ``MAX_SEQUENCES_FACTOR`` x ``ppo_micro_batch_size``. An int; never raises.
         Source: this project's cap on verl's ``use_dynamic_bsz`` micro-batches."""
         m = self.max_sequences_per_micro_batch
+        if m is None and not isinstance(self.ppo_micro_batch_size, int):
+            raise ConfigError("actor.ppo_micro_batch_size=auto is resolved by Config (ppo_mini_batch_size x "
+                              "rollout.n); a bare ActorConfig has no size")
         return MAX_SEQUENCES_FACTOR * self.ppo_micro_batch_size if m is None else m
 
 
@@ -343,6 +349,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        if self.actor.ppo_micro_batch_size == "auto":  # the mini-batch's sequences: one micro-batch per shard
+            self.actor = dataclasses.replace(self.actor, ppo_micro_batch_size=max(
+                self.actor.ppo_mini_batch_size * self.rollout.n, 1))
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON types (tuples become lists)."""

@@ -30,8 +30,7 @@ from stapo_jax.train.packing import packing_long_rows
 from stapo_jax.train.precompile import precompile_enabled
 from stapo_jax.train.run_dir import check_resume_settings, claim_run_dir, has_checkpoints, record_start
 from stapo_jax.train.run_files import check_run_dir, load_val_examples, set_aside_earlier_run
-from stapo_jax.train.sft import check_batch_size as check_sft_batch_size
-from stapo_jax.train.update import num_micro_batches
+from stapo_jax.train.batch_shapes import check_batch_shapes
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class Run:
     preempt: Preemption        # SIGTERM / SIGINT: stop at the next agreed point (10 SFT steps, an RL step), exit 0
     resuming: bool             # trainer.resume and a checkpoint exists
     mini_rows: int             # global rows per mini-batch (ppo_mini_batch_size x rollout.n)
-    num_micro_batches: int     # K from the mesh (update.num_micro_batches)
+    num_micro_batches: int     # K from the mesh (batch_shapes.check_batch_shapes)
     long_rows: bool            # packed update: one long row per micro-batch (packing_long_rows)
     max_prompt_length: Optional[int]  # data.max_prompt_length with fixed shapes, else None (tightest)
     packed: bool               # model.use_remove_padding
@@ -86,9 +85,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     check_run_dir(run_dir)  # a folder this user cannot write: one line naming trainer.run_dir, before any work
     mesh = build.build_mesh(cfg)
     mini_rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n  # global rows per mini-batch (same on every process)
-    k = num_micro_batches(cfg, mini_rows, mesh)
-    if cfg.sft.steps:
-        check_sft_batch_size(cfg.sft.batch_size, mesh)
+    k = check_batch_shapes(cfg, mesh)  # every batch-shape error at once, with the nearest values that work
     long_rows = log_kernels(cfg.model)
     claim_run_dir_for(cfg, run_dir, main_process, stack)  # before any data is loaded or model built
     recipe, tok = build.build_recipe(cfg), build.build_tokenizer(cfg)

@@ -82,11 +82,14 @@ def check_batch_size(batch_size: int, mesh) -> None:
     divides the data-parallel world size (``ppo_mini_batch_size % dp == 0``), applied to ``sft.batch_size``."""
     from stapo_jax.config.schema import ConfigError
 
+    from stapo_jax.train.batch_shapes import nearest
+
     dp = data_parallel_size(mesh)
     if batch_size % dp:
+        near = " or ".join(str(b) for b in nearest(batch_size, lambda b: b % dp == 0))
         raise ConfigError(f"sft.batch_size={batch_size} does not split into {dp} data-parallel shards "
                           f"({jax.process_count()} processes x {jax.local_device_count()} devices, mesh.data x "
-                          f"mesh.fsdp): make sft.batch_size a multiple of {dp} or change mesh.*")
+                          f"mesh.fsdp): nearest that does: {near}, or change mesh.*")
 
 
 def run_sft(model, examples: Iterator[tuple[list[int], list[int]]], *, steps: int, batch_size: int, lr: float,

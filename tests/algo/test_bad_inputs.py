@@ -230,8 +230,8 @@ def test_config_reports_every_unknown_key_at_once(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     # 1 sequence per mini-batch cannot split over the 8 simulated data-parallel devices (known only at run time)
     (["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1", "rollout.n=1", "trainer.train_batch_size=1"],
-     r"mini-batch of 1 sequences \(actor.ppo_mini_batch_size x rollout.n\) does not split into 8 data-parallel "
-     r"shards.*change actor.ppo_mini_batch_size, trainer.train_batch_size"),
+     r"actor.ppo_mini_batch_size=1 x rollout.n=1 = 1 sequences do not split into 8 data-parallel shards: nearest "
+     r"actor.ppo_mini_batch_size that does: 8 \(trainer.train_batch_size a multiple of it\)"),
     (["data.source=jsonl", "data.train_files=[]", "reward.kind=boxed_exact_pm1"],
      r"data.train_files is empty \(data.source=jsonl\)"),
 ])

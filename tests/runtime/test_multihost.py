@@ -407,21 +407,42 @@ def test_coordinator_without_peers_says_why_before_jax_aborts():
 
 
 def test_batch_that_does_not_split_names_the_keys(tmp_path):
+    """Issue 43: every batch-shape error at once, each with the nearest values that work (it was one error per
+    attempt, none saying what would work), before anything is written; ``ppo_micro_batch_size=auto`` fits."""
     from stapo_jax.config.schema import ConfigError, load_config
     from stapo_jax.train.trainer import train
 
     run_dir = tmp_path / "run"
     cfg = load_config(CONFIG, ["rollout.n=3", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1",
-                               "trainer.train_batch_size=2", f"trainer.run_dir={run_dir}"])
-    with pytest.raises(ConfigError, match=r"3 sequences .* 8 data-parallel shards .*actor\.ppo_mini_batch_size, "
-                                          r"trainer\.train_batch_size, actor\.ppo_micro_batch_size or mesh\.\*"):
+                               "trainer.train_batch_size=2", "sft.steps=5", "sft.batch_size=12",
+                               f"trainer.run_dir={run_dir}"])
+    with pytest.raises(ConfigError) as e:
         train(cfg)  # 8 CPU devices in the test process (conftest)
+    assert str(e.value) == (
+        "the batch settings do not fit 8 data-parallel shards (1 processes x 8 devices, mesh.data x mesh.fsdp): "
+        "actor.ppo_mini_batch_size=1 x rollout.n=3 = 3 sequences do not split into 8 data-parallel shards: nearest "
+        "actor.ppo_mini_batch_size that does: 8 (trainer.train_batch_size a multiple of it); sft.batch_size=12 does "
+        "not split into 8 data-parallel shards: nearest that does: 8 or 16")
     assert not run_dir.exists()
-    cfg = load_config(CONFIG, ["sft.steps=5", "sft.batch_size=12", f"trainer.run_dir={run_dir}"])
-    with pytest.raises(ConfigError, match=r"sft\.batch_size=12 does not split into 8 data-parallel shards .*"
-                                          r"multiple of 8"):
+    cfg = load_config(CONFIG, ["rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=3",
+                               "trainer.train_batch_size=8", "trainer.total_steps=1", "sft.steps=0",
+                               f"trainer.run_dir={run_dir}"])
+    with pytest.raises(ConfigError, match=r"actor.ppo_micro_batch_size=3 does not divide the 4 sequences a shard "
+                                          r"gets per mini-batch: nearest that does: 2 or 4 \(or auto\)"):
         train(cfg)
     assert not run_dir.exists()
+
+
+def test_auto_micro_batches_fit_any_mini_batch_and_device_count():
+    """``configs/tiny_cpu.yaml`` had ``ppo_micro_batch_size: 128`` (its 16 x 8 sequences), so changing
+    ``rollout.n`` or the mini-batch failed on it; ``auto`` is the mini-batch's share of each device (K = 1)."""
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.train.batch_shapes import batch_shape_errors
+
+    for n, mini, dp in ((8, 16, 1), (4, 16, 4), (2, 8, 2), (3, 4, 3), (8, 4, 8)):
+        cfg = load_config(CONFIG, [f"rollout.n={n}", f"actor.ppo_mini_batch_size={mini}",
+                                   f"trainer.train_batch_size={2 * mini}"])
+        assert cfg.actor.ppo_micro_batch_size == n * mini and batch_shape_errors(cfg, dp, sft=False) == []
 
 
 SAMPLER_ALONE = """
