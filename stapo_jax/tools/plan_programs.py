@@ -113,7 +113,8 @@ def abstract_train_state(qcfg, optimizer, mesh, opt_state: str = "trainer"):
     if opt_state == "trainer":  # what TrainState.create places: moments sharded like their parameters
         opt_sh = optimizer_state_shardings(optimizer, params, p_sh, mesh)
     else:  # what-if: XLA's choice for a plain jit(optimizer.init) (replicated moments)
-        opt_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
+        with jax.set_mesh(mesh):  # compiled (not run) on the mesh: XLA's placement there
+            opt_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
     opt_state_abs = _abstract(opt_abs, opt_sh)
     state = TrainState(params=params, opt_state=opt_state_abs,
                        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep), graphdef=graphdef)
@@ -229,8 +230,9 @@ def plan_decode(spec: dict, qcfg, mesh) -> dict:
 
     graphdef, params = abstract_params(qcfg, mesh)
     key = jax.eval_shape(lambda: jax.random.key(0))  # made outside the mesh: nothing runs on a target's devices
+    # the layout an accelerator run holds (models.linear.preferred_kernel_layout off CPU), not this host's choice
     ecfg = eng.EngineConfig(max_concurrent_decodes=spec["decode_slots"], max_prefill_length=spec["prompt_length"],
-                            max_decode_length=spec["response_length"])
+                            max_decode_length=spec["response_length"], kernel_layout="in_out")
     espec = abstract_engine_spec(qcfg, ecfg, mesh, graphdef)
     with jax.set_mesh(mesh):
         state = _abstract(jax.eval_shape(init_fn, espec, key), espec.state_shardings)
