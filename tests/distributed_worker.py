@@ -1,6 +1,7 @@
 """Worker program of tests/runtime/test_distributed.py: a few STAPO updates (``stapo_jax.train.train_step.make_train_step``:
 S2T pre-pass with the global entropy quantile, 2 micro-batches, AdamW) of a tiny Qwen3 on a (data, fsdp) mesh over
-all devices of all processes, started through ``stapo_jax.runtime.distributed.initialize``.
+all devices of all processes (``$STAPO_TEST_MESH``: another ``data,fsdp,tensor``), started through
+``stapo_jax.runtime.distributed.initialize``.
 
 Usage: ``python tests/distributed_worker.py OUT.npz`` with ``JAX_COORDINATOR_ADDRESS`` /
 ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` set (or none of them for a single process) and
@@ -34,7 +35,9 @@ def main(out_path: str) -> int:
     from stapo_jax.config.recipes import get_recipe
     from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_log_prob_fn, make_train_step
 
-    mesh = make_mesh(data=2, fsdp=-1, tensor=1)  # all devices of all processes
+    # all devices of all processes; STAPO_TEST_MESH="data,fsdp,tensor" picks another mesh (e.g. "1,2,2")
+    data, fsdp, tensor = (int(x) for x in os.environ.get("STAPO_TEST_MESH", "2,-1,1").split(","))
+    mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))  # same seed on every process
