@@ -33,13 +33,14 @@ HISTORY_DIR = "config_history"
 CONFIG_NAME = "config.yaml"
 # settings a resumed run may change: where and how it runs, logs and checkpoints, not what it computes (the
 # attention kernel, remat and packing give the same parameters; micro-batches the same gradient up to rounding;
-# the mesh is restored into; SFT does not run again on a resume; eval.* is read by `stapo-jax eval` only)
+# the mesh is restored into; SFT does not run again on a resume; eval.* is read by `stapo-jax eval` only;
+# actor.use_kl_loss is checked against the checkpoint itself, trainer.check_kl_reference, with its own message)
 RESUMABLE_KEYS = (
     "trainer.total_steps", "trainer.run_dir", "trainer.resume", "trainer.log_every", "trainer.save_every",
     "trainer.keep_checkpoints", "trainer.eval_every", "trainer.export_hf", "trainer.logger", "trainer.project_name",
     "trainer.experiment_name", "trainer.compilation_cache_dir", "trainer.precompile", "trainer.stall_timeout_s",
     "model.use_remove_padding", "model.attention", "model.remat", "model.scan_unroll",
-    "actor.ppo_micro_batch_size", "sft.", "eval.", "mesh.",
+    "actor.ppo_micro_batch_size", "actor.use_kl_loss", "sft.", "eval.", "mesh.",
     "reward.timeout_s", "reward.num_workers", "reward.max_pool_restarts",
     "rollout.max_concurrent_decodes", "rollout.prefill_batch_size")
 
