@@ -81,7 +81,8 @@ deadline = time.monotonic() + 120
 while time.monotonic() < deadline and not (preempt.requested and mode != "ignore"):
     time.sleep(0.05)
 if mode == "orphan":
-    open(sys.argv[2] + f".{i}", "w").write(f"{os.getpid()} stopped {time.monotonic()}")
+    open(sys.argv[2] + f".{i}.tmp", "w").write(f"{os.getpid()} stopped {time.monotonic()}")
+    os.replace(sys.argv[2] + f".{i}.tmp", sys.argv[2] + f".{i}")  # whole, once it exists
 print("checkpointed and stopped", i, flush=True)
 """
 LAUNCHER = ("import sys; from stapo_jax.runtime.launch import launch_local; "
