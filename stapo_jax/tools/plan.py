@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="compile every program of the run with a real TPU / GPU compiler on this host: "
                                     "tpu-v5e-4, tpu-v4-32, tpu-v5p-64, tpu-v6e-64, tpu-v5e-256, gpu-2xh100, "
                                     "gpu-8xh100, gpu-8xh200, gpu-2x8xh100 (needs make setup-targets)")
+    p.add_argument("--programs", choices=("all", "core"), default="all",
+                   help="with --target: every program of the run (default), or core: the update programs, the largest "
+                        "prefill bucket and KV-cache length, and the sync (the peaks and the prediction, faster)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the compile subprocess (seconds)")
     p.add_argument("--json", help="also write the full result as JSON here")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -452,6 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = make_spec(cfg, mesh=args.mesh, devices=args.devices, hbm_gb=args.hbm_gb,
                          train=args.only != "decode", decode=args.only != "train", opt_state=args.opt_state,
                          target=args.target)
+        spec["programs"] = args.programs
         if args.target:
             from stapo_jax.tools.targets import check_packages, get_target
 

@@ -29,7 +29,7 @@ from typing import Optional
 GB = 1000 ** 3
 PHASES = ("update", "rollout", "sync", "eval")
 
-__all__ = ["program_seconds", "phase_memory", "unit_seconds", "predict", "fits_programs", "format_programs"]
+__all__ = ["program_seconds", "phase_memory", "slots_that_fit", "unit_seconds", "predict", "fits_programs", "format_programs"]
 
 
 def program_seconds(entry: dict, spec: dict, analytic_flops: float = 0.0) -> Optional[float]:
@@ -69,6 +69,25 @@ def phase_memory(result: dict) -> dict:
             out[phase] = {"program": top["name"], "peak": top["memory"]["peak"], "resident": extra,
                           "total": top["memory"]["peak"] + extra}
     return out
+
+
+def slots_that_fit(result: dict) -> Optional[int]:
+    """The most ``rollout.max_concurrent_decodes`` whose rollout phase fits the target's HBM, from the largest
+    decode program: its arguments are the engine's parameters plus a KV cache linear in the slots, so per slot =
+    (arguments - engine parameters) / slots, and what is left of HBM after the engine's parameters, the
+    program's temporaries and the resident trainer state holds ``left / per slot`` slots (a multiple of the
+    engine's data-parallel devices is the caller's to round to). Int, or None without a decode program or HBM.
+    Never raises for a ``run_programs`` result. Source: XLA ``memory_analysis`` of the decode step."""
+    spec, hbm = result["spec"], result["spec"].get("hbm_gb")
+    dec = [e for e in result["programs"] if e["phase"] == "rollout" and e["name"].startswith("decode")
+           and "memory" in e]
+    if not dec or not hbm:
+        return None
+    top = max(dec, key=lambda e: e["memory"]["argument"])
+    params = result["resident"]["engine_params"]
+    per_slot = max(top["memory"]["argument"] - params, 1) / spec["decode_slots"]
+    left = hbm * GB - params - top["memory"]["temp"] - result["resident"]["trainer_state"]
+    return max(int(left // per_slot), 0)
 
 
 def _named(result: dict, prefix: str) -> Optional[dict]:
@@ -182,6 +201,10 @@ def format_programs(result: dict) -> str:
             f" ({100 * pm['total'] / (hbm * GB):.0f}% of {hbm:g} GB)"
         lines.append(f"{phase} phase per device: {_g(pm['total'])} GB = {pm['program']} peak {_g(pm['peak'])} + "
                      f"resident {_g(pm['resident'])}{verdict}")
+    fit = slots_that_fit(result)
+    if fit is not None:
+        lines.append(f"rollout.max_concurrent_decodes that fits the rollout phase: at most {fit} per engine "
+                     f"(configured {spec['decode_slots']})")
     failed = [e["name"] for e in result["programs"] if "error" in e]
     if failed:
         lines.append(f"{len(failed)} program(s) failed to compile: {', '.join(failed)}")

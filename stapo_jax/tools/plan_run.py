@@ -15,6 +15,10 @@ one, so a compiler for another chip can judge them:
 * **sync**: the per-layer copy of the trainer's stacked parameters into the engine's buffers (``set_params``);
 * **eval**: the greedy decode step per KV-cache length (held-out passes), when the run evaluates.
 
+``spec["programs"] = "core"`` (``plan --programs core``) keeps what sets each phase's peak memory and the
+prediction: the update programs, the largest prefill bucket, the decode steps at the largest KV-cache length and
+the weight sync (no inserts); the smaller buckets' programs are the same code at smaller shapes.
+
 Each program's entry: compile seconds, XLA's memory analysis (argument / output / alias / temp / peak bytes per
 device), cost analysis (FLOPs, bytes accessed, and on TPU the compiler's ``optimal_seconds``) and the count of
 kernel custom calls (Mosaic ``tpu_custom_call``, cuDNN ``__cudnn$fmha*``). A program that fails to compile gets its
@@ -328,12 +332,15 @@ def rollout_programs(spec: dict, qcfg, emesh, params, dparams) -> list[tuple[dic
     rep = NamedSharding(emesh, P())
     scalar = lambda shape=(), dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
     lengths = kv_length_buckets(ecfg.cache_length) if ecfg.kv_cache_buckets else (ecfg.cache_length,)
+    buckets = prefill_buckets(ecfg.max_prefill_length)
+    if spec.get("programs", "all") == "core":  # what sets the peaks and the prediction: the largest shapes only
+        lengths, buckets = lengths[-1:], buckets[-1:]
     samplings = [("decode", "rollout", ecfg.sampling)] + (
         [("greedy decode", "eval", SamplingParams(greedy=True))] if spec.get("greedy_eval") else [])
     n_steps = int(spec.get("steps_per_sync", 1))
     out, prefixes = [], {}
     with jax.set_mesh(emesh):
-        for bucket in prefill_buckets(ecfg.max_prefill_length):
+        for bucket in buckets:
             rows = max(1, min(ecfg.prefill_batch_size, ecfg.prefill_batch_tokens // bucket))
             args = (scalar((rows, bucket)), scalar((rows,)), scalar((rows,), jnp.bool_))
             lowered = []
@@ -351,7 +358,7 @@ def rollout_programs(spec: dict, qcfg, emesh, params, dparams) -> list[tuple[dic
                 out.append(compile_program(f"unit: decode step x1, KV {length}", "unit", lambda s=state:
                                            step_fn.lower(espec, dparams, s, ecfg.sampling, 1)))
             for bucket, prefix in prefixes.items():
-                if bucket <= length:
+                if bucket <= length and spec.get("programs", "all") == "all":
                     out.append(compile_program(f"insert {bucket} -> KV {length}", "rollout", lambda p=prefix, s=state:
                                                insert_fn.lower(espec, p, s, scalar(), scalar(), scalar(), scalar())))
         copy = jax.jit(functools.partial(copy_layer_into, kernel_layout=espec.kernel_layout), donate_argnums=2,

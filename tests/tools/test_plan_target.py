@@ -21,7 +21,7 @@ import pytest
 
 from stapo_jax.config.schema import load_config
 from stapo_jax.tools import plan
-from stapo_jax.tools.plan_report import fits_programs, format_programs, phase_memory, predict
+from stapo_jax.tools.plan_report import fits_programs, format_programs, phase_memory, predict, slots_that_fit
 from stapo_jax.tools.targets import TARGETS, Target, packages_dir, target_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +76,7 @@ def check_run(result, kernel_prefix: str, compiler_prefix: str, prefill=(16, 32,
     assert set(mem) == {"update", "rollout", "sync", "eval"}
     assert mem["rollout"]["resident"] == result["resident"]["trainer_state"] > 0
     assert fits_programs(result) is True
+    assert slots_that_fit(result) > result["spec"]["decode_slots"]  # a tiny run leaves HBM for many more slots
     p = predict(result)
     assert p["step_s"] > 0 and 0 < p["update_mfu"] < 1 and p["decode_tokens_per_s"] > 0
     report = format_programs(result)
@@ -153,6 +154,7 @@ def test_config_that_does_not_fit_exits_1_with_the_verdict(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1, out
     assert "rollout phase per device" in out and "DOES NOT FIT" in out
+    assert "rollout.max_concurrent_decodes that fits the rollout phase: at most 0 per engine (configured 8)" in out
 
 
 def test_missing_target_packages_is_one_line(tmp_path, capsys, monkeypatch):
