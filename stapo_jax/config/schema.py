@@ -331,6 +331,21 @@ class EvalConfig:
     grader: Literal["math_verify", "boxed_exact"] = "math_verify"
 
 
+def micro_batch_count(rows: int, dp: int, micro: int) -> Optional[int]:
+    """K for a mini-batch of ``rows`` sequences over ``dp`` data-parallel shards in micro-batches of ``micro``
+    sequences (``actor.ppo_micro_batch_size``): ``rows / dp / micro``, or 1 when ``micro`` is at least the rows per
+    shard; None when the rows do not split evenly. The one rule of the trainer (``train.update.num_micro_batches``),
+    the planner and :meth:`Config.grad_accum_steps`. Ints in, an int or None out; never raises. Source: verl's
+    gradient accumulation (mini-batch / micro-batch)."""
+    if dp < 1 or micro < 1 or rows % dp:
+        return None
+    per_device = rows // dp
+    k = max(per_device // micro, 1)
+    if per_device % k or (per_device > micro and per_device % micro):
+        return None
+    return k
+
+
 @dataclass
 class Config:
     """The whole run configuration (one section per dataclass above)."""
@@ -371,24 +386,20 @@ class Config:
         return path
 
     def grad_accum_steps(self, data_parallel_size: int) -> int:
-        """Micro-batches per mini-batch on each data-parallel shard:
-        ``ppo_mini_batch_size * rollout.n / data_parallel_size / ppo_micro_batch_size`` (always >= 1).
+        """Micro-batches K per mini-batch on each data-parallel shard, by the trainer's rule
+        (:func:`micro_batch_count`: ``ppo_mini_batch_size * rollout.n / data_parallel_size /
+        ppo_micro_batch_size``, 1 when the micro-batch size is at least a shard's rows).
 
         Raises:
           ConfigError: the mini-batch's sequences do not split evenly over the shards and micro-batches.
         """
         seqs = self.actor.ppo_mini_batch_size * self.rollout.n
-        if data_parallel_size < 1 or seqs % data_parallel_size:
-            raise ConfigError(f"actor.ppo_mini_batch_size * rollout.n = {seqs} sequences do not split over "
-                              f"{data_parallel_size} data-parallel shards")
-        per_shard = seqs // data_parallel_size
-        if per_shard % self.actor.ppo_micro_batch_size:
-            raise ConfigError(
-                f"actor.ppo_micro_batch_size={self.actor.ppo_micro_batch_size} does not divide the "
-                f"{per_shard} sequences per data-parallel shard of a mini-batch "
-                f"(actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} x rollout.n={self.rollout.n} "
-                f"/ {data_parallel_size} shards)")
-        return per_shard // self.actor.ppo_micro_batch_size
+        k = micro_batch_count(seqs, data_parallel_size, self.actor.ppo_micro_batch_size)
+        if k is None:
+            raise ConfigError(f"actor.ppo_mini_batch_size x rollout.n = {seqs} sequences do not split into "
+                              f"{data_parallel_size} data-parallel shards of micro-batches of "
+                              f"actor.ppo_micro_batch_size={self.actor.ppo_micro_batch_size}")
+        return k
 
     def check_rl_ready(self) -> None:
         """Checks that only an RL run needs (stapo_spec §10.15: ``trainer.total_steps`` is required).

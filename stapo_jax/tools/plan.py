@@ -176,7 +176,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
     sizes, kind = _mesh_sizes(mesh, cfg, devices)
     n = math.prod(sizes.values())
     dp = sizes["data"] * sizes["fsdp"]
-    from stapo_jax.train.update import micro_batch_count
+    from stapo_jax.config.schema import micro_batch_count
 
     accum = micro_batch_count(cfg.actor.ppo_mini_batch_size * cfg.rollout.n, dp, cfg.actor.ppo_micro_batch_size)
     if accum is None:  # the trainer's rule (update.num_micro_batches)

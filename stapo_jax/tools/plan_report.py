@@ -100,7 +100,8 @@ def unit_seconds(result: dict, what: str, analytic_flops_per_layer: float = 0.0,
     """Predicted seconds of one micro-batch's ``what`` (``"old log-probs"`` / ``"update step"``) at the run's
     depth from the 1- and 2-layer unit programs: ``t1 + (L - 1) (t2 - t1)`` (``plan_run.unit_programs``). The
     analytic FLOPs (per layer, and of the rest: embedding, LM head) floor the roofline where the compiler gives no
-    ``optimal_seconds``. Float or None (a unit missing or failed); never raises. Source: XLA cost analysis."""
+    ``optimal_seconds``, and each layer's increment is at least its analytic FLOPs at the chip's peak (so MFU stays
+    at most 1). Float or None (a unit missing or failed); never raises. Source: XLA cost analysis."""
     spec = result["spec"]
     e1, e2 = _named(result, f"unit: {what}, 1 layer"), _named(result, f"unit: {what}, 2 layers")
     if e1 is None or e2 is None:
@@ -108,7 +109,9 @@ def unit_seconds(result: dict, what: str, analytic_flops_per_layer: float = 0.0,
     t1 = program_seconds(e1, spec, analytic_flops_rest + analytic_flops_per_layer)
     t2 = program_seconds(e2, spec, analytic_flops_rest + 2 * analytic_flops_per_layer)
     layers = spec["model"]["num_hidden_layers"]
-    return t1 + (layers - 1) * max(t2 - t1, 0.0)
+    # a layer costs at least its analytic FLOPs at peak (cuDNN calls count no FLOPs in XLA's GPU analysis)
+    floor = analytic_flops_per_layer / max(spec["devices"], 1) / spec["target"]["peak_flops"]
+    return max(t1, floor) + (layers - 1) * max(t2 - t1, floor)
 
 
 def predict(result: dict) -> dict:
@@ -199,6 +202,9 @@ def format_programs(result: dict) -> str:
     for phase, pm in phase_memory(result).items():
         verdict = "" if not hbm else (" -> FITS" if pm["total"] <= hbm * GB else " -> DOES NOT FIT") + \
             f" ({100 * pm['total'] / (hbm * GB):.0f}% of {hbm:g} GB)"
+        failed_here = sum("error" in e for e in result["programs"] if e["phase"] == phase)
+        if failed_here:  # the failed program may be the phase's largest: no verdict from the others
+            verdict = f" -> UNKNOWN: {failed_here} program(s) of this phase failed to compile"
         lines.append(f"{phase} phase per device: {_g(pm['total'])} GB = {pm['program']} peak {_g(pm['peak'])} + "
                      f"resident {_g(pm['resident'])}{verdict}")
     fit = slots_that_fit(result)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.config.schema import Config, ConfigError, micro_batch_count
 from stapo_jax.rollout.multihost import allgather_max
 from stapo_jax.runtime.stopping import Preemption
 from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
@@ -43,20 +43,6 @@ def data_parallel_size(mesh) -> int:
     if mesh is None:
         return 1
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
-
-
-def micro_batch_count(rows: int, dp: int, micro: int) -> Optional[int]:
-    """K for a mini-batch of ``rows`` sequences over ``dp`` data-parallel shards in micro-batches of ``micro``
-    sequences (``actor.ppo_micro_batch_size``): ``rows / dp / micro``, or 1 when ``micro`` is at least the rows per
-    shard; None when the rows do not split evenly. The trainer's and the planner's one rule. Ints in, an int or None
-    out; never raises. Source: verl's gradient accumulation (mini-batch / micro-batch)."""
-    if dp < 1 or micro < 1 or rows % dp:
-        return None
-    per_device = rows // dp
-    k = max(per_device // micro, 1)
-    if per_device % k or (per_device > micro and per_device % micro):
-        return None
-    return k
 
 
 def num_micro_batches(cfg: Config, rows: int, mesh) -> int:

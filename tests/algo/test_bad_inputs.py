@@ -293,7 +293,7 @@ def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
     cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
     with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48"):
         num_micro_batches(cfg, 64, None)
-    with pytest.raises(ConfigError, match=r"does not divide"):
+    with pytest.raises(ConfigError, match=r"do not split into 2 data-parallel shards"):
         cfg.grad_accum_steps(2)  # the plan's count agrees: 128 sequences / 2 shards = 64, not a multiple of 48
     assert num_micro_batches(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), 64, None) == 4
     assert num_micro_batches(cfg, 32, None) == 1  # a micro-batch larger than the shard: the shard's rows

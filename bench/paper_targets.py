@@ -1,0 +1,77 @@
+"""The compiler-checked paper table of docs/benchmarks.md: ``stapo-jax plan --target T --programs core`` for paper
+configs on their meshes, one markdown row each (per-chip peak of the update and rollout phases, the verdict, the
+rollout slots that fit, compile seconds, predicted step time and update MFU). Compiler predictions, not
+measurements: no accelerator runs anything.
+
+    python bench/paper_targets.py --out /tmp/paper                # the default pairs, compiled (hours on 2 cores)
+    python bench/paper_targets.py --out /tmp/paper --pairs qwen3-1.7b-base-stapo:gpu-8xh200
+    python bench/paper_targets.py --out /tmp/paper --table-only   # rows from the JSON results already there
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stapo_jax.tools.plan_report import GB, phase_memory, predict, slots_that_fit  # noqa: E402
+
+DEFAULT_PAIRS = [f"qwen3-{size}-base-{recipe}:{target}" for size in ("1.7b", "8b", "14b")
+                 for recipe in ("stapo", "grpo", "entropy20", "justrl") for target in ("tpu-v5p-64", "tpu-v6e-64")] + \
+    [f"qwen3-{size}-base-stapo:{target}" for size in ("1.7b", "8b") for target in ("gpu-8xh100", "gpu-8xh200")]
+
+
+def row(name: str, target: str, result: dict) -> str:
+    """One markdown row of a ``plan --target`` JSON result."""
+    mem = phase_memory(result)
+    hbm = result["spec"]["hbm_gb"]
+    failed = [e for e in result["programs"] if "error" in e]
+
+    def phase(p):
+        if any(e["phase"] == p for e in failed):
+            return "compile refused (OOM)" if any("RESOURCE_EXHAUSTED" in e["error"] for e in failed
+                                                   if e["phase"] == p) else "failed"
+        return f"{mem[p]['total'] / GB:.1f}" if p in mem else "-"
+
+    fits = not failed and all(m["total"] <= hbm * GB for m in mem.values())
+    pred = predict(result)
+    compile_s = sum(e["compile_s"] for e in result["programs"])
+    step = f"{pred['step_s']:.0f}" if "step_s" in pred else "-"
+    mfu = f"{100 * pred['update_mfu']:.0f}%" if "update_mfu" in pred else "-"
+    slots = slots_that_fit(result)
+    return (f"| {name} | {target} | {phase('update')} | {phase('rollout')} | {'fits' if fits else '**no**'} | "
+            f"{result['spec']['decode_slots']} / {slots if slots is not None else '-'} | {compile_s:.0f} | "
+            f"{step} | {mfu} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the JSON results")
+    p.add_argument("--pairs", nargs="*", default=DEFAULT_PAIRS, help="CONFIG:TARGET (configs/paper/CONFIG.yaml)")
+    p.add_argument("--table-only", action="store_true", help="render the rows from JSON results already in --out")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("| config | target | update GB/chip | rollout GB/chip | fits | slots: set / fit | compile s | "
+          "step s (pred.) | update MFU (pred.) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for pair in args.pairs:
+        name, target = pair.split(":")
+        path = out / f"{name}-{target}.json"
+        if not args.table_only:
+            subprocess.run([sys.executable, "-m", "stapo_jax.tools.plan", "--config",
+                            str(REPO / "configs" / "paper" / f"{name}.yaml"), "--mesh", target, "--target", target,
+                            "--programs", "core", "--json", str(path)], cwd=REPO, capture_output=True, check=False)
+        if path.is_file():
+            print(row(name, target, json.loads(path.read_text())))
+        else:
+            print(f"| {name} | {target} | not compiled | | | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
