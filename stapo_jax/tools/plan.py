@@ -451,6 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         overrides += ([f"model.path={args.model}", "model.preset=null"] if is_path
                       else [f"model.preset={args.model}", "model.path=null"])
     try:
+        if args.programs != "all" and not args.target:
+            raise PlanError("--programs selects among the programs --target compiles; pass --target too")
         cfg = load_config(args.config, overrides)
         spec = make_spec(cfg, mesh=args.mesh, devices=args.devices, hbm_gb=args.hbm_gb,
                          train=args.only != "decode", decode=args.only != "train", opt_state=args.opt_state,

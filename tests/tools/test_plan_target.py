@@ -174,6 +174,8 @@ def test_unknown_target_and_mesh_size_mismatch_are_errors(tmp_path, capsys):
     assert plan.main(["--config", str(tiny_config(tmp_path)), "--target", "tpu-v5e-4", "--mesh",
                       "data=1,fsdp=8,tensor=1"]) == 2
     assert "--devices says 4" in capsys.readouterr().err
+    assert plan.main(["--config", str(tiny_config(tmp_path)), "--programs", "core"]) == 2
+    assert "pass --target too" in capsys.readouterr().err
 
 
 def test_target_pins_match_the_installed_jax():
