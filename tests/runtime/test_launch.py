@@ -139,7 +139,8 @@ def test_processes_stop_when_their_launcher_is_killed(tmp_path):
     proc = _launcher(tmp_path, "orphan", str(mark))
     pids = []
     try:
-        pids = [int(line.split()[-1]) for line in _wait_ready(proc) if " ready " in line]
+        ready = sorted(line.split()[-2:] for line in _wait_ready(proc) if " ready " in line)  # either may be first
+        pids = [int(pid) for _, pid in ready]
         proc.kill()
         proc.wait(timeout=10)
         t0 = time.monotonic()
