@@ -93,7 +93,7 @@ def from_hf_config(name_or_path: Union[str, os.PathLike], config_dir: Optional[U
     Raises:
       FileNotFoundError: no such file (the message names the path tried).
       KeyError: an unknown preset name.
-      models.qwen3.ConfigError: the file is not a Qwen3 config.
+      stapo_jax.core.errors.ConfigError: the file is not a Qwen3 config.
     """
     p = Path(name_or_path).expanduser()
     if p.is_dir():

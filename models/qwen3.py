@@ -32,6 +32,7 @@ from models.linear import Linear, set_kernel_layout
 from models.platform import mesh_platform
 from models.sharding import constrain
 from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
+from stapo_jax.core.errors import ConfigError
 
 _REMAT_POLICIES = {
     "none": None,
@@ -53,10 +54,6 @@ def remat_layer(fn, remat: str):
     if policy == "full":
         return jax.checkpoint(fn)
     return fn if policy is None else jax.checkpoint(fn, policy=policy)
-
-
-class ConfigError(ValueError):
-    """A model config that is not a Qwen3 config or holds an unsupported value."""
 
 
 @dataclasses.dataclass(frozen=True)

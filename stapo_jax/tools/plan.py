@@ -443,7 +443,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(run_plan(spec)))
         return 0
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
 
     overrides = list(args.overrides)
     if args.model:

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from stapo_jax.config.schema import Config, ConfigError, micro_batch_count
-from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.config.schema import Config, micro_batch_count
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.runtime.collectives import allgather_max
 from stapo_jax.runtime.stopping import Preemption
 from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, place_rows

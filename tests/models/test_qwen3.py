@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from models.decode import decode_step, prefill, split_layers
-from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count, remat_layer
+from models.qwen3 import Qwen3, Qwen3Config, init_cache, param_count, remat_layer
+from stapo_jax.core.errors import ConfigError
 
 TINY = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,

@@ -157,7 +157,7 @@ def test_out_in_shardings_reverse_the_kernel_specs():
 
 
 def test_rollout_kernel_layout_config_key():
-    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.config.schema import load_config
     from stapo_jax.rollout import engine_config
 

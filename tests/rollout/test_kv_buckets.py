@@ -134,7 +134,7 @@ def test_rows_that_fill_the_whole_cache_with_several_steps_per_sync():
 
 
 def test_rollout_kv_cache_buckets_config_key():
-    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.config.schema import load_config
     from stapo_jax.rollout import engine_config
 

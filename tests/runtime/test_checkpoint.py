@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stapo_jax.runtime.checkpoint import CheckpointError, Checkpointer
+from stapo_jax.runtime.checkpoint import Checkpointer
+from stapo_jax.core.errors import CheckpointError
 
 
 def _state(seed):

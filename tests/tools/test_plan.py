@@ -213,7 +213,7 @@ def test_packed_slot_bound_is_reached_and_capped(tmp_path):
     n_max = mini_rows - S + 1 = 9 on 8 shards of 16 sequences; at the default cap 8 x ppo_micro_batch_size: 8),
     and for the paper's 14B config on a v5p-64 slice (4 data-parallel shards, K = 128 padded micro-batches of 1
     sequence): K' = 126 micro-batches of 8 slots, 1,008 slots per device instead of 128."""
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.tools.plan_analytic import packed_slot_bound
     from stapo_jax.train.packing import token_budget_slots
 
