@@ -42,7 +42,8 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import PARAM_RULES, param_path, param_shardings
 from stapo_jax.core.errors import CheckpointError, ConfigError
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from models.qwen3 import Qwen3Config
+from models.qwen3_config import Qwen3Config
 from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

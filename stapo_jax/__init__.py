@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 _EXPORTS_FROM = (
     "stapo_jax.algo.advantages",
+    "stapo_jax.algo.chunked_logprobs",
     "stapo_jax.algo.diagnostics",
     "stapo_jax.algo.logprobs",
     "stapo_jax.algo.mask_settings",

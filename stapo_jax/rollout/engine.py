@@ -48,7 +48,8 @@ compat.install()
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
 
 from models.decode import LAYERS_KEY, DecodeParams, copy_layer_into, split_layers, unstack_layers  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from models.sharding import make_mesh, param_path, param_shardings  # noqa: E402
 from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are part of this module's API)
     DecodeSpec,

@@ -15,7 +15,8 @@ from flax import nnx
 from models.hf import load_hf_checkpoint
 from models.layer_scan import resolve_scan_unroll
 from models.presets import canonical_name, from_hf_config, preset
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import ShardingError, make_mesh, shard_model
 from stapo_jax.config.schema import MODEL_SIZE_KEYS, Config
 from stapo_jax.core.errors import ConfigError

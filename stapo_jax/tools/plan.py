@@ -229,7 +229,7 @@ def run_plan(spec: dict) -> dict:
     Int / float / str dicts. Source: XLA ``compiled.memory_analysis()`` / ``cost_analysis()``."""
     import jax
 
-    from models.qwen3 import Qwen3Config
+    from models.qwen3_config import Qwen3Config
     from models.sharding import make_mesh
 
     qcfg = Qwen3Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["model"].items()})

@@ -18,7 +18,7 @@ from fixtures_hf import hf_logits, hf_tied, hf_untied_sharded, padded_batch  # n
 from models.decode import decode_step, greedy_generate, prefill
 from models.hf import iter_hf_tensors, load_hf_checkpoint, resolve_checkpoint, save_hf_checkpoint
 from stapo_jax.core.errors import CheckpointError
-from models.qwen3 import init_cache
+from models.kv_cache import init_cache
 from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]

@@ -215,13 +215,14 @@ def whole_config_params(root: Path = REPO, below: int = CONFIG_LAYER) -> list[st
                 ann = ast.parse(ann.value, mode="eval").body
             except SyntaxError:
                 return False
-        return any((isinstance(n, ast.Name) and n.id == "Config") or (isinstance(n, ast.Attribute) and n.attr == "Config")
-                   for n in ast.walk(ann))
+        return any((isinstance(n, ast.Name) and n.id == "Config")
+                   or (isinstance(n, ast.Attribute) and n.attr == "Config") for n in ast.walk(ann))
 
     def hides(arg: ast.arg) -> bool:
         ann = arg.annotation
-        is_any = ann is None or (isinstance(ann, ast.Name) and ann.id == "Any") or (
-            isinstance(ann, ast.Constant) and ann.value == "Any") or (isinstance(ann, ast.Attribute) and ann.attr == "Any")
+        is_any = (ann is None or (isinstance(ann, ast.Name) and ann.id == "Any")
+                  or (isinstance(ann, ast.Constant) and ann.value == "Any")
+                  or (isinstance(ann, ast.Attribute) and ann.attr == "Any"))
         return arg.arg in WHOLE_CONFIG_PARAMS and is_any
 
     out = []

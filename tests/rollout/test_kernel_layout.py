@@ -101,7 +101,7 @@ def test_greedy_generate_layouts_agree():
     tokens, lengths = greedy_generate(model, ids, mask, 6)
     graphdef, state = nnx.split(model)
     from models.decode import decode_step, prefill
-    from models.qwen3 import init_cache
+    from models.kv_cache import init_cache
 
     for layout in ("in_out", "out_in"):
         params = split_layers(state, kernel_layout=layout)

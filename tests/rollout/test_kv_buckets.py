@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fixtures_rollout import RAGGED_PROMPTS, make_engine, tiny_model
-from models.qwen3 import cached_attention
+from models.kv_cache import cached_attention
 from stapo_jax.rollout.decode_fns import kv_length_buckets
 from stapo_jax.rollout.driver import RolloutDriver
 from stapo_jax.rollout.engine import EngineConfig, EngineConfigError, Qwen3Engine
