@@ -112,4 +112,3 @@ class Registry(dict):
     def values(self):
         """``dict.values`` after :meth:`load`."""
         return dict.values(self.load())
-
