@@ -19,7 +19,8 @@ from flax import nnx
 
 from models.linear import check_kernel_layout, preferred_kernel_layout
 from models.platform import mesh_platform
-from models.qwen3 import KVCache, Qwen3, init_cache
+from models.qwen3 import Qwen3
+from models.kv_cache import KVCache, init_cache
 from models.sharding import param_path
 
 LAYERS_KEY = "layers"  # the stacked decoder layers in nnx.state(Qwen3)

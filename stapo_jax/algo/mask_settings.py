@@ -1,14 +1,15 @@
 """The settings of the token masks, one frozen dataclass per concept, used both by the library
 (:mod:`stapo_jax.algo.masks`, :class:`stapo_jax.algo.recipes.Recipe`) and directly as the ``s2t`` / ``top_entropy`` sections
 of the run config (:mod:`stapo_jax.config.schema`). jax-free, so the config loads without jax. Every invalid value is a
-:class:`~stapo_jax.algo.settings_base.ConfigError` naming the dotted key.
+:class:`~stapo_jax.core.errors.ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from stapo_jax.algo.settings_base import ConfigError, check_field_types, check_one_of
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import check_field_types, check_one_of
 
 __all__ = ["S2TConfig", "TopEntropyConfig", "CovConfig", "QUANTILE_METHODS", "QUANTILE_SCOPES", "QUANTILE_TOKENS"]
 

@@ -34,8 +34,8 @@ from stapo_jax.algo.mask_settings import (  # noqa: F401  (re-exported: part of 
     S2TConfig,
     TopEntropyConfig,
 )
-from stapo_jax.algo.registry import Registry
-from stapo_jax.algo.settings_base import check_one_of
+from stapo_jax.core.registry import Registry
+from stapo_jax.core.settings import check_one_of
 
 __all__ = [
     "TokenMask",

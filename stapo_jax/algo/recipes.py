@@ -30,7 +30,7 @@ from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import KL_COV_POLICY_LOSSES, POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.algo.settings_base import ConfigError
+from stapo_jax.core.errors import ConfigError
 
 __all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
 

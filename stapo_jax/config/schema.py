@@ -31,18 +31,15 @@ from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t 
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
     apply_token_mask_key, check_registered_names, token_mask_name)
-from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
-    ConfigError,
-    build_dataclass,
-    check_field_types,
-    dataclass_keys,
+from stapo_jax.config.loading import (  # noqa: F401  (parse_override is part of this module's API)
     has_dotted,
     parse_override,
     plain_copy,
     safe_load_unique,
     set_dotted,
-    unknown_keys,
 )
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import build_dataclass, check_field_types, unknown_keys
 # the cross-field checks and the model-size keys they read (part of this module's API)
 from stapo_jax.config.validation import MODEL_SIZE_KEYS, validate  # noqa: F401
 

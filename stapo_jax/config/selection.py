@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from stapo_jax.config.loading import ConfigError, has_dotted, set_dotted
+from stapo_jax.config.loading import has_dotted, set_dotted
+from stapo_jax.core.errors import ConfigError
 
 __all__ = ["TOKEN_MASK_FLAGS", "token_mask_name", "apply_token_mask_key", "token_mask_violations",
            "check_registered_names", "recipe_violations"]

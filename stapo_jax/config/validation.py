@@ -5,7 +5,7 @@ fields or sections. Functions take the run ``Config`` (duck-typed: this module d
 """
 from __future__ import annotations
 
-from stapo_jax.config.loading import ConfigError
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.config.selection import recipe_violations, token_mask_violations
 
 __all__ = ["MODEL_SIZE_KEYS", "REQUIRED_SIZE_KEYS", "validate"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from stapo_jax.algo.registry import Registry
+from stapo_jax.core.registry import Registry
 
 __all__ = ["RewardKind", "REWARD_KINDS", "register_reward", "get_reward_kind"]
 

@@ -28,7 +28,8 @@ from models import decode as model_decode  # noqa: E402
 from models.decode import LAYERS_KEY, DecodeParams, decode_layer_dtype, is_kernel, split_layers  # noqa: E402
 from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
 from models.platform import mesh_platform  # noqa: E402
-from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
+from models.kv_cache import KVCache, init_cache  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from stapo_jax.rollout.engine_settings import EngineConfig  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
 
@@ -140,7 +141,7 @@ class DecodeSpec:
 
     Fields:
       graphdef: the model's ``nnx`` graph definition (structure only).
-      model_config: the :class:`~models.qwen3.Qwen3Config`.
+      model_config: the :class:`~models.qwen3_config.Qwen3Config`.
       config: the engine's :class:`EngineConfig` (slots, cache length, dtypes, sampling).
       eos_token_ids: tuple of int stop ids.
       state_shardings: a :class:`DecodeState` of ``NamedSharding`` (constraint on every returned state).

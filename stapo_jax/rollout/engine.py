@@ -55,7 +55,8 @@ from models.decode import (  # noqa: E402
     split_layers,
     unstack_layers,
 )
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from models.sharding import make_mesh, param_path, param_shardings  # noqa: E402
 from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are part of this module's API)
     DecodeSpec,

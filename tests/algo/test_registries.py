@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stapo_jax.algo.registry import Registry
-from stapo_jax.config.schema import ConfigError, from_dict, load_config, token_mask_name
+from stapo_jax.core.registry import Registry
+from stapo_jax.config.schema import from_dict, load_config, token_mask_name
+from stapo_jax.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

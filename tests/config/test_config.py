@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
-from stapo_jax.config.schema import (JUSTRL_PROMPT_SUFFIX, Config, ConfigError, dataclass_keys, load_config,
-                              parse_override)
+from stapo_jax.config.schema import JUSTRL_PROMPT_SUFFIX, Config, load_config, parse_override
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import dataclass_keys
 from stapo_jax.algo.loss_settings import PolicyLossConfig
 from stapo_jax.algo.mask_settings import S2TConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
