@@ -79,10 +79,26 @@ class TopEntropyConfig:
 
 @dataclass(frozen=True)
 class CovConfig:
-    """Clip-Cov / KL-Cov selection settings (verl ``policy_loss.clip_cov_*`` / ``kl_cov_ratio``; Cui et al.
-    2505.22617). The KL-Cov penalty coefficient is ``PolicyLossConfig.ppo_kl_coef``."""
+    """Clip-Cov / KL-Cov selection settings (Cui et al. 2505.22617); also the ``cov`` section of the run config,
+    shared by the ``clip_cov`` and ``kl_cov`` masks. Key names and defaults are verl 0.9.1's
+    ``actor.policy_loss.clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` / ``kl_cov_ratio`` (our
+    ``actor.policy_loss`` is the loss's name, so the keys live in the mask's own section, as ``s2t`` /
+    ``top_entropy``). The KL-Cov penalty coefficient is ``actor.ppo_kl_coef`` (``PolicyLossConfig``).
+
+    clip_cov_ratio / kl_cov_ratio: fraction of valid tokens detached / penalised, in (0, 1].
+    clip_cov_lb < clip_cov_ub: the covariance window of Clip-Cov's candidates (unitless covariance of A and log p).
+    Raises: ConfigError naming ``cov.<key>`` for an invalid value.
+    """
 
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
+
+    def __post_init__(self):
+        check_field_types(self, "cov")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                raise ConfigError(f"cov.{key}={getattr(self, key)} must be in (0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ConfigError(f"cov.clip_cov_lb={self.clip_cov_lb} must be < cov.clip_cov_ub={self.clip_cov_ub}")

@@ -6,7 +6,9 @@ so it lives with the schema, above the algorithm (:mod:`stapo_jax.algo.recipes` 
 """
 from __future__ import annotations
 
+from stapo_jax.algo.masks import TOKEN_MASKS
 from stapo_jax.algo.recipes import Recipe
+from stapo_jax.config.extensions import settings_for
 from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
 from stapo_jax.config.schema import from_dict
 from stapo_jax.config.selection import token_mask_name
@@ -18,7 +20,9 @@ def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
     loss/mask/advantage field comes from the config (verl key names): the ``actor`` section (a
     :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
-    (or, when null, the ``s2t.enabled`` / ``top_entropy.enabled`` flags: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
+    (or, when null, the ``s2t.enabled`` / ``top_entropy.enabled`` flags: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` / ``cov`` its mask
+    settings, ``cfg.extensions`` the settings of other registered extensions (:mod:`stapo_jax.config.extensions`),
+    ``algorithm`` (an
     ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
@@ -26,10 +30,15 @@ def recipe_from_config(cfg) -> Recipe:
     Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
     Source: the config schema, configs/base.yaml.
     """
+    mask = token_mask_name(cfg)
+    extensions = dict(cfg.extensions)
+    entry = TOKEN_MASKS.get(mask)  # a mask registered with its own section: its settings (defaults when absent)
+    if entry is not None and entry.settings_cls is not None and not hasattr(cfg, entry.section):
+        extensions[entry.section] = settings_for(extensions, entry)
     return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=token_mask_name(cfg), policy_loss=cfg.actor.policy_loss,
-        s2t=cfg.s2t, top_entropy=cfg.top_entropy, advantage=cfg.algorithm, sampling=cfg.sampling, overlong=cfg.reward,
-        drop_truncated=cfg.data.drop_truncated)
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, policy_loss=cfg.actor.policy_loss,
+        s2t=cfg.s2t, top_entropy=cfg.top_entropy, cov=cfg.cov, advantage=cfg.algorithm, sampling=cfg.sampling,
+        overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated, extensions=extensions)
 
 
 # The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``

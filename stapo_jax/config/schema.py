@@ -26,9 +26,11 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 import yaml
 
 from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of the actor section (frozen)
-from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
+# the s2t / top_entropy / cov sections (frozen)
+from stapo_jax.algo.mask_settings import CovConfig, S2TConfig, TopEntropyConfig
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.config.extensions import build_settings, declared_sections, split_sections
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
     apply_token_mask_key, check_registered_names, token_mask_name)
 from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
@@ -359,11 +361,16 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     s2t: S2TConfig = field(default_factory=S2TConfig)
     top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
+    cov: CovConfig = field(default_factory=CovConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # the settings of registered extensions whose section is not a field above (stapo_jax.config.extensions):
+    # {dotted section: settings instance}, e.g. "reward.math_verify_strict"; filled by from_dict with the sections
+    # the YAML sets (an absent one means its defaults: stapo_jax.config.extensions.settings_for)
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.actor.ppo_micro_batch_size == "auto":  # the mini-batch's sequences: one micro-batch per shard
@@ -371,8 +378,12 @@ class Config:
                 self.actor.ppo_mini_batch_size * self.rollout.n, 1))
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain YAML/JSON types (tuples become lists)."""
-        return plain_copy(dataclasses.asdict(self))
+        """The resolved config as plain YAML/JSON types (tuples become lists); each extension's settings sit at
+        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from."""
+        out = plain_copy(dataclasses.asdict(self))
+        for section, values in out.pop("extensions").items():
+            set_dotted(out, section, values)
+        return out
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
@@ -478,6 +489,8 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     Takes YAML scalars, lists, mappings. Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
+    sections = declared_sections()  # the registered extensions' own sections (imports the registries)
+    own = split_sections(raw, sections, Config)
     apply_token_mask_key(raw)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
@@ -493,6 +506,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     if unknown:
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
     cfg = build_dataclass(Config, raw, "")
+    cfg.extensions = build_settings(own, sections)
     validate(cfg)
     check_registered_names(cfg, source)
     return cfg
