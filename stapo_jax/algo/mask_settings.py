@@ -22,7 +22,9 @@ class S2TConfig:
     """STAPO's S2T mask settings (stapo_spec.md §3 and §10 items 1-6; defaults are the adopted reading); also the
     ``s2t`` section of the run config.
 
-    enabled: the run uses the S2T mask (config only; a recipe's ``token_mask`` decides for the library).
+    enabled: the run uses the S2T mask: derived from ``actor.token_mask`` by the config loader (the older YAML
+    spelling ``s2t.enabled`` is still read, with a deprecation note; a recipe's ``token_mask`` decides for the
+    library).
     tau_p: absolute probability threshold (silence if p < tau_p). entropy_quantile: q of tau_h = Q_q(H).
     quantile_scope: 'minibatch' (pre-pass, global over devices and micro-batches) or 'microbatch'.
     quantile_tokens: 'valid' (all valid response tokens), 'positive_adv' (valid, A > 0) or 'candidates' (valid,
@@ -62,7 +64,7 @@ class TopEntropyConfig:
     """20-Entropy (Wang et al. 2506.01939) settings: keep the top ``ratio`` of valid tokens by entropy; also the
     ``top_entropy`` section of the run config.
 
-    enabled: the run uses this mask (config only). scope: 'minibatch' (our default, stapo_spec.md §10 item 12) or
+    enabled: the run uses this mask: derived from ``actor.token_mask`` (as ``S2TConfig.enabled``). scope: 'minibatch' (our default, stapo_spec.md §10 item 12) or
     'microbatch' (official code).
     """
 

@@ -33,9 +33,7 @@ from stapo_jax.algo.objectives import KL_COV_POLICY_LOSSES, POLICY_LOSSES, Polic
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.algo.settings_base import ConfigError
 
-__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
-
-TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
+__all__ = ["Recipe", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
 
 
 @dataclass(frozen=True)
