@@ -64,7 +64,8 @@ class TopEntropyConfig:
     """20-Entropy (Wang et al. 2506.01939) settings: keep the top ``ratio`` of valid tokens by entropy; also the
     ``top_entropy`` section of the run config.
 
-    enabled: the run uses this mask: derived from ``actor.token_mask`` (as ``S2TConfig.enabled``). scope: 'minibatch' (our default, stapo_spec.md §10 item 12) or
+    enabled: the run uses this mask: derived from ``actor.token_mask`` (as ``S2TConfig.enabled``).
+    scope: 'minibatch' (our default, stapo_spec.md §10 item 12) or
     'microbatch' (official code).
     """
 

@@ -2,7 +2,8 @@
 :class:`~stapo_jax.algo.recipes.Recipe` objects (``RECIPES``, :func:`get_recipe`).
 
 A preset is the run config naming it (the schema defaults plus its row of
-:data:`stapo_jax.config.presets.RECIPE_PRESETS`), so it lives with the schema, above the algorithm (:mod:`stapo_jax.algo.recipes` defines the ``Recipe`` type).
+:data:`stapo_jax.config.presets.RECIPE_PRESETS`), so it lives with the schema, above the algorithm
+(:mod:`stapo_jax.algo.recipes` defines the ``Recipe`` type).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def recipe_from_config(cfg) -> Recipe:
     :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
     (resolved by the loader: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` / ``cov`` its mask
     settings, ``cfg.extensions`` the settings of other registered extensions (:mod:`stapo_jax.config.extensions`;
-    a selected mask's absent section: its defaults), ``algorithm`` (an ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
+    a selected mask's absent section: its defaults), ``algorithm`` (an ``AdvantageConfig``) its advantage,
+    ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
     Returns a frozen :class:`Recipe`.
