@@ -85,8 +85,9 @@ class TokenMask:
     section: str | None = None
 
 
-# every mask is registered in this module (a new mask module would be added to ``homes``)
-TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",))
+# the built-in masks are registered in this module; a new mask is one new module in stapo_jax/algo/token_masks/
+TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",),
+                                 packages=("stapo_jax.algo.token_masks",))
 
 
 def register_token_mask(name: str, **spec) -> Callable:
