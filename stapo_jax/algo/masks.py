@@ -67,6 +67,10 @@ class TokenMask:
     dotted recipe field naming its population scope (``microbatch`` / ``minibatch``), or None (each call is its own
     population). selects: the mask selects tokens for a penalty (``kl_cov_selection``) instead of keeping them.
     renormalize: whether dropped tokens leave the denominator: a bool or a dotted recipe field.
+    settings_cls: the mask's own frozen settings dataclass (validating in ``__post_init__``), or None.
+    section: the run-config section holding ``settings_cls`` (also the recipe field the ``settings`` names
+    start with), e.g. ``s2t``: the config loader builds it from YAML for every registered mask
+    (:mod:`stapo_jax.config.extensions`) and the recipe holds the instance.
     """
 
     name: str
@@ -77,10 +81,13 @@ class TokenMask:
     scope: str | None = None
     selects: bool = False
     renormalize: bool | str = True
+    settings_cls: type | None = None
+    section: str | None = None
 
 
-# every mask is registered in this module (a new mask module would be added to ``homes``)
-TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",))
+# the built-in masks are registered in this module; a new mask is one new module in stapo_jax/algo/token_masks/
+TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",),
+                                 packages=("stapo_jax.algo.token_masks",))
 
 
 def register_token_mask(name: str, **spec) -> Callable:
@@ -190,7 +197,8 @@ def masked_quantile(
 @register_token_mask("s2t", needs=("log_probs", "entropy", "advantages"),
                      settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
                      population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
-                     scope="s2t.quantile_scope", renormalize="s2t.renormalize")
+                     scope="s2t.quantile_scope", renormalize="s2t.renormalize", settings_cls=S2TConfig,
+                     section="s2t")
 def s2t_mask(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -249,7 +257,8 @@ def s2t_mask(
 
 
 @register_token_mask("top_entropy", needs=("entropy",), settings=("top_entropy.ratio",),
-                     population="valid tokens", scope="top_entropy.scope")
+                     population="valid tokens", scope="top_entropy.scope", settings_cls=TopEntropyConfig,
+                     section="top_entropy")
 def top_entropy_mask(
     entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
     axis_name=None,
@@ -290,7 +299,8 @@ def _masked_mean(x, mask):
 @register_token_mask("clip_cov", needs=("log_probs", "old_log_probs", "advantages", "key"),
                      settings=("loss.clip_ratio_low", "loss.clip_ratio_high", "cov.clip_cov_ratio", "cov.clip_cov_lb",
                                "cov.clip_cov_ub"),
-                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
+                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False,
+                     settings_cls=CovConfig, section="cov")
 def clip_cov_mask(
     log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, key: jax.Array,
     *,
@@ -340,7 +350,7 @@ def clip_cov_mask(
 
 
 @register_token_mask("kl_cov", needs=("log_probs", "advantages"), settings=("cov.kl_cov_ratio",),
-                     population="valid tokens", selects=True)
+                     population="valid tokens", selects=True, settings_cls=CovConfig, section="cov")
 def kl_cov_mask(
     log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, *, kl_cov_ratio: float = 0.0002
 ) -> tuple[jax.Array, jax.Array]:

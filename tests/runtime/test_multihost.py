@@ -452,7 +452,8 @@ from stapo_jax.runtime import distributed as d
 d.initialize()
 import jax
 from flax import nnx
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.rollout.driver import RolloutDriver
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
 from stapo_jax.rollout.multihost import MultiHostRollout, local_mesh
