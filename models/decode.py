@@ -64,7 +64,7 @@ def decode_layer_dtype(config) -> Any:
     are stored; None when they are read as stored.
 
     Every layer weight enters the computation cast to the compute dtype (``Linear`` / ``nnx.Linear`` promote
-    the kernel to ``config.compute_dtype``; :class:`~models.qwen3.RMSNorm` casts its weight to the activations'
+    the kernel to ``config.compute_dtype``; :class:`~models.qwen3_layers.RMSNorm` casts its weight to the activations'
     dtype), so a decode copy of the layers kept in that dtype gives bitwise the same results in half the memory
     (``bfloat16`` compute over ``float32`` master weights: the paper configs). The embedding and LM head are
     not layers: the LM head is read in its stored dtype (:meth:`~models.qwen3.Qwen3.logits`).
