@@ -32,7 +32,8 @@ import numpy as np
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import masked_quantile
-from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, finalize_metrics, safe_divide
+from stapo_jax.algo.objectives import (LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, PolicyLossInputs, finalize_metrics,
+                                       safe_divide)
 from stapo_jax.algo.recipes import compute_token_mask
 from stapo_jax.config.recipes import RECIPES, get_recipe
 
@@ -178,8 +179,9 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
     lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
     keep, mask_stats = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
                                           old_log_probs=old)
-    s, den, m = POLICY_LOSSES[recipe.policy_loss](lp, old, adv, resp, keep, recipe.loss, entropy=ent,
-                                    ref_log_probs=f("ref_log_probs"), renormalize=recipe.renormalize)
+    inputs = PolicyLossInputs(old, lp, adv, resp, keep, entropy=ent, ref_log_probs=f("ref_log_probs"),
+                              renormalize=recipe.renormalize)
+    s, den, m = POLICY_LOSSES[recipe.policy_loss](inputs, recipe.loss)
     fm = finalize_metrics(m, den)
     ours = {"loss": safe_divide(s, den), "pg_loss": fm["pg_loss"], "pg_clipfrac": fm["pg_clipfrac"],
             "ppo_kl": fm["ppo_kl"]}

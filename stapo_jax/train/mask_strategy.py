@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import masked_quantile
-from stapo_jax.algo.objectives import POLICY_LOSSES, kl_has_own_denominator
+from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossInputs, kl_has_own_denominator
 from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
 from stapo_jax.algo.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
@@ -147,10 +147,13 @@ def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
 
     def surrogate(lp, ent, mb, keep):
-        return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                           None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
-                           rollout_log_probs=mb.rollout_log_probs, kl_cov_selection=keep if selects else None,
-                           renormalize=recipe.renormalize, fold_kl=fold_kl)
+        inputs = PolicyLossInputs(old_log_probs=mb.old_log_probs, log_probs=lp, advantages=mb.advantages,
+                                  response_mask=mb.response_mask.astype(jnp.float32),
+                                  token_mask=None if selects else keep, entropy=ent, ref_log_probs=mb.ref_log_probs,
+                                  rollout_log_probs=mb.rollout_log_probs,
+                                  kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize,
+                                  fold_kl=fold_kl)
+        return policy_loss(inputs, recipe.loss)
 
     return surrogate
 
