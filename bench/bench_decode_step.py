@@ -62,7 +62,9 @@ from flax import nnx  # noqa: E402
 
 from benchutil import load_line, machine_line  # noqa: E402
 from models.presets import preset  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config, init_cache  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
+from models.kv_cache import init_cache  # noqa: E402
 from models.sharding import make_mesh, param_shardings  # noqa: E402
 from stapo_jax.rollout import decode_fns  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402

@@ -22,11 +22,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary, use_cli_allocator  # noqa: E402
 
-from stapo_jax.algo.logprobs import (  # noqa: E402
-    SAVED_LOGITS_BYTES,
-    chunked_log_probs_and_entropy,
-    logits_to_log_probs_and_entropy,
-)
+from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
+from stapo_jax.algo.chunked_logprobs import SAVED_LOGITS_BYTES, chunked_log_probs_and_entropy  # noqa: E402
 
 
 def naive(h, w, ids):

@@ -57,8 +57,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import benchutil  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
-from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.train_step import make_update_steps  # noqa: E402
 from stapo_jax.config.schema import MAX_SEQUENCES_FACTOR  # noqa: E402

@@ -50,7 +50,8 @@ from bench_forward import hf_copy  # noqa: E402
 from benchutil import (interleaved, load_line, machine_line, median, pick_torch_threads, ratio,  # noqa: E402
                        summary, use_cli_allocator)
 from models.presets import from_hf_config  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
 from stapo_jax.rollout.driver import RolloutDriver  # noqa: E402
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine  # noqa: E402

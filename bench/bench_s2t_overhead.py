@@ -42,7 +42,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import interleaved, load_line, machine_line, median, ratio, summary, use_cli_allocator  # noqa: E402
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step
 

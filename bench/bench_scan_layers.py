@@ -13,7 +13,7 @@ Sides (each call: forward + backward of the loss w.r.t. every parameter; no opti
 
 * ``scan``: ``Qwen3.__call__`` on the stacked parameters (``jax.lax.scan``, ``model.remat`` = ``--remat``).
 * ``per-layer``: the same ``DecoderLayer`` modules, one ``nnx.State`` per layer (sliced from the stack once,
-  before timing), applied in a Python loop, each wrapped in the same ``models.qwen3.remat_layer`` policy.
+  before timing), applied in a Python loop, each wrapped in the same ``models.qwen3_layers.remat_layer`` policy.
 * ``unrolled``: the stacked parameters under ``jax.lax.scan(..., unroll=True)`` (the stack kept, the loop
   unrolled at compile time, so every slice index is a constant).
 * ``sliced``: the stacked parameters, a Python loop over static slices ``leaf[i]`` of the stack (MaxText's
@@ -53,8 +53,9 @@ from flax import nnx  # noqa: E402
 from models.attention import segment_ids_from_mask  # noqa: E402
 from models.decode import unstack_layers  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
-from models.qwen3 import Qwen3, positions_from_mask, remat_layer, rope_cos_sin  # noqa: E402
-from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy  # noqa: E402
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_layers import positions_from_mask, remat_layer, rope_cos_sin  # noqa: E402
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy  # noqa: E402
 
 
 def main(argv=None) -> int:

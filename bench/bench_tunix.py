@@ -65,7 +65,7 @@ from flax import nnx  # noqa: E402
 from benchutil import (interleaved, load_line, machine_line, median, report_throughput, scan_unroll_arg,  # noqa: E402
                        use_cli_allocator)
 
-import stapo_jax.algo.logprobs as logprobs  # noqa: E402
+import stapo_jax.algo.chunked_logprobs as chunked_logprobs  # noqa: E402
 from models.hf import iter_hf_tensors  # noqa: E402
 from models.layer_scan import resolve_scan_unroll  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
           f"B={b} P={p} R={r} (T={t}); fp32; ours remat {a.remat}, scan_unroll {cfg.scan_unroll}, "
           f"attention {cfg.attention}; logits "
           f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
-          f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB (kept: {b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES}); "
+          f"{chunked_logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB "
+          f"(kept: {b * r * v * 4 <= chunked_logprobs.SAVED_LOGITS_BYTES}); "
           f"model FLOPs 6·(N·B·T + D·V·B·R) = {model_flops / 1e9:.1f} GFLOP", flush=True)
 
     t0 = time.perf_counter()
@@ -250,14 +251,14 @@ def main(argv=None) -> int:
              "ours + entropy": lambda: jax.block_until_ready(c_ent(params))}
     compile_s = {"ours": t1 - t0, "tunix": t2 - t1, "ours + entropy": time.perf_counter() - t2}
     if not a.no_recompute_side:
-        saved = logprobs.SAVED_LOGITS_BYTES
-        logprobs.SAVED_LOGITS_BYTES = 0  # read when traced: this compiled side recomputes the head's logits
+        saved = chunked_logprobs.SAVED_LOGITS_BYTES
+        chunked_logprobs.SAVED_LOGITS_BYTES = 0  # read when traced: this compiled side recomputes the head's logits
         try:
             t0 = time.perf_counter()
             c_rec = jax.jit(jax.value_and_grad(ours_loss)).lower(params).compile()
             compile_s["ours, head recompute"] = time.perf_counter() - t0
         finally:
-            logprobs.SAVED_LOGITS_BYTES = saved
+            chunked_logprobs.SAVED_LOGITS_BYTES = saved
         sides["ours, head recompute"] = lambda: jax.block_until_ready(c_rec(params))
     sides["tunix"] = lambda: jax.block_until_ready(c_tunix(tparams))
 

@@ -55,8 +55,8 @@ from flax import nnx  # noqa: E402
 from models.presets import from_hf_config  # noqa: E402
 from models.qwen3 import Qwen3  # noqa: E402
 from stapo_jax.assets import qwen3_config_dir  # noqa: E402
-import stapo_jax.algo.logprobs as logprobs  # noqa: E402
-from stapo_jax.algo.logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
+import stapo_jax.algo.chunked_logprobs as chunked_logprobs  # noqa: E402
+from stapo_jax.algo.chunked_logprobs import BACKWARD_VOCAB_CHUNK, chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.config.recipes import get_recipe  # noqa: E402
 from stapo_jax.train.train_step import Batch, TrainState, make_log_prob_fn, make_train_step  # noqa: E402
 
@@ -94,11 +94,12 @@ def main() -> int:
                          "differently); FLOPs are taken at 1 layer")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--saved-logits-mib", type=float, default=None,
-                    help="stapo_jax.algo.logprobs.SAVED_LOGITS_BYTES in MiB for the update steps (default: as is, "
+                    help="stapo_jax.algo.chunked_logprobs.SAVED_LOGITS_BYTES in MiB for the update steps "
+                         "(default: as is, "
                          "512; 0: the head's backward recomputes its logits)")
     a = ap.parse_args()
     if a.saved_logits_mib is not None:
-        logprobs.SAVED_LOGITS_BYTES = int(a.saved_logits_mib * 2**20)
+        chunked_logprobs.SAVED_LOGITS_BYTES = int(a.saved_logits_mib * 2**20)
     use_cli_allocator()
     print(machine_line(), flush=True)
     base = from_hf_config(str(qwen3_config_dir() / "Qwen3-0.6B.json"), dtype="float32", param_dtype="float32")
@@ -150,7 +151,7 @@ def main() -> int:
 
     c_head = cost(jax.jit(head), h_r, w, ids_r)
     n_v = -(-v // BACKWARD_VOCAB_CHUNK)
-    kept = b * r * v * 4 <= logprobs.SAVED_LOGITS_BYTES
+    kept = b * r * v * 4 <= chunked_logprobs.SAVED_LOGITS_BYTES
     heads = {}
     for mode, budget in (("kept", b * r * v * 4), ("recomputed", 0)):
         c_hfb = cost(jax.jit(head_fb(budget)), h_r, w, ids_r, spec((b, r), jnp.float32))
@@ -161,7 +162,7 @@ def main() -> int:
     rows.append((f"head forward + custom backward ({'logits kept' if kept else 'logits recomputed'}: the update's)",
                  c_head_fb, 3 * head_an,
                  f"B·R·V·4 = {b * r * v * 4 / 2**20:.0f} MiB vs SAVED_LOGITS_BYTES "
-                 f"{logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB; {n_v} backward vocab tiles counted"))
+                 f"{chunked_logprobs.SAVED_LOGITS_BYTES / 2**20:.0f} MiB; {n_v} backward vocab tiles counted"))
     other = "recomputed" if kept else "kept"
     rows.append((f"head forward + custom backward (logits {other})", heads[other][0], 3 * head_an,
                  "for comparison, not in the update"))

@@ -19,7 +19,8 @@ from flax import nnx
 
 from models.linear import check_kernel_layout, preferred_kernel_layout
 from models.platform import mesh_platform
-from models.qwen3 import KVCache, Qwen3, init_cache
+from models.qwen3 import Qwen3
+from models.kv_cache import KVCache, init_cache
 from models.sharding import param_path
 
 LAYERS_KEY = "layers"  # the stacked decoder layers in nnx.state(Qwen3)
@@ -58,16 +59,36 @@ def to_kernel_layout(path, layer: jax.Array, kernel_layout: str) -> jax.Array:
     return layer.T if kernel_layout == "out_in" and is_kernel(path) else layer
 
 
-def unstack_layers(stacked, kernel_layout: str = "in_out") -> tuple:
-    """The stacked layer state ``nnx.state(model.layers)`` (leaves [L, ...]) -> tuple of L per-layer states
-    (copies; jittable with ``kernel_layout`` static), kernels in ``kernel_layout`` (:func:`to_kernel_layout`).
+def decode_layer_dtype(config) -> Any:
+    """The dtype the decoder layers' weights are read in by the forward pass, when it is narrower than how they
+    are stored; None when they are read as stored.
 
-    Dtypes kept (bfloat16 / float32 leaves stay so). Raises IndexError when ``stacked`` has no leaves, ValueError
-    for an unknown layout. Source: the ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for
-    per-layer KV caches as JetStream / MaxText decode do.
+    Every layer weight enters the computation cast to the compute dtype (``Linear`` / ``nnx.Linear`` promote
+    the kernel to ``config.compute_dtype``; :class:`~models.qwen3.RMSNorm` casts its weight to the activations'
+    dtype), so a decode copy of the layers kept in that dtype gives bitwise the same results in half the memory
+    (``bfloat16`` compute over ``float32`` master weights: the paper configs). The embedding and LM head are
+    not layers: the LM head is read in its stored dtype (:meth:`~models.qwen3.Qwen3.logits`).
+
+    Args: config: a :class:`~models.qwen3.Qwen3Config`. Returns a ``jnp.dtype`` or None. Never raises.
+    Source: Flax ``nnx.Linear``'s ``promote_dtype``; MaxText / JetStream serve bf16 weights of f32 checkpoints.
+    """
+    compute, stored = jnp.dtype(config.compute_dtype), jnp.dtype(config.weight_dtype)
+    return compute if compute.itemsize < stored.itemsize else None
+
+
+def unstack_layers(stacked, kernel_layout: str = "in_out", layer_dtype: Any = None) -> tuple:
+    """The stacked layer state ``nnx.state(model.layers)`` (leaves [L, ...]) -> tuple of L per-layer states
+    (copies; jittable with ``kernel_layout`` and ``layer_dtype`` static), kernels in ``kernel_layout``
+    (:func:`to_kernel_layout`).
+
+    Dtypes kept (bfloat16 / float32 leaves stay so), or every leaf cast to ``layer_dtype`` when given
+    (:func:`decode_layer_dtype`). Raises IndexError when ``stacked`` has no leaves, ValueError for an unknown
+    layout. Source: the ``nnx.scan`` stacked-layer layout of :class:`Qwen3`, unstacked for per-layer KV caches as
+    JetStream / MaxText decode do.
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
-    return tuple(jax.tree_util.tree_map_with_path(lambda p, a, i=i: to_kernel_layout(p, a[i], kernel_layout),
+    cast = (lambda a: a) if layer_dtype is None else (lambda a: a.astype(layer_dtype))  # noqa: E731
+    return tuple(jax.tree_util.tree_map_with_path(lambda p, a, i=i: to_kernel_layout(p, cast(a[i]), kernel_layout),
                                                   stacked) for i in range(n))
 
 
@@ -84,7 +105,8 @@ def copy_layer_into(stacked, index: jax.Array, previous, kernel_layout: str = "i
       kernel_layout: static, as :func:`to_kernel_layout` (``"out_in"`` transposes each kernel while copying:
         about 5x the time of the plain copy on XLA:CPU, bench/bench_weight_sync.py).
     Returns:
-      the per-layer state with layer ``index``'s values (dtypes of ``previous``, equal to ``stacked``'s).
+      the per-layer state with layer ``index``'s values in the dtypes of ``previous`` (``stacked``'s, or the
+      narrower :func:`decode_layer_dtype`: cast while copying).
     Raises ValueError for an unknown layout; mismatched leaf shapes raise from JAX at trace time.
     Source: JAX buffer donation (``jax.jit(donate_argnums=...)``); the layer is written with
     ``lax.dynamic_update_slice`` over the whole donated buffer, because jit drops a donated argument that the
@@ -97,25 +119,26 @@ def copy_layer_into(stacked, index: jax.Array, previous, kernel_layout: str = "i
     return jax.tree_util.tree_map_with_path(one, previous, stacked)
 
 
-_unstack_jit = jax.jit(unstack_layers, static_argnums=1)
+_unstack_jit = jax.jit(unstack_layers, static_argnums=(1, 2))
 
 
-def split_layers(state, unstack=None, kernel_layout: str = "in_out") -> DecodeParams:
+def split_layers(state, unstack=None, kernel_layout: str = "in_out", layer_dtype: Any = None) -> DecodeParams:
     """Stacked ``nnx.split(model)[1]`` -> :class:`DecodeParams` with kernels in ``kernel_layout``.
 
     ``rest`` shares the arrays of ``state``; the layer weights are copied by ``unstack(stacked_layers)``
-    (default: a jitted :func:`unstack_layers` with ``kernel_layout``; the engine passes one jitted with its
-    shardings, which must produce that layout).
+    (default: a jitted :func:`unstack_layers` with ``kernel_layout`` and ``layer_dtype``, None = as stored; the
+    engine passes one jitted with its shardings, which must produce that layout and dtype).
     Raises:
       KeyError: ``state`` has no ``"layers"`` entry (not a Qwen3 state).
       ValueError: unknown ``kernel_layout``.
 
-    Shapes / dtypes: layer leaves [L, ...] become L leaves [...] of the same dtype. Source: the ``nnx.scan``
+    Shapes / dtypes: layer leaves [L, ...] become L leaves [...] of the same dtype (or ``layer_dtype``,
+    :func:`decode_layer_dtype`). Source: the ``nnx.scan``
     stacked-layer layout of :class:`Qwen3` (Flax NNX ``nnx.split``).
     """
     check_kernel_layout(kernel_layout)
     if unstack is None:
-        unstack = partial(_unstack_jit, kernel_layout=kernel_layout)
+        unstack = partial(_unstack_jit, kernel_layout=kernel_layout, layer_dtype=layer_dtype)
     rest = nnx.State({k: v for k, v in state.items() if k != LAYERS_KEY})
     return DecodeParams(rest=rest, layers=tuple(unstack(state[LAYERS_KEY])), kernel_layout=kernel_layout)
 

@@ -42,16 +42,14 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from models.qwen3 import ConfigError, Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import PARAM_RULES, param_path, param_shardings
+from stapo_jax.core.errors import CheckpointError, ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes, transformers' save_pretrained default ("5GB")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is not a Qwen3 checkpoint, lacks a tensor, or holds a tensor of the wrong shape."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,5 +453,5 @@ def save_hf_checkpoint(model_or_state, config: Qwen3Config, out_dir: Union[str, 
     return written
 
 
-__all__ = ["CheckpointError", "resolve_checkpoint", "read_config", "load_hf_checkpoint", "iter_hf_tensors",
+__all__ = ["resolve_checkpoint", "read_config", "load_hf_checkpoint", "iter_hf_tensors",
            "save_hf_checkpoint", "INDEX_NAME", "DEFAULT_MAX_SHARD_SIZE"]

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from models.qwen3 import Qwen3Config
+from models.qwen3_config import Qwen3Config
 from models.special_tokens import QWEN3_ENDOFTEXT_ID, QWEN3_IM_END_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def from_hf_config(name_or_path: Union[str, os.PathLike], config_dir: Optional[U
     Raises:
       FileNotFoundError: no such file (the message names the path tried).
       KeyError: an unknown preset name.
-      models.qwen3.ConfigError: the file is not a Qwen3 config.
+      stapo_jax.core.errors.ConfigError: the file is not a Qwen3 config.
     """
     p = Path(name_or_path).expanduser()
     if p.is_dir():

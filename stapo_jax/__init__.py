@@ -9,7 +9,8 @@ Layout (each subpackage's ``__init__`` says what it holds):
 * ``stapo_jax.rewards``  answer verifiers (math-verify strict, boxed, string match, reasoning-gym);
 * ``stapo_jax.data``     prompt datasets and the tokenizer;
 * ``stapo_jax.config``   the config schema, YAML loading and building objects from a config;
-* ``stapo_jax.runtime``  multi-controller initialisation, checkpoints, the local launcher;
+* ``stapo_jax.runtime``  multi-controller initialisation, collectives, checkpoints, the local launcher;
+* ``stapo_jax.core``     the bottom layer: the error classes, settings coercion, the ``Registry``;
 * ``stapo_jax.tools``    the CLI and its commands (eval, demo, plan, check, dump, plot).
 
 The algorithm's public functions are re-exported here, loaded on first use so that importing a light module
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 _EXPORTS_FROM = (
     "stapo_jax.algo.advantages",
+    "stapo_jax.algo.chunked_logprobs",
     "stapo_jax.algo.diagnostics",
     "stapo_jax.algo.logprobs",
     "stapo_jax.algo.mask_settings",

@@ -29,7 +29,8 @@ METRICS = ("loss", "grad_norm", "s2t/tau_h", "s2t/n_keep", "entropy", "pg_clipfr
 
 def main(out_path: str) -> int:
     info = distributed.initialize()
-    from models.qwen3 import Qwen3, Qwen3Config
+    from models.qwen3 import Qwen3
+    from models.qwen3_config import Qwen3Config
     from models.sharding import make_mesh
     from stapo_jax.train.optim import make_optimizer
     from stapo_jax.config.recipes import get_recipe

@@ -10,7 +10,8 @@ import torch
 from flax import nnx
 
 from models.hf import save_hf_checkpoint
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.assets import qwen3_tokenizer_dir
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
 from stapo_jax.rollout.sampling import SamplingParams

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stapo_jax.algo.registry import Registry
+from stapo_jax.core.registry import Registry
 
 __all__ = [
     "register_adv_est",

@@ -2,14 +2,15 @@
 :class:`stapo_jax.algo.recipes.Recipe`) and directly as the loss keys of the run config's ``actor`` section
 (:class:`stapo_jax.config.schema.ActorConfig` extends it with the PPO batching and optimizer keys). jax-free, so
 the config loads without jax. Key names are verl's (``verl/trainer/config/actor/actor.yaml``); every invalid value
-is a :class:`~stapo_jax.algo.settings_base.ConfigError` naming the dotted key ``actor.<field>``.
+is a :class:`~stapo_jax.core.errors.ConfigError` naming the dotted key ``actor.<field>``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from stapo_jax.algo.settings_base import ConfigError, check_field_types, check_one_of
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import check_field_types, check_one_of
 
 __all__ = ["PolicyLossConfig", "LOSS_AGG_MODES", "CONSTANT_DENOMINATOR_MODES", "KL_TYPES", "SAMPLER_IS_MODES"]
 

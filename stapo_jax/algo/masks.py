@@ -34,8 +34,8 @@ from stapo_jax.algo.mask_settings import (  # noqa: F401  (re-exported: part of 
     S2TConfig,
     TopEntropyConfig,
 )
-from stapo_jax.algo.registry import Registry
-from stapo_jax.algo.settings_base import check_one_of
+from stapo_jax.core.registry import Registry
+from stapo_jax.core.settings import check_one_of
 
 __all__ = [
     "TokenMask",
@@ -72,6 +72,10 @@ class TokenMask:
     otherwise take the recipe's entropy quantile of the population. rows_reorderable: with a ``minibatch`` scope
     its mask does not depend on which micro-batch holds a row, so a packed update may reorder the rows (False for
     a mask without a scope: each micro-batch is its own population).
+    settings_cls: the mask's own frozen settings dataclass (validating in ``__post_init__``), or None.
+    section: the run-config section holding ``settings_cls`` (also the recipe field the ``settings`` names
+    start with), e.g. ``s2t``: the config loader builds it from YAML for every registered mask
+    (:mod:`stapo_jax.config.extensions`) and the recipe holds the instance.
     """
 
     name: str
@@ -85,6 +89,8 @@ class TokenMask:
     threshold_metric: str | None = None
     entropy_threshold: bool = False
     rows_reorderable: bool = False
+    settings_cls: type | None = None
+    section: str | None = None
 
     @property
     def metric_name(self) -> str:
@@ -92,8 +98,9 @@ class TokenMask:
         return self.threshold_metric or f"{self.name}/threshold"
 
 
-# every mask is registered in this module (a new mask module would be added to ``homes``)
-TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",))
+# the built-in masks are registered in this module; a new mask is one new module in stapo_jax/algo/token_masks/
+TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo_jax.algo.masks",),
+                                 packages=("stapo_jax.algo.token_masks",))
 
 
 def register_token_mask(name: str, **spec) -> Callable:
@@ -204,7 +211,7 @@ def masked_quantile(
                      settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
                      population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
                      scope="s2t.quantile_scope", renormalize="s2t.renormalize", threshold_metric="s2t/tau_h",
-                     entropy_threshold=True, rows_reorderable=True)
+                     entropy_threshold=True, rows_reorderable=True, settings_cls=S2TConfig, section="s2t")
 def s2t_mask(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -263,7 +270,8 @@ def s2t_mask(
 
 
 @register_token_mask("top_entropy", needs=("entropy",), settings=("top_entropy.ratio",),
-                     population="valid tokens", scope="top_entropy.scope", rows_reorderable=True)
+                     population="valid tokens", scope="top_entropy.scope", rows_reorderable=True,
+                     settings_cls=TopEntropyConfig, section="top_entropy")
 def top_entropy_mask(
     entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
     axis_name=None,
@@ -304,7 +312,8 @@ def _masked_mean(x, mask):
 @register_token_mask("clip_cov", needs=("log_probs", "old_log_probs", "advantages", "key"),
                      settings=("loss.clip_ratio_low", "loss.clip_ratio_high", "cov.clip_cov_ratio", "cov.clip_cov_lb",
                                "cov.clip_cov_ub"),
-                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False)
+                     population="valid, unclipped tokens with clip_cov_lb < cov < clip_cov_ub", renormalize=False,
+                     settings_cls=CovConfig, section="cov")
 def clip_cov_mask(
     log_probs: jax.Array, old_log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, key: jax.Array,
     *,
@@ -354,7 +363,7 @@ def clip_cov_mask(
 
 
 @register_token_mask("kl_cov", needs=("log_probs", "advantages"), settings=("cov.kl_cov_ratio",),
-                     population="valid tokens", selects=True)
+                     population="valid tokens", selects=True, settings_cls=CovConfig, section="cov")
 def kl_cov_mask(
     log_probs: jax.Array, advantages: jax.Array, response_mask: jax.Array, *, kl_cov_ratio: float = 0.0002
 ) -> tuple[jax.Array, jax.Array]:

@@ -38,7 +38,7 @@ from stapo_jax.algo.loss_settings import (  # noqa: F401  (re-exported: part of 
     LOSS_AGG_MODES,
     PolicyLossConfig,
 )
-from stapo_jax.algo.registry import Registry
+from stapo_jax.core.registry import Registry
 
 __all__ = [
     "PolicyLossConfig",

@@ -2,13 +2,14 @@
 (:class:`stapo_jax.algo.recipes.Recipe`) and directly as (the base of) a run-config section
 (:mod:`stapo_jax.config.schema`): the advantage estimator (``algorithm``), DAPO's dynamic sampling (``sampling``)
 and DAPO's overlong reward shaping (the ``overlong_*`` keys of ``reward``). jax-free, so the config loads without
-jax. Every invalid value is a :class:`~stapo_jax.algo.settings_base.ConfigError` naming the dotted key.
+jax. Every invalid value is a :class:`~stapo_jax.core.errors.ConfigError` naming the dotted key.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stapo_jax.algo.settings_base import ConfigError, check_field_types
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import check_field_types
 
 __all__ = ["AdvantageConfig", "SamplingConfig", "OverlongConfig"]
 

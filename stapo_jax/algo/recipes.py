@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from stapo_jax.algo import masks
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import KL_COV_POLICY_LOSSES, POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
-from stapo_jax.algo.settings_base import ConfigError
+from stapo_jax.core.errors import ConfigError
 
-__all__ = ["Recipe", "TOKEN_MASKS", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
-
-TOKEN_MASKS = ("none",) + tuple(masks.TOKEN_MASKS)  # "none" + every mask registered by stapo_jax.algo.masks
+__all__ = ["Recipe", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,9 @@ class Recipe:
     s2t / top_entropy / cov: settings of the corresponding masks. advantage: the estimator and its GRPO
     normalisation (:class:`~stapo_jax.algo.recipe_settings.AdvantageConfig`). sampling: DAPO's drop-constant-groups
     resampling (``SamplingConfig``). overlong: DAPO overlong reward shaping (``OverlongConfig``, 0 = off).
-    drop_truncated: give truncated responses an all-zero response mask. A run config's sections are these
+    drop_truncated: give truncated responses an all-zero response mask. extensions: ``{section: settings}`` of
+    registered extensions whose section is not a field here (a mask registered in a new file with its own
+    ``settings_cls``; the run config's ``Config.extensions``). A run config's sections are these
     settings themselves (``actor`` = loss, ``algorithm`` = advantage, ``reward`` = overlong, ...), not copies.
     """
 
@@ -62,6 +63,7 @@ class Recipe:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     drop_truncated: bool = False
+    extensions: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         # the live registries (entries registered later included); ConfigError naming the key, with did-you-mean
@@ -117,13 +119,19 @@ def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
 
 
 def recipe_field(recipe: Recipe, dotted: str):
-    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way).
+    """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way); a section
+    that is not a recipe field is looked up in ``recipe.extensions`` (``"my_mask.window"``).
 
     Returns the setting's Python value. Raises: ValueError if ``dotted`` is not ``section.name``,
     AttributeError for an unknown section or field. Source: the ``settings=`` names of
     :func:`stapo_jax.algo.masks.register_token_mask` (config key spelling, verl-style dotted keys)."""
-    section, name = dotted.split(".")
-    return getattr(getattr(recipe, section), name)
+    section, name = dotted.rsplit(".", 1)
+    if "." not in section and hasattr(recipe, section):
+        return getattr(getattr(recipe, section), name)
+    if section not in recipe.extensions:
+        raise AttributeError(f"recipe {recipe.name!r} has no settings section {section!r} (fields and "
+                             f"extensions: {sorted(recipe.extensions)})")
+    return getattr(recipe.extensions[section], name)
 
 
 def compute_token_mask(
@@ -163,7 +171,7 @@ def compute_token_mask(
     if missing:
         raise ValueError(f"token_mask={spec.name!r} needs {missing} (it reads {list(spec.needs)})")
     kwargs = {n: given[n] for n in spec.needs}
-    kwargs.update({d.split(".")[1]: recipe_field(recipe, d) for d in spec.settings})
+    kwargs.update({d.rsplit(".", 1)[1]: recipe_field(recipe, d) for d in spec.settings})
     if spec.scope is not None:
         kwargs["axis_name"] = axis_name
     if tau_h is not None:

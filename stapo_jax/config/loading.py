@@ -1,6 +1,6 @@
 """Configuration from YAML: unique-key YAML loading, dotted overrides and dotted-key helpers, over the typed
-building of settings dataclasses in :mod:`stapo_jax.algo.settings_base` (re-exported here: ``ConfigError``,
-``build_dataclass``, ``coerce`` ...). Schema-agnostic: :mod:`stapo_jax.config.schema` holds the schema.
+building of settings dataclasses in :mod:`stapo_jax.core.settings` (errors: :class:`stapo_jax.core.errors.ConfigError`).
+Schema-agnostic: :mod:`stapo_jax.config.schema` holds the schema.
 """
 from __future__ import annotations
 
@@ -8,21 +8,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from stapo_jax.algo.settings_base import (  # noqa: F401  (re-exported: part of this module's API)
-    ConfigError,
-    build_dataclass,
-    check_field_types,
-    check_one_of,
-    coerce,
-    dataclass_keys,
-    type_name,
-    unknown_key_message,
-    unknown_keys,
-)
+from stapo_jax.core.errors import ConfigError
 
-__all__ = ["ConfigError", "build_dataclass", "unknown_keys", "coerce", "type_name", "unknown_key_message",
-           "has_dotted", "set_dotted", "plain_copy", "dataclass_keys", "parse_override", "safe_load_unique",
-           "check_field_types", "check_one_of"]
+__all__ = ["has_dotted", "set_dotted", "plain_copy", "parse_override", "safe_load_unique"]
 
 
 def has_dotted(raw: Mapping[str, Any], key: str) -> bool:

@@ -1,13 +1,16 @@
 """The recipe a run config describes (:func:`recipe_from_config`) and the named presets as
 :class:`~stapo_jax.algo.recipes.Recipe` objects (``RECIPES``, :func:`get_recipe`).
 
-A preset is the run config naming it (the schema defaults plus :data:`stapo_jax.config.schema.RECIPE_DEFAULTS`),
-so it lives with the schema, above the algorithm (:mod:`stapo_jax.algo.recipes` defines the ``Recipe`` type).
+A preset is the run config naming it (the schema defaults plus its row of
+:data:`stapo_jax.config.presets.RECIPE_PRESETS`), so it lives with the schema, above the algorithm
+(:mod:`stapo_jax.algo.recipes` defines the ``Recipe`` type).
 """
 from __future__ import annotations
 
+from stapo_jax.algo.masks import TOKEN_MASKS
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.config.schema import RECIPES as CONFIG_RECIPES
+from stapo_jax.config.extensions import settings_for
+from stapo_jax.config.presets import RECIPE_PRESETS
 from stapo_jax.config.schema import from_dict
 from stapo_jax.config.selection import token_mask_name
 
@@ -18,24 +21,31 @@ def recipe_from_config(cfg) -> Recipe:
     """The :class:`Recipe` a resolved run config (:class:`stapo_jax.config.schema.Config`) describes: every
     loss/mask/advantage field comes from the config (verl key names): the ``actor`` section (a
     :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
-    (or, when null, the ``s2t.enabled`` / ``top_entropy.enabled`` flags: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` its mask settings, ``algorithm`` (an
-    ``AdvantageConfig``) its advantage, ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
+    (resolved by the loader: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` / ``cov`` its mask
+    settings, ``cfg.extensions`` the settings of other registered extensions (:mod:`stapo_jax.config.extensions`;
+    a selected mask's absent section: its defaults), ``algorithm`` (an ``AdvantageConfig``) its advantage,
+    ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
     Returns a frozen :class:`Recipe`.
     Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
     Source: the config schema, configs/base.yaml.
     """
+    mask = token_mask_name(cfg)
+    extensions = dict(cfg.extensions)
+    entry = TOKEN_MASKS.get(mask)  # a mask registered with its own section: its settings (defaults when absent)
+    if entry is not None and entry.settings_cls is not None and not hasattr(cfg, entry.section):
+        extensions[entry.section] = settings_for(extensions, entry)
     return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=token_mask_name(cfg), policy_loss=cfg.actor.policy_loss,
-        s2t=cfg.s2t, top_entropy=cfg.top_entropy, advantage=cfg.algorithm, sampling=cfg.sampling, overlong=cfg.reward,
-        drop_truncated=cfg.data.drop_truncated)
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, policy_loss=cfg.actor.policy_loss,
+        s2t=cfg.s2t, top_entropy=cfg.top_entropy, cov=cfg.cov, advantage=cfg.algorithm, sampling=cfg.sampling,
+        overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated, extensions=extensions)
 
 
-# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.schema.RECIPE_DEFAULTS[name]``
+# The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.presets.RECIPE_PRESETS[name]``
 # (the same table that fills a run config's unset keys), so a recipe and a config naming it agree by construction.
 RECIPES: dict[str, Recipe] = {name: recipe_from_config(from_dict({"algorithm": {"recipe": name}}))
-                              for name in CONFIG_RECIPES}
+                              for name in RECIPE_PRESETS}
 
 
 def get_recipe(name: str, **changes) -> Recipe:

@@ -7,8 +7,10 @@ recipe); key spellings follow verl (``actor.clip_ratio_c``, ``actor.loss_agg_mod
 ``actor.kl_loss_coef``, ``loss.kl_type`` -> ``actor.kl_loss_type``, ``loss.entropy_coef`` ->
 ``actor.entropy_coeff``, ``loss.agg_mode`` -> ``actor.loss_agg_mode``.
 
-Resolution order for a key: command-line override > YAML file > recipe default (:data:`RECIPE_DEFAULTS`,
-applied only to keys neither the file nor an override sets) > schema default below.
+Resolution order for a key: command-line override > YAML file > recipe default (the row of
+:data:`stapo_jax.config.presets.RECIPE_PRESETS`, applied only to keys neither the file nor an override sets) >
+schema default below. The token mask is chosen by one key, ``actor.token_mask`` (unset: the recipe's); the older
+``s2t.enabled`` / ``top_entropy.enabled`` flags are derived from it (still read, with a deprecation note).
 
 Usage::
 
@@ -26,29 +28,28 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 import yaml
 
 from stapo_jax.algo.loss_settings import PolicyLossConfig  # the loss keys of the actor section (frozen)
-from stapo_jax.algo.mask_settings import S2TConfig, TopEntropyConfig  # the s2t / top_entropy sections (frozen)
+# the s2t / top_entropy / cov sections (frozen)
+from stapo_jax.algo.mask_settings import CovConfig, S2TConfig, TopEntropyConfig
 # the sampling section and the bases of algorithm / reward (frozen)
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
+from stapo_jax.config.extensions import build_settings, declared_sections, split_sections
+from stapo_jax.config.presets import RECIPE_PRESETS, RecipeName
 from stapo_jax.config.selection import (  # noqa: F401  (token_mask_name is part of this module's API)
-    apply_token_mask_key, check_registered_names, token_mask_name)
-from stapo_jax.config.loading import (  # noqa: F401  (ConfigError and dataclass_keys are part of this module's API)
-    ConfigError,
-    build_dataclass,
-    check_field_types,
-    dataclass_keys,
+    TOKEN_MASK_FLAGS, check_registered_names, resolve_token_mask, token_mask_name)
+from stapo_jax.config.loading import (  # noqa: F401  (parse_override is part of this module's API)
     has_dotted,
     parse_override,
     plain_copy,
     safe_load_unique,
     set_dotted,
-    unknown_keys,
 )
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import build_dataclass, check_field_types, unknown_keys
 # the cross-field checks and the model-size keys they read (part of this module's API)
 from stapo_jax.config.validation import MODEL_SIZE_KEYS, validate  # noqa: F401
 
 CONFIG_FILENAME = "config.yaml"
 JUSTRL_PROMPT_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-RECIPES = ("grpo", "dapo", "entropy20", "justrl", "stapo")
 MAX_SEQUENCES_FACTOR = 8  # actor.max_sequences_per_micro_batch=null: 8 x ppo_micro_batch_size (bench_packing.py)
 
 
@@ -171,7 +172,7 @@ class AlgorithmConfig(AdvantageConfig):
     ``strict_recipe: false`` allows a config to deviate from the recipe's invariants (e.g. a KL term under
     ``stapo``); the deviation is then the user's."""
 
-    recipe: Literal["grpo", "dapo", "entropy20", "justrl", "stapo"] = "stapo"
+    recipe: RecipeName = "stapo"  # a row of stapo_jax.config.presets.RECIPE_PRESETS
     strict_recipe: bool = True
 
 
@@ -212,9 +213,10 @@ class ActorConfig(PolicyLossConfig):
     kl_loss_coef: float = 0.0
     # a registered policy loss (verl policy_loss.loss_mode; stapo_jax.algo.objectives.POLICY_LOSSES)
     policy_loss: str = "vanilla"
-    # a registered token mask (stapo_jax.algo.masks.TOKEN_MASKS) or "none"; null: from s2t.enabled /
-    # top_entropy.enabled (the older spelling, still accepted; token_mask_name)
-    token_mask: Optional[str] = None
+    # the one key choosing the token mask: a registered mask (stapo_jax.algo.masks.TOKEN_MASKS) or "none"; unset /
+    # null in a file: the recipe's (RECIPE_PRESETS); the older s2t.enabled / top_entropy.enabled flags are derived
+    # from it (selection.resolve_token_mask). The default is the default recipe's (stapo).
+    token_mask: Optional[str] = "s2t"
     ppo_mini_batch_size: int = 64
     # sequences per device per forward/backward; auto: the whole mini-batch's share of a device (K = 1), resolved
     # by Config to ppo_mini_batch_size x rollout.n (a size at or above a shard's rows gives K = 1)
@@ -359,11 +361,16 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     s2t: S2TConfig = field(default_factory=S2TConfig)
     top_entropy: TopEntropyConfig = field(default_factory=TopEntropyConfig)
+    cov: CovConfig = field(default_factory=CovConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # the settings of registered extensions whose section is not a field above (stapo_jax.config.extensions):
+    # {dotted section: settings instance}, e.g. "reward.math_verify_strict"; filled by from_dict with the sections
+    # the YAML sets (an absent one means its defaults: stapo_jax.config.extensions.settings_for)
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.actor.ppo_micro_batch_size == "auto":  # the mini-batch's sequences: one micro-batch per shard
@@ -371,8 +378,14 @@ class Config:
                 self.actor.ppo_mini_batch_size * self.rollout.n, 1))
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain YAML/JSON types (tuples become lists)."""
-        return plain_copy(dataclasses.asdict(self))
+        """The resolved config as plain YAML/JSON types (tuples become lists); each extension's settings sit at
+        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from."""
+        out = plain_copy(dataclasses.asdict(self))
+        for mask in TOKEN_MASK_FLAGS:  # derived from actor.token_mask: not written (the older spelling)
+            out[mask].pop("enabled")
+        for section, values in out.pop("extensions").items():
+            set_dotted(out, section, values)
+        return out
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the resolved config to ``run_dir/config.yaml`` (atomically); returns the path.
@@ -416,15 +429,6 @@ class Config:
             raise ConfigError(f"data.train_files is empty (data.source={self.data.source})")
 
 
-# Recipe defaults (stapo_spec §5 table): applied to keys the YAML file and the overrides leave unset.
-RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"actor.clip_ratio_high": 0.2, "s2t.enabled": False},
-    "entropy20": {"s2t.enabled": False, "top_entropy.enabled": True},
-    "justrl": {"s2t.enabled": False},
-    "dapo": {"s2t.enabled": False, "sampling.dynamic": True, "reward.overlong_buffer_len": 4096,
-             "reward.overlong_penalty": 1.0},
-    "stapo": {"s2t.enabled": True},
-}
 # --------------------------------------------------------------------------------------- loading
 
 
@@ -478,11 +482,14 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     Takes YAML scalars, lists, mappings. Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
-    apply_token_mask_key(raw)
+    sections = declared_sections()  # the registered extensions' own sections (imports the registries)
+    own = split_sections(raw, sections, Config)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe
-    if isinstance(recipe, str) and recipe in RECIPE_DEFAULTS:  # a non-str recipe is reported by its Literal
-        for key, value in RECIPE_DEFAULTS[recipe].items():
+    preset = RECIPE_PRESETS.get(recipe) if isinstance(recipe, str) else None  # a bad recipe: reported by its Literal
+    resolve_token_mask(raw, preset.token_mask if preset is not None else "none")
+    if preset is not None:
+        for key, value in preset.defaults.items():
             section = raw.get(key.split(".", 1)[0])
             # a section that is not a mapping (``s2t: []``) is reported by build_dataclass, naming the section
             if (section is None or isinstance(section, dict)) and not has_dotted(raw, key):
@@ -493,6 +500,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     if unknown:
         raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
     cfg = build_dataclass(Config, raw, "")
+    cfg.extensions = build_settings(own, sections)
     validate(cfg)
     check_registered_names(cfg, source)
     return cfg

@@ -5,8 +5,8 @@ fields or sections. Functions take the run ``Config`` (duck-typed: this module d
 """
 from __future__ import annotations
 
-from stapo_jax.config.loading import ConfigError
-from stapo_jax.config.selection import recipe_violations, token_mask_violations
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.config.selection import recipe_violations
 
 __all__ = ["MODEL_SIZE_KEYS", "REQUIRED_SIZE_KEYS", "validate"]
 
@@ -80,7 +80,7 @@ def _rollout_errors(cfg) -> list[str]:
 
 
 def _batch_and_method_errors(cfg) -> list[str]:
-    """The estimator against the group size, the batch sizes against each other, one token mask, reward shaping
+    """The estimator against the group size, the batch sizes against each other, reward shaping
     against the response length and the reward kind against the data source."""
     r, al, a, t, rw = cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer, cfg.reward
     out = _failed(
@@ -94,9 +94,6 @@ def _batch_and_method_errors(cfg) -> list[str]:
         out += _failed((t.train_batch_size % a.ppo_mini_batch_size == 0,
                         f"trainer.train_batch_size={t.train_batch_size} is not divisible by "
                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}"))
-    out += _failed((not (cfg.s2t.enabled and cfg.top_entropy.enabled),
-                    "s2t.enabled and top_entropy.enabled are both true; a recipe uses one token mask"))
-    out += token_mask_violations(cfg)
     out += _failed((rw.overlong_buffer_len <= r.max_new_tokens,
                     f"reward.overlong_buffer_len={rw.overlong_buffer_len} exceeds rollout.max_new_tokens="
                     f"{r.max_new_tokens}"),

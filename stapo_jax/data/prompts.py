@@ -46,7 +46,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from stapo_jax.config.schema import Config, ConfigError, DataConfig
+from stapo_jax.config.schema import Config, DataConfig
+from stapo_jax.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from models.special_tokens import QWEN3_STOP_IDS  # noqa: F401  (re-exported: the engine and client use it)
-from stapo_jax.config.schema import Config, ConfigError, TokenizerConfig
+from stapo_jax.config.schema import Config, TokenizerConfig
+from stapo_jax.core.errors import ConfigError
 
 ENDOFTEXT, IM_START, IM_END, THINK, END_THINK, UNK = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|unk|>")

@@ -59,31 +59,26 @@ class RewardScorer:
       boxed_normalize: string match after DAPO's normalisation (``reward.boxed_normalize``).
       gym_task: reasoning-gym task name (required for ``kind="gym"``).
       gym_answer_format: ``boxed | answer_tag | raw`` (:func:`stapo_jax.rewards.gym.extract_answer`).
-      rel_tol: ``math_verify_strict``: relative tolerance for answers with decimals (> 0).
-      require_think_close: ``math_verify_strict``: a response without ``</think>`` has no answer (thinking
-        templates that pre-fill ``<think>`` in the prompt).
+      settings: the kind's own settings (an instance of its registered ``settings_cls``, e.g.
+        :class:`~stapo_jax.rewards.math_strict.MathStrictSettings` for ``math_verify_strict``: ``rel_tol``,
+        ``require_think_close``); None: that class's defaults. The run config's ``reward.<kind>`` section.
       max_pool_restarts: pool rebuilds allowed per batch (``reward.max_pool_restarts``, :class:`VerifierPool`).
       on_progress: optional no-argument callable run after each verified item (the trainer passes the stall
         watchdog's progress mark).
     """
 
     def __init__(self, kind: str, *, timeout_s: float = 10.0, num_workers: int = 4, boxed_normalize: bool = False,
-                 gym_task: Optional[str] = None, gym_answer_format: str = "boxed", rel_tol: float = 1e-9,
-                 require_think_close: bool = False, max_pool_restarts: int = 3,
-                 on_progress: Optional[Callable[[], None]] = None):
+                 gym_task: Optional[str] = None, gym_answer_format: str = "boxed", settings: Any = None,
+                 max_pool_restarts: int = 3, on_progress: Optional[Callable[[], None]] = None):
         self.entry = get_reward_kind(kind)  # ConfigError (a ValueError) for an unknown kind, with did-you-mean
         if "gym_task" in self.entry.requires and not gym_task:
             raise ValueError(f"reward kind {kind!r} needs gym_task (data.gym.task)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
-        if not rel_tol > 0:
-            raise ValueError(f"rel_tol={rel_tol} must be > 0")
-        self.rel_tol, self.require_think_close = float(rel_tol), bool(require_think_close)
         self.kind, self.timeout_s, self.boxed_normalize = kind, float(timeout_s), boxed_normalize
-        self.gym_task, self.gym_answer_format = gym_task, gym_answer_format
-        self._keywords = self.entry.keywords({"boxed_normalize": boxed_normalize, "rel_tol": self.rel_tol,
-                                              "require_think_close": self.require_think_close,
-                                              "gym_task": gym_task, "gym_answer_format": gym_answer_format})
+        self.gym_task, self.gym_answer_format, self.settings = gym_task, gym_answer_format, settings
+        self._keywords = self.entry.keywords({"boxed_normalize": boxed_normalize, "gym_task": gym_task,
+                                              "gym_answer_format": gym_answer_format}, settings)
         self._pool: Optional[VerifierPool] = None
         if self.entry.pooled:
             module = self.entry.module
@@ -167,14 +162,16 @@ def make_scorer(cfg, on_progress: Optional[Callable[[], None]] = None) -> Reward
 
     Reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
     ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format``, ``reward.max_pool_restarts``
-    and ``data.gym.task``; ``on_progress`` as :class:`RewardScorer`.
+    and ``data.gym.task``, and the kind's own settings section (``reward.<kind>``, held in ``cfg.extensions``
+    by the config loader: e.g. ``reward.math_verify_strict.rel_tol``); ``on_progress`` as :class:`RewardScorer`.
     Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
     non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind. Source: the project's config
     convention (``docs/conventions.md``).
     """
     r = cfg.reward
+    settings = cfg.extensions.get(get_reward_kind(r.kind).section)  # None: the kind's defaults
     return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
-                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format,
+                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format, settings=settings,
                         max_pool_restarts=r.max_pool_restarts, on_progress=on_progress)
 
 

@@ -36,7 +36,11 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import check_field_types
 
 from stapo_jax.rewards.answer import Normalized, final_answer, normalize, unicode_to_latex
 from stapo_jax.rewards.forms import (AnswerForm, forms_equal, has_infinity, is_unsafe, ratio_value,
@@ -440,8 +444,27 @@ def verify_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL, requi
     return 1.0 if verify_strict(response, gold, rel_tol, require_think_close) else 0.0
 
 
-@register_reward("math_verify_strict", pooled=True,
-                 options={"rel_tol": "rel_tol", "require_think_close": "require_think_close"})
+@dataclass(frozen=True)
+class MathStrictSettings:
+    """The ``math_verify_strict`` reward's own settings: the run config's ``reward.math_verify_strict`` section.
+
+    rel_tol: relative tolerance (> 0, unitless) of the magnitude-safe numeric comparison for answers with decimals.
+    require_think_close: a response without ``</think>`` has no answer (thinking templates that pre-fill
+    ``<think>`` in the prompt). Raises: ConfigError naming ``reward.math_verify_strict.<key>``.
+    Source: issue 13 (the strict verifier); math-verify's numeric comparison.
+    """
+
+    rel_tol: float = DEFAULT_REL_TOL
+    require_think_close: bool = False
+
+    def __post_init__(self):
+        check_field_types(self, "reward.math_verify_strict")
+        if not self.rel_tol > 0:
+            raise ConfigError(f"reward.math_verify_strict.rel_tol={self.rel_tol} must be > 0")
+
+
+@register_reward("math_verify_strict", pooled=True, settings_cls=MathStrictSettings,
+                 section="reward.math_verify_strict")
 def score_one(response: str, gold: str, rel_tol: float = DEFAULT_REL_TOL,
               require_think_close: bool = False) -> tuple[float, bool]:
     """Pool entry point: ``(score, unparsed)`` from :func:`grade` (score 1.0 / 0.0; ``unparsed`` counted as

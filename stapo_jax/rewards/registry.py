@@ -5,10 +5,11 @@ so a new reward is one new file there (DESIGN.md "Add a reward").
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from stapo_jax.algo.registry import Registry
+from stapo_jax.core.registry import Registry
 
 __all__ = ["RewardKind", "REWARD_KINDS", "register_reward", "get_reward_kind"]
 
@@ -25,6 +26,9 @@ class RewardKind:
     options: ``{fn keyword: scorer option}`` read from the :class:`~stapo_jax.rewards.RewardScorer`'s options
     (``boxed_normalize``, ``rel_tol``, ``require_think_close``, ``gym_task``, ``gym_answer_format``). fixed: constant
     keywords. requires: scorer options that must be set (``gym_task``).
+    settings_cls: the kind's own frozen settings dataclass (validating in ``__post_init__``), or None; each of its
+    fields is passed to ``fn`` as the keyword of the same name. section: the run-config section holding it,
+    ``reward.<name>`` by convention (read by :mod:`stapo_jax.config.extensions`, passed by ``make_scorer``).
     """
 
     name: str
@@ -34,19 +38,30 @@ class RewardKind:
     options: Mapping[str, str] = field(default_factory=dict)
     fixed: Mapping = field(default_factory=dict)
     requires: tuple[str, ...] = ()
+    settings_cls: type | None = None
+    section: str | None = None
 
     @property
     def module(self) -> str:
         """The dotted module that defines ``fn`` (the pool preloads it)."""
         return self.fn.__module__
 
-    def keywords(self, scorer_options: Mapping) -> dict:
+    def keywords(self, scorer_options: Mapping, settings=None) -> dict:
         """The keyword arguments of ``fn`` for a scorer with ``scorer_options`` (``fixed`` plus the ``options`` it
-        reads). Raises: ValueError naming a required option that is unset (None / "")."""
+        reads) and the kind's ``settings`` (an instance of ``settings_cls``, every field by its name; None: the
+        ``settings_cls`` defaults). Raises: ValueError naming a required option that is unset (None / ""),
+        TypeError for settings that are not a ``settings_cls``."""
         missing = [o for o in self.requires if not scorer_options.get(o)]
         if missing:
             raise ValueError(f"reward kind {self.name!r} needs {missing}")
-        return {**self.fixed, **{kw: scorer_options[opt] for kw, opt in self.options.items()}}
+        own = {}
+        if self.settings_cls is not None:
+            settings = self.settings_cls() if settings is None else settings
+            if not isinstance(settings, self.settings_cls):
+                raise TypeError(f"reward kind {self.name!r} takes {self.settings_cls.__name__} settings, got "
+                                f"{type(settings).__name__}")
+            own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        return {**self.fixed, **{kw: scorer_options[opt] for kw, opt in self.options.items()}, **own}
 
 
 REWARD_KINDS: Registry = Registry("reward kind", "reward.kind", packages=("stapo_jax.rewards",))

@@ -25,10 +25,11 @@ compat.install()
 from jetstream.engine import engine_api  # noqa: E402
 
 from models import decode as model_decode  # noqa: E402
-from models.decode import LAYERS_KEY, DecodeParams, is_kernel, split_layers  # noqa: E402
+from models.decode import LAYERS_KEY, DecodeParams, decode_layer_dtype, is_kernel, split_layers  # noqa: E402
 from models.linear import check_kernel_layout, preferred_kernel_layout  # noqa: E402
 from models.platform import mesh_platform  # noqa: E402
-from models.qwen3 import KVCache, Qwen3Config, init_cache  # noqa: E402
+from models.kv_cache import KVCache, init_cache  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from stapo_jax.rollout.engine_settings import EngineConfig  # noqa: E402
 from stapo_jax.rollout.sampling import SamplingParams, sample_tokens  # noqa: E402
 
@@ -140,7 +141,7 @@ class DecodeSpec:
 
     Fields:
       graphdef: the model's ``nnx`` graph definition (structure only).
-      model_config: the :class:`~models.qwen3.Qwen3Config`.
+      model_config: the :class:`~models.qwen3_config.Qwen3Config`.
       config: the engine's :class:`EngineConfig` (slots, cache length, dtypes, sampling).
       eos_token_ids: tuple of int stop ids.
       state_shardings: a :class:`DecodeState` of ``NamedSharding`` (constraint on every returned state).
@@ -225,16 +226,17 @@ class DecodeJit:
         """``jax.jit(...).lower`` with ``params`` first converted by :func:`as_decode_params` (stacked or
         per-layer, concrete or ``ShapeDtypeStruct``). Returns a ``jax.stages.Lowered``; raises what
         ``split_layers`` raises (KeyError for a non-Qwen3 state) or jit's TypeError on mismatched arguments."""
-        return self.fn.lower(spec, as_decode_params(params, spec.kernel_layout), *args)
+        return self.fn.lower(spec, as_decode_params(params, spec.kernel_layout, decode_layer_dtype(spec.model_config)),
+                             *args)
 
     def _cache_size(self) -> int:
         return self.fn._cache_size()
 
 
-def as_decode_params(params, kernel_layout: str = "in_out"):
+def as_decode_params(params, kernel_layout: str = "in_out", layer_dtype=None):
     """``params`` in the engine's :class:`~models.decode.DecodeParams` layout: returned as is if already so;
-    a concrete stacked state is split by :func:`~models.decode.split_layers` (layer weights copied, same dtypes,
-    kernels in ``kernel_layout``);
+    a concrete stacked state is split by :func:`~models.decode.split_layers` (layer weights copied, same dtypes
+    or ``layer_dtype``: :func:`~models.decode.decode_layer_dtype`, kernels in ``kernel_layout``);
     an abstract stacked state (``jax.ShapeDtypeStruct`` leaves with ``NamedSharding``) gives abstract per-layer
     leaves (shape without the leading layer axis) with :func:`decode_param_shardings`.
 
@@ -249,8 +251,9 @@ def as_decode_params(params, kernel_layout: str = "in_out"):
         return params
     leaves = jax.tree.leaves(params)
     if not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        return split_layers(params, kernel_layout=kernel_layout)
-    shapes = jax.eval_shape(functools.partial(split_layers, kernel_layout=kernel_layout), params)
+        return split_layers(params, kernel_layout=kernel_layout, layer_dtype=layer_dtype)
+    shapes = jax.eval_shape(functools.partial(split_layers, kernel_layout=kernel_layout, layer_dtype=layer_dtype),
+                            params)
     sh = decode_param_shardings(jax.tree.map(lambda x: x.sharding, params), len(shapes.layers), kernel_layout)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, sh)
 

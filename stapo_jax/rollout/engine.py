@@ -47,8 +47,16 @@ compat.install()
 
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
 
-from models.decode import LAYERS_KEY, DecodeParams, copy_layer_into, split_layers, unstack_layers  # noqa: E402
-from models.qwen3 import Qwen3, Qwen3Config  # noqa: E402
+from models.decode import (  # noqa: E402
+    LAYERS_KEY,
+    DecodeParams,
+    copy_layer_into,
+    decode_layer_dtype,
+    split_layers,
+    unstack_layers,
+)
+from models.qwen3 import Qwen3  # noqa: E402
+from models.qwen3_config import Qwen3Config  # noqa: E402
 from models.sharding import make_mesh, param_path, param_shardings  # noqa: E402
 from stapo_jax.rollout.decode_fns import (  # noqa: E402,F401  (the pytrees are part of this module's API)
     DecodeSpec,
@@ -129,7 +137,11 @@ class Qwen3Engine(engine_api.Engine):
         self._kv_lengths = buckets if config.kv_cache_buckets else buckets[-1:]
         layer_shardings = decode_param_shardings(self._param_shardings, self.model_config.num_hidden_layers,
                                                  self.kernel_layout).layers
-        self._unstack = jax.jit(functools.partial(unstack_layers, kernel_layout=self.kernel_layout),
+        # the layers in the dtype the forward pass reads them in (bf16 of f32 master weights: half the memory,
+        # bitwise the same tokens and log-probs; models.decode.decode_layer_dtype)
+        self.layer_dtype = decode_layer_dtype(self.model_config)
+        self._unstack = jax.jit(functools.partial(unstack_layers, kernel_layout=self.kernel_layout,
+                                                  layer_dtype=self.layer_dtype),
                                 in_shardings=(self._param_shardings[LAYERS_KEY],), out_shardings=layer_shardings)
         # set_params: the same copy, layer by layer into the engine's previous per-layer buffers (donated)
         replicated = NamedSharding(self._mesh, P())

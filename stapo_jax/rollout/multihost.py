@@ -7,7 +7,8 @@ host. :class:`MultiHostRollout.generate` receives the same global prompt list on
 with the global row offset (row ``r`` of the global batch always draws from the random stream of sample ``r``,
 see ``RolloutDriver.generate(row_offset=)``), then all-gathers the token ids, lengths and log-probs, so every
 process returns the same :class:`~stapo_jax.rollout.driver.RolloutBatch` a single process would sample.
-Reward scoring is split the same way (:func:`score_rows`). Weight sync gathers the trainer's global
+Reward scoring is split the same way (:func:`stapo_jax.runtime.collectives.score_rows`; the all-gathers
+are in :mod:`stapo_jax.runtime.collectives`). Weight sync gathers the trainer's global
 parameters (in chunks of at most ``SYNC_CHUNK_BYTES``) into a full copy on this process's devices
 (:func:`localize_tree`).
 
@@ -21,88 +22,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stapo_jax.rollout.driver import assemble_batch, check_generation_args, validate_prompts
+from stapo_jax.runtime.collectives import add_coordination_seconds, allgather_rows, prompt_share
 
-__all__ = ["MultiHostRollout", "allgather_rows", "coordination_seconds", "localize_tree", "prompt_share",
-           "score_rows"]
-
-_COORD = {"s": 0.0}  # seconds spent in cross-process gathers since the last coordination_seconds(reset=True)
-
-
-def coordination_seconds(reset: bool = False) -> float:
-    """Wall seconds this process spent in the cross-process all-gathers of this module (and of
-    :func:`allgather_rows` callers) since the last reset; the trainer logs it as ``time/coordination``.
-
-    ``reset=True`` returns the running total and sets it back to 0. Returns a Python float scalar (seconds; no
-    arrays, no collective). Never raises. Source: verl's ``timing_raw`` per-phase timers (``timing/*``)."""
-    s = _COORD["s"]
-    if reset:
-        _COORD["s"] = 0.0
-    return s
-
-
-def prompt_share(num_prompts: int, process_index: int, process_count: int) -> tuple[int, int]:
-    """Contiguous prompt range ``[lo, hi)`` of one process: the first ``num_prompts % process_count``
-    processes get one prompt more (uneven shares allowed; a share may be empty). Takes and returns Python ints
-    (``hi - lo`` is the share's prompt count). Source: the ``torch.utils.data.DistributedSampler`` /
-    ``numpy.array_split`` convention of contiguous near-equal shares, here without padding or duplication.
-
-    Raises:
-      ValueError: ``process_index`` outside ``[0, process_count)`` or a negative ``num_prompts``.
-    """
-    if not 0 <= process_index < process_count or num_prompts < 0:
-        raise ValueError(f"prompt_share({num_prompts}, {process_index}, {process_count}): bad arguments")
-    base, extra = divmod(num_prompts, process_count)
-    lo = process_index * base + min(process_index, extra)
-    return lo, lo + base + (process_index < extra)
-
-
-def allgather_rows(local: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-    """Concatenate every process's rows in process order.
-
-    Args:
-      local: this process's rows, shape ``[counts[jax.process_index()], ...]`` (any dtype, same trailing shape
-        on every process).
-      counts: rows of every process (identical list on every process).
-    Returns:
-      ``[sum(counts), ...]`` numpy array of ``local``'s dtype, identical on every process. One process:
-      ``local`` itself. A collective: every process must call it at the same point with the same ``counts``.
-    Raises:
-      what ``multihost_utils.process_allgather`` raises when the processes disagree on the trailing shape or
-      dtype, or when a peer died (the JAX distributed service aborts after the heartbeat timeout).
-    Source: ``jax.experimental.multihost_utils.process_allgather(tiled=False)``, padded to ``max(counts)``
-    rows since it needs the same shape on every process.
-    """
-    if jax.process_count() == 1:
-        return np.asarray(local)
-    t0 = time.perf_counter()
-    width = max(max(counts), 1)
-    padded = np.zeros((width,) + local.shape[1:], local.dtype)
-    padded[:len(local)] = local
-    gathered = np.asarray(multihost_utils.process_allgather(padded, tiled=False))  # [P, width, ...]
-    _COORD["s"] += time.perf_counter() - t0
-    return np.concatenate([gathered[p, :c] for p, c in enumerate(counts)])
-
-
-def allgather_max(value: float) -> float:
-    """The maximum of a scalar over all processes (e.g. a "stop requested" flag); ``value`` with one process.
-
-    ``value``: a Python float (sent as a float64 ``[1]`` array); returns a Python float scalar, identical on every
-    process. A collective: every process must call it at the same point. Raises what
-    ``multihost_utils.process_allgather`` raises (a dead peer: the JAX distributed service aborts the process
-    after the heartbeat timeout). Source: ``jax.experimental.multihost_utils.process_allgather``; the same
-    agreement as ``multihost_utils.reached_preemption_sync_point`` (Orbax / MaxText preemption handling)."""
-    if jax.process_count() == 1:
-        return float(value)
-    t0 = time.perf_counter()
-    out = float(np.max(multihost_utils.process_allgather(np.asarray([value], np.float64))))
-    _COORD["s"] += time.perf_counter() - t0
-    return out
-
-
+__all__ = ["MultiHostRollout", "localize_tree"]
 @functools.lru_cache(maxsize=64)
 def _replicate_fn(mesh, n: int):
     """A jitted identity of ``n`` arrays whose outputs are replicated over ``mesh`` (cached: compiled once per
@@ -135,7 +60,7 @@ def localize(xs: Sequence[Any], local_mesh) -> list:
     for i, rep in zip(idx, reps):
         out[i] = jax.make_array_from_single_device_arrays(
             rep.shape, NamedSharding(local_mesh, PartitionSpec()), [s.data for s in rep.addressable_shards])
-    _COORD["s"] += time.perf_counter() - t0
+    add_coordination_seconds(time.perf_counter() - t0)
     return out
 
 
@@ -254,38 +179,3 @@ class MultiHostRollout:
         rows = [tokens[r, :n] for r, n in enumerate(lengths)]
         row_lps = [lps[r, :n] for r, n in enumerate(lengths)]
         return assemble_batch(prompts, g, max_new_tokens, rows, row_lps, eng.eos_token_ids, self.driver.pad_token_id)
-
-
-def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: int = 1) -> tuple[np.ndarray, dict]:
-    """``scorer.score(texts, golds)`` with the rows split over processes (contiguous shares of whole groups of
-    ``group_size`` rows), scores all-gathered; stats (``n``, ``n_correct``, ``n_timeout``, ``n_error``,
-    ``n_unparsed``, ``n_pool_restarts``) summed and ``accuracy`` recomputed. One process: a direct call.
-
-    Returns:
-      (scores float32 [N], stats: str -> float) identical on every process, ``N = len(texts)``.
-    Raises:
-      what ``scorer.score`` raises, and the all-gather's error when a peer died (heartbeat timeout).
-    Source: verl's reward manager scores every row of the batch; here each process grades its share.
-    """
-    n_proc, me = jax.process_count(), jax.process_index()
-    if n_proc == 1:
-        return scorer.score(list(texts), list(golds))
-    n_groups = len(texts) // group_size
-    shares = [prompt_share(n_groups, p, n_proc) for p in range(n_proc)]
-    lo, hi = (s * group_size for s in shares[me])
-    counts = [(b - a) * group_size for a, b in shares]
-    keys = ("n", "n_correct", "n_timeout", "n_error", "n_unparsed", "n_pool_restarts")
-    if hi > lo:
-        scores, stats = scorer.score(list(texts[lo:hi]), list(golds[lo:hi]))
-        bits = np.ascontiguousarray(np.asarray(scores, np.float32)).view(np.int32)[:, None]
-        local = np.concatenate([bits, np.zeros((hi - lo, len(keys)), np.int32)], axis=1)
-        local[0, 1:] = [int(stats.get(k, 0)) for k in keys]  # this share's counts ride on its first row
-    else:
-        local = np.zeros((0, 1 + len(keys)), np.int32)
-    allrows = allgather_rows(local, counts)  # int32 so the float32 score bits travel exactly
-    totals = allrows[:, 1:].astype(np.int64).sum(0)
-    stats = {k: float(v) for k, v in zip(keys, totals)}
-    stats["accuracy"] = stats["n_correct"] / max(stats["n"], 1.0)
-    out = np.ascontiguousarray(allrows[:, 0]).view(np.float32)
-    stats["score_mean"] = float(out.mean()) if out.size else 0.0
-    return out, stats

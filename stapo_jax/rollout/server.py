@@ -113,7 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.rollout import engine_config
 
     try:

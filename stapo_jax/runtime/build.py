@@ -15,9 +15,11 @@ from flax import nnx
 from models.hf import load_hf_checkpoint
 from models.layer_scan import resolve_scan_unroll
 from models.presets import canonical_name, from_hf_config, preset
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import ShardingError, make_mesh, shard_model
-from stapo_jax.config.schema import MODEL_SIZE_KEYS, Config, ConfigError
+from stapo_jax.config.schema import MODEL_SIZE_KEYS, Config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.data.tokenizer import load_tokenizer, stop_token_ids
 
 
@@ -81,7 +83,7 @@ def build_model(cfg: Config, mesh, tokenizer=None, seed: int = 0) -> Qwen3:
     initialised from :func:`model_config`, then placed on ``mesh`` by the partition rules.
 
     Raises:
-      ConfigError: see :func:`model_config`; models.hf.CheckpointError for bad checkpoints.
+      ConfigError: see :func:`model_config`; CheckpointError for bad checkpoints.
     Parameters in ``model.param_dtype`` (float32 by default), sharded over ``mesh``. Source: HF Qwen3
     (``models.qwen3``).
     """

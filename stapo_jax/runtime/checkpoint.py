@@ -14,12 +14,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from stapo_jax.core.errors import CheckpointError
+
 
 MAX_ERROR_DETAIL = 400  # characters of Orbax's / TensorStore's message kept in a CheckpointError
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be restored into the requested state."""
 
 
 class Checkpointer:
@@ -130,7 +128,7 @@ def export_hf(model, tok, out: str) -> str:
     Args:
       model: the ``models.qwen3.Qwen3`` to export; tok: its transformers tokenizer; out: target directory.
     Raises:
-      models.hf.CheckpointError: a parameter/config mismatch (see ``models.hf.save_hf_checkpoint``).
+      stapo_jax.core.errors.CheckpointError: a parameter/config mismatch (see ``models.hf.save_hf_checkpoint``).
     Parameters are written in their own dtype (float32 or bfloat16 safetensors). Source: HF ``save_pretrained``
     layout (``config.json`` + ``model.safetensors``).
     """

@@ -113,7 +113,8 @@ def load_dump_settings(path: str) -> dict:
     from typing import get_type_hints
 
     from stapo_jax.algo.loss_settings import PolicyLossConfig
-    from stapo_jax.config.loading import ConfigError, coerce
+    from stapo_jax.core.errors import ConfigError
+    from stapo_jax.core.settings import coerce
 
     hints = get_type_hints(PolicyLossConfig)
     try:  # the value types of the actor section ("0.2" as a str, a list or a null float would fail later)

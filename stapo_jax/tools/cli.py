@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ``argv`` a list of str; returns an int exit code (0 ok, 2 unknown command or bad input, 130 interrupted:
     a KeyboardInterrupt is one line, no traceback). ValueError
     / FileNotFoundError / NotADirectoryError / IsADirectoryError / PermissionError (EACCES / EPERM; the message
-    names the path) / ``stapo_jax.runtime.checkpoint.CheckpointError``
+    names the path) / ``stapo_jax.core.errors.CheckpointError``
     (a checkpoint that cannot be restored) of a subcommand are printed as one line (exit 2), not raised; other
     errors propagate. Called as the process entry point (``argv`` None), it first re-executes
     the process under TCMalloc where ``STAPO_JAX_ALLOCATOR`` asks for it (``stapo_jax.runtime.allocator``); a
@@ -98,11 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_INTERRUPTED
         return code
     except Exception as e:
-        # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint): one line.
-        # The checkpoint module is looked up, not imported: `check` (PyTorch jobs) imports no JAX.
-        ckpt = sys.modules.get("stapo_jax.runtime.checkpoint")
+        # bad input (ConfigError, DataError, a file where a directory belongs, a damaged checkpoint: a
+        # CheckpointError is a ValueError): one line.
         bad_input = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
-        if not isinstance(e, bad_input + ((ckpt.CheckpointError,) if ckpt else ())):
+        if not isinstance(e, bad_input):
             raise
         print(f"stapo-jax {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         code = 2

@@ -87,7 +87,8 @@ def load_model(args):
     """
     from flax import nnx
 
-    from models.qwen3 import Qwen3, Qwen3Config
+    from models.qwen3 import Qwen3
+    from models.qwen3_config import Qwen3Config
     if args.model:
         from models.hf import load_hf_checkpoint
         mesh = _parse_mesh(args.mesh) if args.mesh else None

@@ -140,7 +140,7 @@ def format_prompts(problems: Sequence[Problem], tokenizer: Any, data_cfg: Any) -
     Returns:
       One string per problem.
     Raises:
-      stapo_jax.config.schema.ConfigError: a chat template is requested but the tokenizer has none.
+      stapo_jax.core.errors.ConfigError: a chat template is requested but the tokenizer has none.
 
     Returns a list of str of length ``len(problems)``.
     """

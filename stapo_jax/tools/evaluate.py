@@ -235,14 +235,14 @@ GRADER_KINDS = {"math_verify": "math_verify_strict", "boxed_exact": "boxed_exact
 
 class _ScorerGrader:
     """``(responses, golds) -> (scores, stats)`` over a RewardScorer. With N JAX processes each grades a
-    contiguous share of the rows and the scores are all-gathered (``rollout.multihost.score_rows``; a collective:
+    contiguous share of the rows and the scores are all-gathered (``runtime.collectives.score_rows``; a collective:
     every process calls it on the same rows); ``time_s`` is then not reported."""
 
     def __init__(self, scorer):
         self.scorer = scorer
 
     def __call__(self, responses, golds):
-        from stapo_jax.rollout.multihost import score_rows
+        from stapo_jax.runtime.collectives import score_rows
 
         return score_rows(list(responses), list(golds), self.scorer)
 
@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_settings(spec: str, eval_cfg) -> list[DecodingSetting]:
     """The ``--settings`` list (``a``, ``b``, ``config``) as decoding settings; raises ConfigError on another name."""
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.core.errors import ConfigError
 
     settings = []
     for s in (x.strip() for x in spec.split(",") if x.strip()):
@@ -456,7 +456,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.data.prompts import DataError
 
     overrides = _model_overrides(args)

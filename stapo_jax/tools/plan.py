@@ -229,7 +229,7 @@ def run_plan(spec: dict) -> dict:
     Int / float / str dicts. Source: XLA ``compiled.memory_analysis()`` / ``cost_analysis()``."""
     import jax
 
-    from models.qwen3 import Qwen3Config
+    from models.qwen3_config import Qwen3Config
     from models.sharding import make_mesh
 
     qcfg = Qwen3Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["model"].items()})
@@ -443,7 +443,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(run_plan(spec)))
         return 0
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
 
     overrides = list(args.overrides)
     if args.model:

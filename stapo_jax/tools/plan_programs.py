@@ -219,13 +219,15 @@ def abstract_engine_spec(qcfg, engine_config, mesh, graphdef):
 def plan_decode(spec: dict, qcfg, mesh) -> dict:
     """Compile the rollout engine's decode step (``decode_fns.step_fn``: one token for each of
     ``rollout.max_concurrent_decodes`` slots, KV cache ``[L, slots, P + R, Nkv, H]`` in the model dtype) from
-    abstract parameters and decode state. Returns per-device ``params_bytes``, ``kv_cache_bytes``,
+    abstract parameters and decode state. Returns per-device ``params_bytes`` (the engine's per-layer copy, in
+    :func:`models.decode.decode_layer_dtype`), ``kv_cache_bytes``,
     ``decode_state_bytes``, ``memory`` (XLA bytes) and ``flops_per_device``. Raises what XLA raises for a program it
     cannot compile, KeyError for a spec not from ``make_spec``. Source: JetStream's generate step."""
     import jax
 
     from stapo_jax.rollout import engine as eng
-    from stapo_jax.rollout.decode_fns import init_fn, step_fn
+    from models.decode import decode_layer_dtype
+    from stapo_jax.rollout.decode_fns import as_decode_params, init_fn, step_fn
     from stapo_jax.rollout.sampling import SamplingParams
 
     graphdef, params = abstract_params(qcfg, mesh)
@@ -237,6 +239,7 @@ def plan_decode(spec: dict, qcfg, mesh) -> dict:
     with jax.set_mesh(mesh):
         state = _abstract(jax.eval_shape(init_fn, espec, key), espec.state_shardings)
         compiled = step_fn.lower(espec, params, state, SamplingParams(temperature=spec["temperature"])).compile()
-    return {"params_bytes": shard_bytes(params), "kv_cache_bytes": shard_bytes((state.cache.k, state.cache.v)),
+    engine_params = as_decode_params(params, ecfg.kernel_layout, decode_layer_dtype(qcfg))  # what the engine holds
+    return {"params_bytes": shard_bytes(engine_params), "kv_cache_bytes": shard_bytes((state.cache.k, state.cache.v)),
             "decode_state_bytes": shard_bytes(state), "memory": _memory(compiled),
             "flops_per_device": _flops(compiled)}

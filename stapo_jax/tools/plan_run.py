@@ -392,6 +392,7 @@ def run_programs(spec: dict, qcfg, mesh, host_devices=None) -> dict:
     :func:`engine_mesh`), None in one process. Raises PlanError / KeyError for a bad spec; compile errors are
     entries.
     Source: the trainer's warm-up program set (``stapo_jax.train.precompile``)."""
+    from models.decode import decode_layer_dtype
     from stapo_jax.rollout.decode_fns import as_decode_params, resolve_kernel_layout
     from stapo_jax.tools.plan_programs import abstract_params, abstract_train_state, shard_bytes
 
@@ -399,7 +400,8 @@ def run_programs(spec: dict, qcfg, mesh, host_devices=None) -> dict:
     state, shardings = abstract_train_state(qcfg, spec_optimizer(spec), mesh, spec.get("opt_state", "trainer"))
     emesh = engine_mesh(mesh, host_devices, spec["mesh"]["tensor"])
     eparams = abstract_params(qcfg, emesh)[1]
-    dparams = as_decode_params(eparams, resolve_kernel_layout(spec["engine"]["kernel_layout"], emesh))
+    dparams = as_decode_params(eparams, resolve_kernel_layout(spec["engine"]["kernel_layout"], emesh),
+                               decode_layer_dtype(qcfg))
     results = []
     if spec.get("plan_train", True):
         results += update_programs(spec, qcfg, mesh, state, shardings)

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 import jax
 
-from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.config.schema import Config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.train.update import data_parallel_size, micro_batch_count
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from stapo_jax.algo.advantages import nonzero_variance_groups, overlong_reward_penalty, recipe_advantages
 from stapo_jax.train.batching import pack_prompt_response, round_up
 from stapo_jax.rollout.driver import FINISH_LENGTH, RolloutBatch
-from stapo_jax.rollout.multihost import score_rows
+from stapo_jax.runtime.collectives import score_rows
 from stapo_jax.runtime import watchdog
 
 
@@ -53,7 +53,7 @@ def decode_responses(tokenizer: Any, rollout: RolloutBatch) -> list[str]:
 def score_rollout(rollout: RolloutBatch, examples: Sequence[dict], tokenizer: Any, scorer) -> tuple[np.ndarray, dict]:
     """Verifier scores [N] float32 of each row against its prompt's gold, and the scorer's stats. In a
     multi-process job each process scores a share of whole groups and the scores are all-gathered
-    (``stapo_jax.rollout.multihost.score_rows``): the result is the same on every process.
+    (``stapo_jax.runtime.collectives.score_rows``): the result is the same on every process.
     Raises: IndexError / KeyError for a row whose prompt has no example or no ``gold``; the verifier's
     per-row failures are counted in the stats (``n_timeout``, ``n_error``), not raised."""
     watchdog.progress("reward")

@@ -40,7 +40,7 @@ from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossInputs, kl_has_own_denominator
 from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
-from stapo_jax.algo.registry import Registry
+from stapo_jax.core.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
 __all__ = ["COUNT_METRICS", "DIAGNOSTIC_COUNT_METRICS", "TAU_H_METRIC", "DiagnosticThresholds", "UpdateContext",

@@ -17,8 +17,8 @@ from typing import Optional
 
 import jax
 
-from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy
-from stapo_jax.config.loading import check_one_of
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy
+from stapo_jax.core.settings import check_one_of
 from stapo_jax.train.packing import PackedLayout, gather_response_values
 
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from stapo_jax.config.schema import ActorConfig, RolloutConfig, TrainerConfig
-from stapo_jax.rollout.multihost import coordination_seconds
+from stapo_jax.runtime.collectives import coordination_seconds
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.runtime.watchdog import progress
 from stapo_jax.train.experience import Experience, collect_experience, fill_mini_batches, heldout_accuracy

@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import yaml
 
-from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.config.schema import Config
+from stapo_jax.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def claim_run_dir(run_dir: str, main_process: bool, stack) -> None:
     """Lock ``run_dir`` for this run (process 0, :class:`RunDirLock`, released when ``stack`` closes). A
     collective when ``jax.process_count() > 1``: all processes learn whether process 0 got it. Raises ConfigError
     (process 0: naming the holder; the others: pointing at process 0's log). Source: this module's design."""
-    from stapo_jax.rollout.multihost import allgather_max
+    from stapo_jax.runtime.collectives import allgather_max
 
     error: Optional[ConfigError] = None
     if main_process:

@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 import numpy as np
 import yaml
 
-from stapo_jax.config.schema import Config, ConfigError
+from stapo_jax.config.schema import Config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.data.prompts import load_prompt_dataset
 from stapo_jax.train.metrics import MetricsLogger
 

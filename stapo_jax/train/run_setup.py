@@ -14,7 +14,8 @@ from typing import Any, Optional
 import jax
 
 from models.attention import resolve_implementation
-from stapo_jax.config.schema import Config, ConfigError, ModelConfig
+from stapo_jax.config.schema import Config, ModelConfig
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.data.prompts import examples_fingerprint, load_prompt_dataset
 from stapo_jax.data.tokenizer import pad_token_id
 from stapo_jax.rewards import make_scorer

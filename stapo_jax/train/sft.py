@@ -80,7 +80,7 @@ def check_batch_size(batch_size: int, mesh) -> None:
 
     ``batch_size``: int (sequences per step); returns None. Source: verl's rule that the batch
     divides the data-parallel world size (``ppo_mini_batch_size % dp == 0``), applied to ``sft.batch_size``."""
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.core.errors import ConfigError
 
     from stapo_jax.train.batch_shapes import nearest
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stapo_jax.config.schema import Config, ConfigError, load_config
+from stapo_jax.config.schema import Config, load_config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.data.prompts import make_iterator
 from stapo_jax.rollout import build_rollout
 from stapo_jax.runtime.checkpoint import export_hf

@@ -12,10 +12,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from stapo_jax.algo.masks import get_token_mask
-from stapo_jax.config.schema import Config, ConfigError, micro_batch_count
-from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.config.schema import Config, micro_batch_count
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.runtime.collectives import allgather_max
 from stapo_jax.runtime.stopping import Preemption
-from stapo_jax.train.packing import balanced_row_order, gather_slots, pack_micro_batches, token_budget_slots
+from stapo_jax.train.packing import gather_slots, pack_micro_batches, token_budget_slots
 from stapo_jax.train.train_step import COUNT_METRICS, Batch, TrainState, place_rows
 
 
@@ -30,10 +31,11 @@ def stop_requested(preempt: Preemption) -> bool:
 
 def balance_allowed(recipe) -> bool:
     """True when a mini-batch's update does not depend on which micro-batch holds a row, so the rows may be
-    reordered for packing (:func:`stapo_jax.train.packing.balanced_row_order`): no token mask, or a mask whose
-    registry entry says its rows may be reordered (``TokenMask.rows_reorderable``: S2T, 20-Entropy) taken over
-    the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov (selections per
-    micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe`` (its mask already validated); never raises.
+    regrouped for packing (``slots``, :func:`token_budget_micro_batches`): no token mask, or a mask whose
+    registry entry says its rows may be regrouped (``TokenMask.rows_reorderable``: S2T, 20-Entropy) taken over
+    the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov (random selections
+    keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe`` (its mask already validated); never
+    raises.
     Returns a Python bool."""
     if recipe.token_mask == "none":
         return True
@@ -104,9 +106,8 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
 
 
 def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: int, ppo_epochs: int = 1,
-                  mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False,
-                  balance_micro_batches: bool = False, long_rows: bool = True, slots=None,
-                  geometries=None, compile_only: bool = False, ref_params=None):
+                  mesh=None, num_micro_batches: int = 1, use_remove_padding: bool = False, long_rows: bool = True,
+                  slots=None, geometries=None, compile_only: bool = False, ref_params=None):
     """Old log-probs over the whole rollout batch (trainer forward, θ_old), then one optimizer step per
     mini-batch of ``mini_rows`` sequences. ``step_fns = (first, rest)``: with ``s2t.minibatch_method=prepass``
     the first mini-batch uses a step that takes its token statistics from the old-log-prob pass (θ = θ_old
@@ -123,16 +124,13 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       use_remove_padding: pack each micro-batch (``stapo_jax.train.packing.pack_micro_batches``, each
         data-parallel shard its own rows), planned on the host once per mini-batch and given to the old-log-prob
         pass and every epoch's update through ``Batch.packing`` (verl's ``model.use_remove_padding``).
-      balance_micro_batches: with ``use_remove_padding``, reorder the rows inside each mini-batch (and shard
-        block) so its micro-batches hold nearly equal token counts (``packing.balanced_row_order``): fewer padding
-        rows. Only where the update does not depend on a row's micro-batch (:func:`balance_allowed`).
       long_rows: packed rows may be longer than ``P + R`` (one row per micro-batch and shard; only for an
         attention whose cost follows the segments, ``stapo_jax.train.packing.packing_long_rows``).
       slots: with ``use_remove_padding``, the slot layout of :func:`token_budget_micro_batches` (for this
         ``num_micro_batches``): every mini-batch becomes ``len(slots) / (B / mini_rows)`` rows, micro-batch ``j``
         holding a variable number of sequences and dummy slots with all-zero masks (``packing.gather_slots``),
         which add nothing to any loss, denominator (seq-mean modes count only non-empty rows), threshold
-        population or metric. Replaces ``balance_micro_batches``. Only where :func:`balance_allowed`.
+        population or metric. Only where :func:`balance_allowed`.
       geometries: with ``use_remove_padding``, the bounded set of packed ``(M, L)`` of ``trainer.precompile``
         (``packing.fixed_geometries``; None: the tightest geometry of each mini-batch).
       ref_params: the reference policy's parameters (``actor.use_kl_loss``; the policy at the start of RL, same
@@ -150,8 +148,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       ``sampler_trainer/logp_diff_mean|max`` when the sampler's log-probs are present, conventions.md §5).
     Raises: ConfigError when ``mini_rows`` does not split into shards and micro-batches; ValueError from the step
     for misshaped arrays."""
-    a, num_rows, mini_rows = _arrange_rows(exp.arrays, exp.num_rows, mini_rows, mesh, num_micro_batches,
-                                           use_remove_padding, balance_micro_batches, slots)
+    a, num_rows, mini_rows = _arrange_rows(exp.arrays, exp.num_rows, mini_rows, use_remove_padding, slots)
     # every process holds the same global experience (multi-controller): mini-batch k is the global row slice
     # [k*M, (k+1)*M), each device receives its rows of it; the old log-probs come back with an all-gather
     put = lambda x: place_rows(x, mesh)  # noqa: E731
@@ -184,19 +181,14 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
     return state, _update_metrics(jax.device_get(metrics), a, old_lp)
 
 
-def _arrange_rows(a: dict, num_rows: int, mini_rows: int, mesh, num_micro_batches: int, use_remove_padding: bool,
-                  balance_micro_batches: bool, slots) -> tuple[dict, int, int]:
+def _arrange_rows(a: dict, num_rows: int, mini_rows: int, use_remove_padding: bool, slots) -> tuple[dict, int, int]:
     """``(arrays, num_rows, mini_rows)`` in the row order the packed update uses: gathered into ``slots`` (rows
-    per mini-batch change), or balanced within each mini-batch, or as they are."""
+    per mini-batch change), or as they are."""
     if use_remove_padding and slots is not None:
         if len(slots) % (num_rows // mini_rows):
             raise ValueError(f"update_policy: {len(slots)} slots for {num_rows // mini_rows} mini-batches")
         a = {key: gather_slots(v, slots) if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
         return a, len(slots), len(slots) // (num_rows // mini_rows)
-    if use_remove_padding and balance_micro_batches and num_micro_batches > 1:
-        perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=mini_rows,
-                                  num_micro_batches=num_micro_batches, num_shards=data_parallel_size(mesh))
-        a = {key: v[perm] if getattr(v, "shape", ())[:1] == (num_rows,) else v for key, v in a.items()}
     return a, num_rows, mini_rows
 
 

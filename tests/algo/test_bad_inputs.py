@@ -59,7 +59,8 @@ def test_check_rejects_corrupt_empty_and_non_finite_dumps(tmp_path, capsys):
     ("trainer.run_dir=", "trainer.run_dir is empty"),
 ])
 def test_config_rejects_non_finite_numbers_and_empty_run_dir(override, message):
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("configs/tiny_cpu.yaml", [override])
@@ -209,7 +210,8 @@ def test_plot_accepts_the_metrics_file_path_and_rejects_a_file_as_out_dir(tmp_pa
 
 
 def test_config_reports_every_unknown_key_at_once(tmp_path):
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
 
     p = tmp_path / "typos.yaml"
     p.write_text("rolout:\n  n: 4\nactor:\n  clip_ratio_hi: 0.3\n  optim:\n    weight_decy: 0.0\n"
@@ -236,7 +238,8 @@ def test_config_reports_every_unknown_key_at_once(tmp_path):
      r"data.train_files is empty \(data.source=jsonl\)"),
 ])
 def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message):
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train.trainer import train
 
     assert jax.device_count() == 8  # tests/conftest.py
@@ -256,7 +259,8 @@ def test_train_that_fails_validation_writes_nothing(tmp_path, overrides, message
 ])
 def test_train_with_an_impossible_device_setting_writes_nothing(tmp_path, overrides, error, message):
     from models.attention import AttentionError
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train.trainer import train
 
     run_dir = tmp_path / "run"
@@ -287,7 +291,8 @@ def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
 def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
     """64 rows per shard with actor.ppo_micro_batch_size=48 trained with micro-batches of 64 (K = 64 // 48 = 1),
     above the size the user set for memory; now a ConfigError naming the key, as ``Config.grad_accum_steps``."""
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train.update import num_micro_batches
 
     cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
@@ -302,7 +307,8 @@ def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
 def test_resume_may_switch_the_attention_kernel_but_not_the_model_size(tmp_path):
     """model.attention / model.remat do not change the parameter tree: resuming an xla run with blockwise was
     refused as "checkpoints of a different model"; a size change still is, naming the key."""
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train.run_files import check_same_model
 
     load_config("configs/tiny_cpu.yaml", ["model.attention=xla", "model.remat=none"]).save(tmp_path)

@@ -17,7 +17,8 @@ from stapo_jax.algo.diagnostics import (
     token_diagnostics,
     vocab_constant,
 )
-from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy, logits_to_log_probs_and_entropy
+from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy
 from stapo_jax.algo.objectives import PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 
 

@@ -16,7 +16,8 @@ from fixtures_peers import verl_actor_config
 from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, safe_divide
 from stapo_jax.algo.policy_losses.gspo import compute_policy_loss_gspo
 from stapo_jax.config.recipes import recipe_from_config
-from stapo_jax.config.schema import ConfigError, from_dict
+from stapo_jax.config.schema import from_dict
+from stapo_jax.core.errors import ConfigError
 
 B, T = 6, 7
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

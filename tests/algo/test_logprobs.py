@@ -14,12 +14,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import torch_reference as ref
 
-import stapo_jax.algo.logprobs as logprobs_module
-from stapo_jax.algo.logprobs import (
-    chunked_log_probs_and_entropy,
-    logits_to_log_probs,
-    logits_to_log_probs_and_entropy,
-)
+import stapo_jax.algo.chunked_logprobs as chunked_module
+from stapo_jax.algo.logprobs import logits_to_log_probs, logits_to_log_probs_and_entropy
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy
 
 
 def test_full_vocab_definition_matches_torch_float64():
@@ -115,7 +112,7 @@ def test_default_budget_recomputes_at_long_sequences():
     (2.3 GiB) exceed ``SAVED_LOGITS_BYTES``, so the compiled forward+backward holds no [B, T, V] float32 buffer
     (its temporaries are a sixth of one; ``bench/bench_logprobs.py`` compares them with the naive path's)."""
     b, t, d, v = 1, 4096, 1024, 151936
-    assert b * t * v * 4 > logprobs_module.SAVED_LOGITS_BYTES
+    assert b * t * v * 4 > chunked_module.SAVED_LOGITS_BYTES
     specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
              jax.ShapeDtypeStruct((b, t), jnp.int32))
     fn = jax.grad(lambda h, w, i: jnp.sum(sum(chunked_log_probs_and_entropy(h, w, i, seq_chunk=128))),
@@ -128,7 +125,7 @@ def test_default_budget_recomputes_at_long_sequences():
 def test_kept_logits_backward_equals_recompute_backward(monkeypatch, seq_chunk, vocab_chunk):
     """The two backward modes (logits kept vs recomputed) give the same values and gradients w.r.t. hidden, head
     and temperature in float32, with collision probabilities and ragged tiles on both axes."""
-    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", 16)
     rng = np.random.default_rng(5)
     b, t, d, v = 2, 13, 8, 41
     h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
@@ -220,7 +217,7 @@ def test_custom_vjp_gradients_match_torch_autograd_float64(monkeypatch, seq_chun
     """Hand-written backward vs PyTorch autograd: d/d hidden, d/d lm_head_weight and d/d temperature of a
     weighted sum of log-probs, entropies and collision probabilities, with ragged last tiles on both axes."""
     if bwd_tile is not None:
-        monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
+        monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
     rng = np.random.default_rng(3)
     b, t, d, v, temp = 2, 13, 8, 41, 0.7
     h, w = rng.normal(size=(b, t, d)), rng.normal(size=(d, v)) * 0.8
@@ -249,7 +246,7 @@ def test_bf16_weight_gradients_match_float64_reference(monkeypatch, vocab_chunk,
     """bf16 hidden states and head weight (the training dtype): float32 accumulation gives gradients within
     bf16 rounding of the float64 torch gradient, returned in the inputs' dtypes, no worse than JAX autodiff of
     the naive path."""
-    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 16)
+    monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", 16)
     rng = np.random.default_rng(4)
     b, t, d, v, temp = 1, 19, 16, 53, 1.3
     h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)
@@ -285,7 +282,7 @@ def test_backward_holds_no_full_size_float32_head_gradient(monkeypatch, vocab_ch
     """Compiled forward+backward with a bf16 head (XLA memory analysis), logits recomputed (budget 0, as at long
     sequences): the temporaries stay below one float32 [D, V] buffer -- no float32 copy of the weight, no [D, V]
     float32 gradient carry, no padded weight copy -- and below 1/8 of the naive path's."""
-    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 512)
+    monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", 512)
     b, t, d, v = 1, 256, 64, 8192 + 100  # ragged last vocabulary tile
     specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
              jax.ShapeDtypeStruct((b, t), jnp.int32))
@@ -311,7 +308,7 @@ def test_vd_layout_equals_dv_layout_on_the_transposed_weight(monkeypatch, seq_ch
     log-prob near log(41); a 2-core AMD EPYC Zen 3 (AVX2) differed by 1.9e-6 on one collision probability, which
     1e-6 rejected)."""
     if bwd_tile is not None:
-        monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
+        monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", bwd_tile)
     rng = np.random.default_rng(7)
     b, t, d, v = 2, 13, 8, 41
     h, emb = rng.normal(size=(b, t, d)), rng.normal(size=(v, d))
@@ -352,7 +349,7 @@ def test_tied_head_hlo_has_no_dv_gradient_or_float32_copy(monkeypatch, budget):
     call on ``embedding.T`` has such a buffer (so the check can fail). The CPU compiler still makes one bf16 ``[D, V]``
     copy of the weight for the forward's whole-vocabulary dot inside the sequence loop (it makes none for
     the same dot outside a loop); the assertion allows it."""
-    monkeypatch.setattr(logprobs_module, "BACKWARD_VOCAB_CHUNK", 1024)
+    monkeypatch.setattr(chunked_module, "BACKWARD_VOCAB_CHUNK", 1024)
     b, t, d, v = 1, 48, 64, 4096
     specs = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), jnp.bfloat16),
              jax.ShapeDtypeStruct((b, t), jnp.int32))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stapo_jax.algo.registry import Registry
-from stapo_jax.config.schema import ConfigError, from_dict, load_config, token_mask_name
+from stapo_jax.core.registry import Registry
+from stapo_jax.config.schema import from_dict, load_config, token_mask_name
+from stapo_jax.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,22 +57,36 @@ def test_yaml_names_are_checked_against_the_registries(overrides, match):
 
 
 def test_token_mask_key_and_the_older_flags():
-    """actor.token_mask names any registered mask; null falls back to s2t.enabled / top_entropy.enabled (the paper
-    configs' spelling), which the key sets when the file does not; a contradiction is an error naming both."""
+    """actor.token_mask is the one key choosing the mask (unset: the recipe row's); the s2t.enabled /
+    top_entropy.enabled flags are derived from it. The older spelling still loads, with one FutureWarning naming
+    actor.token_mask; a flag that contradicts the key, or two flags on, is an error naming the keys."""
     from stapo_jax.config.recipes import RECIPES, recipe_from_config
 
-    for name in ("stapo", "entropy20", "grpo"):  # the presets: the flags alone, as before
+    for name, mask in (("stapo", "s2t"), ("entropy20", "top_entropy"), ("grpo", "none")):  # the presets' rows
         cfg = from_dict({"algorithm": {"recipe": name}})
-        assert cfg.actor.token_mask is None and token_mask_name(cfg) == RECIPES[name].token_mask
+        assert cfg.actor.token_mask == token_mask_name(cfg) == RECIPES[name].token_mask == mask
+        assert (cfg.s2t.enabled, cfg.top_entropy.enabled) == (mask == "s2t", mask == "top_entropy")
     cfg = from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "clip_cov"}})
     assert (token_mask_name(cfg), cfg.s2t.enabled, cfg.top_entropy.enabled) == ("clip_cov", False, False)
     assert recipe_from_config(cfg).token_mask == "clip_cov" and not recipe_from_config(cfg).renormalize
     cfg = from_dict({"algorithm": {"recipe": "entropy20"}, "actor": {"token_mask": "top_entropy"}})
     assert cfg.top_entropy.enabled and not cfg.s2t.enabled
     assert recipe_from_config(cfg).replace(loss=RECIPES["entropy20"].loss) == RECIPES["entropy20"]
-    with pytest.raises(ConfigError, match=r"actor.token_mask=kl_cov contradicts top_entropy.enabled=true"):
+    assert "enabled" not in cfg.to_dict()["s2t"] and "enabled" not in cfg.to_dict()["top_entropy"]  # derived
+    # the older spelling: accepted, with one deprecation note naming the replacement
+    with pytest.warns(FutureWarning, match=r"^s2t.enabled, top_entropy.enabled is deprecated: the token mask is "
+                                           r"chosen by actor.token_mask \(e.g. actor.token_mask: s2t\)$"):
+        old = from_dict({"algorithm": {"recipe": "entropy20"}, "s2t": {"enabled": False},
+                         "top_entropy": {"enabled": True}})
+    assert old == cfg
+    with pytest.warns(FutureWarning, match="s2t.enabled is deprecated"):
+        assert from_dict({"s2t": {"enabled": False}, "algorithm": {"strict_recipe": False}}).actor.token_mask == "none"
+    with pytest.warns(FutureWarning), pytest.raises(
+            ConfigError, match=r"actor.token_mask=kl_cov contradicts top_entropy.enabled=true"):
         from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "kl_cov"},
                    "top_entropy": {"enabled": True}})
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"s2t.enabled and top_entropy.enabled are all"):
+        from_dict({"s2t": {"enabled": True}, "top_entropy": {"enabled": True}})
 
 
 def test_a_loss_without_kl_cov_selection_is_rejected_with_the_kl_cov_mask_at_load():

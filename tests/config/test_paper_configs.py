@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from stapo_jax.assets import qwen3_config_dir
-from stapo_jax.config.schema import ConfigError, load_config
+from stapo_jax.config.schema import load_config
+from stapo_jax.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_CONFIGS = qwen3_config_dir()

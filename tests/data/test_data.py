@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from stapo_jax.assets import asset_path, qwen3_tokenizer_dir
-from stapo_jax.config.schema import ConfigError, load_config
+from stapo_jax.config.schema import load_config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.data.prompts import DataError, format_prompt, load_prompt_dataset, make_iterator
 from stapo_jax.data.tokenizer import build_builtin_tokenizer, load_tokenizer, pad_token_id, stop_token_ids
 

@@ -14,7 +14,9 @@ from models.attention import (AttentionError, block_ranges, dot_product_attentio
                               segment_mask, xla_attention)
 from models.decode import greedy_generate
 from models.hf import load_hf_checkpoint
-from models.qwen3 import ConfigError, Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
+from stapo_jax.core.errors import ConfigError
 from models.sharding import make_mesh
 
 REL = 1e-5

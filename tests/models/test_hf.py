@@ -16,8 +16,9 @@ from safetensors.numpy import load_file, save_file
 
 from fixtures_hf import hf_logits, hf_tied, hf_untied_sharded, padded_batch  # noqa: F401 (fixtures)
 from models.decode import decode_step, greedy_generate, prefill
-from models.hf import CheckpointError, iter_hf_tensors, load_hf_checkpoint, resolve_checkpoint, save_hf_checkpoint
-from models.qwen3 import init_cache
+from models.hf import iter_hf_tensors, load_hf_checkpoint, resolve_checkpoint, save_hf_checkpoint
+from stapo_jax.core.errors import CheckpointError
+from models.kv_cache import init_cache
 from xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]

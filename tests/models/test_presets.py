@@ -8,7 +8,8 @@ import transformers
 
 from models.presets import PRESET_NAMES, from_hf_config, preset
 from stapo_jax.assets import qwen3_config_dir
-from models.qwen3 import Qwen3Config, param_count
+from models.qwen3 import param_count
+from models.qwen3_config import Qwen3Config
 
 CONFIG_DIR = qwen3_config_dir()
 SHARED_FILES = sorted(CONFIG_DIR.glob("*.json"))

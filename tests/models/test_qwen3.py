@@ -9,7 +9,11 @@ import pytest
 from flax import nnx
 
 from models.decode import decode_step, prefill, split_layers
-from models.qwen3 import ConfigError, Qwen3, Qwen3Config, init_cache, param_count, remat_layer
+from models.qwen3 import Qwen3, param_count
+from models.qwen3_config import Qwen3Config
+from models.kv_cache import init_cache
+from models.qwen3_layers import remat_layer
+from stapo_jax.core.errors import ConfigError
 
 TINY = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
@@ -215,7 +219,7 @@ def test_param_count_tiny_matches_formula():
 def test_write_rows_updates_a_donated_cache_in_place(dtype):
     """Per-row KV-cache writes land at each row's index and, for a 16-bit cache too, need no temporary copy of
     the cache (XLA:CPU converts a bfloat16 dynamic-update-slice operand to float32: 2x the cache)."""
-    from models.qwen3 import write_rows
+    from models.kv_cache import write_rows
 
     cache = jnp.asarray(np.random.default_rng(0).normal(size=(4, 2, 2048, 64)), dtype)
     upd = jnp.asarray(np.random.default_rng(1).normal(size=(4, 2, 1, 64)), jnp.float32)

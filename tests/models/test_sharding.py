@@ -15,7 +15,8 @@ from safetensors.numpy import load_file
 from fixtures_hf import hf_logits, hf_untied_sharded, padded_batch  # noqa: F401 (fixture)
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.presets import preset
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import (ShardingError, constrain, describe, make_mesh, param_shardings, param_specs,
                              shard_model)
 

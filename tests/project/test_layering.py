@@ -15,21 +15,25 @@ REPO = Path(__file__).resolve().parents[2]
 # Lowest first; the same table as DESIGN.md. A unit is a package (its modules and subpackages) or the root
 # package's own modules (``stapo_jax/__init__.py``, ``__main__.py``: the CLI entry and the lazy re-exports).
 LAYERS: dict[str, int] = {
+    "stapo_jax.core": 0,     # errors (ConfigError, CheckpointError), settings coercion, Registry
     "stapo_jax.assets": 0,   # shipped data files (importlib.resources)
     "models": 1,             # the Qwen3 port
-    "stapo_jax.algo": 1,     # the pure algorithm, its settings dataclasses and their validation (settings_base)
-    "stapo_jax.rewards": 2,  # verifiers and their registry (algo's Registry)
+    "stapo_jax.algo": 1,     # the pure algorithm and its settings dataclasses
+    "stapo_jax.rewards": 2,  # verifiers and their registry
     "stapo_jax.config": 3,   # run schema, YAML loading (checks registered names), named recipe presets
     "stapo_jax.data": 4,
-    "stapo_jax.runtime": 5,  # config -> mesh / tokenizer / model (build), multi-controller, checkpoints, launch
+    "stapo_jax.runtime": 5,  # config -> mesh / tokenizer / model (build), collectives, multi-controller, checkpoints
     "stapo_jax.rollout": 6,
     "stapo_jax.train": 7,
     "stapo_jax.tools": 8,
     "stapo_jax": 9,
 }
+CONFIG_LAYER = LAYERS["stapo_jax.config"]
 
-# Third-party packages the bottom layer may import (besides the standard library and its own modules).
+# Third-party packages the bottom layers may import (besides the standard library and the modules of ours the
+# layer table allows).
 PURE_IMPORTS = {
+    "stapo_jax.core": set(),
     "stapo_jax.algo": {"jax", "numpy"},
     "models": {"jax", "numpy", "flax", "ml_dtypes", "safetensors", "huggingface_hub"},  # hf.py reads checkpoints
 }
@@ -187,3 +191,74 @@ def test_no_package_defines_a_name_of_one_of_its_modules():
                 t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
             clashes += [f"{mod}.{n}" for n in names if f"{mod}.{n}" in mods]
     assert clashes == []
+
+
+# Functions below ``config`` that still take the whole run config; to be given the sections they read instead.
+# Each entry must still be found (the test fails when one is fixed, so the list only shrinks).
+WHOLE_CONFIG_KNOWN = {
+    "stapo_jax.rewards.make_scorer(cfg)",  # reads reward.* and data.gym.task
+}
+WHOLE_CONFIG_PARAMS = ("cfg", "run_cfg", "run_config")  # the project's names of the whole run config
+
+
+def whole_config_params(root: Path = REPO, below: int = CONFIG_LAYER) -> list[str]:
+    """``"module.function(param)"`` for every parameter of a function (or method, or lambda) in a module of a layer
+    below ``below`` that takes the whole run config: annotated ``Config`` (``schema.Config``, ``"Config"``), or
+    named ``cfg`` / ``run_cfg`` / ``run_config`` and annotated ``Any`` or not at all (which would hide the
+    dependency from the layer test). A section or a model config (``cfg: Qwen3Config``) is fine."""
+
+    def names_config(ann) -> bool:
+        if ann is None:
+            return False
+        if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+            try:
+                ann = ast.parse(ann.value, mode="eval").body
+            except SyntaxError:
+                return False
+        return any((isinstance(n, ast.Name) and n.id == "Config")
+                   or (isinstance(n, ast.Attribute) and n.attr == "Config") for n in ast.walk(ann))
+
+    def hides(arg: ast.arg) -> bool:
+        ann = arg.annotation
+        is_any = (ann is None or (isinstance(ann, ast.Name) and ann.id == "Any")
+                  or (isinstance(ann, ast.Constant) and ann.value == "Any")
+                  or (isinstance(ann, ast.Attribute) and ann.attr == "Any"))
+        return arg.arg in WHOLE_CONFIG_PARAMS and is_any
+
+    out = []
+    for mod, (path, _) in module_files(root).items():
+        if LAYERS[unit_of(mod)] >= below:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+                if names_config(arg.annotation) or hides(arg):
+                    out.append(f"{mod}.{getattr(node, 'name', '<lambda>')}({arg.arg})")
+    return sorted(out)
+
+
+def test_no_function_below_config_takes_the_whole_run_config():
+    """Builders below ``config`` take the sections they read (issue 44), so the layer test sees every dependency."""
+    assert whole_config_params() == sorted(WHOLE_CONFIG_KNOWN)
+
+
+def test_the_whole_config_check_sees_annotations_and_untyped_cfg(tmp_path):
+    for rel, text in {
+        "stapo_jax/__init__.py": "",
+        "stapo_jax/algo/__init__.py": "",
+        "stapo_jax/algo/a.py": ("from typing import Any\n"
+                                "def f(cfg: 'Config'): ...\n"
+                                "def g(x, *, cfg: Any = None): ...\n"
+                                "def h(run_cfg): ...\n"
+                                "def i(cfg: 'schema.Config | None'): ...\n"
+                                "def ok(cfg: 'Qwen3Config', section: Any, config: 'PolicyLossConfig'): ...\n"),
+        "stapo_jax/train/__init__.py": "",
+        "stapo_jax/train/t.py": "def f(cfg: 'Config'): ...\n",  # above config: allowed here
+        "models/__init__.py": "",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert whole_config_params(tmp_path) == ["stapo_jax.algo.a.f(cfg)", "stapo_jax.algo.a.g(cfg)",
+                                             "stapo_jax.algo.a.h(run_cfg)", "stapo_jax.algo.a.i(cfg)"]

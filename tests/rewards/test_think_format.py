@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from trl.rewards import think_format_reward
 
-from stapo_jax.config.schema import ConfigError, from_dict
+from stapo_jax.config.schema import from_dict
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.rewards import RewardScorer
 from stapo_jax.rewards.registry import REWARD_KINDS
 from stapo_jax.rewards.think_format import think_format_score

@@ -184,7 +184,7 @@ def test_engine_config_rejects_a_bad_prefill_batch_size(value):
 
 
 def test_rollout_prefill_batch_size_config_key():
-    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.config.schema import load_config
     from stapo_jax.rollout import engine_config
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from fixtures_rollout import RAGGED_PROMPTS, TOKENIZER_DIR, hf_greedy, make_engine, model_and_hf_twin, rows_of, tiny_model
-from stapo_jax.algo.logprobs import chunked_log_probs_and_entropy
+from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy  # noqa: E402
 from stapo_jax.rollout import compat
 from stapo_jax.rollout import decode_fns
 from stapo_jax.rollout import engine as engine_mod

@@ -101,7 +101,7 @@ def test_greedy_generate_layouts_agree():
     tokens, lengths = greedy_generate(model, ids, mask, 6)
     graphdef, state = nnx.split(model)
     from models.decode import decode_step, prefill
-    from models.qwen3 import init_cache
+    from models.kv_cache import init_cache
 
     for layout in ("in_out", "out_in"):
         params = split_layers(state, kernel_layout=layout)
@@ -157,7 +157,7 @@ def test_out_in_shardings_reverse_the_kernel_specs():
 
 
 def test_rollout_kernel_layout_config_key():
-    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.config.schema import load_config
     from stapo_jax.rollout import engine_config
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fixtures_rollout import RAGGED_PROMPTS, make_engine, tiny_model
-from models.qwen3 import cached_attention
+from models.kv_cache import cached_attention
 from stapo_jax.rollout.decode_fns import kv_length_buckets
 from stapo_jax.rollout.driver import RolloutDriver
 from stapo_jax.rollout.engine import EngineConfig, EngineConfigError, Qwen3Engine
@@ -134,7 +134,7 @@ def test_rows_that_fill_the_whole_cache_with_several_steps_per_sync():
 
 
 def test_rollout_kv_cache_buckets_config_key():
-    from stapo_jax.config.loading import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.config.schema import load_config
     from stapo_jax.rollout import engine_config
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stapo_jax.runtime.checkpoint import CheckpointError, Checkpointer
+from stapo_jax.runtime.checkpoint import Checkpointer
+from stapo_jax.core.errors import CheckpointError
 
 
 def _state(seed):
@@ -105,7 +106,8 @@ def test_export_hf_replaces_the_previous_export_and_leaves_no_side_folders(tmp_p
     from flax import nnx
 
     from models.hf import load_hf_checkpoint
-    from models.qwen3 import Qwen3, Qwen3Config
+    from models.qwen3 import Qwen3
+    from models.qwen3_config import Qwen3Config
     from stapo_jax.runtime.checkpoint import export_hf
 
     cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

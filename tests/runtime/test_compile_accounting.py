@@ -177,7 +177,8 @@ def test_a_setup_failure_releases_the_compile_listener_and_what_else_it_opened(t
     """Issue 33: ``train`` raising during its setup, after the compile listener started (an impossible mesh; or a
     metrics logger that cannot be made, after the reward pool and checkpointer exist), leaves no listener
     registered and closes the scorer and checkpointer it had opened; the SIGTERM handler is the one before."""
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train import run_setup, trainer
 
     made, closed = [], []

@@ -409,7 +409,8 @@ def test_coordinator_without_peers_says_why_before_jax_aborts():
 def test_batch_that_does_not_split_names_the_keys(tmp_path):
     """Issue 43: every batch-shape error at once, each with the nearest values that work (it was one error per
     attempt, none saying what would work), before anything is written; ``ppo_micro_batch_size=auto`` fits."""
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.train.trainer import train
 
     run_dir = tmp_path / "run"
@@ -451,10 +452,12 @@ from stapo_jax.runtime import distributed as d
 d.initialize()
 import jax
 from flax import nnx
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.rollout.driver import RolloutDriver
 from stapo_jax.rollout.engine import EngineConfig, Qwen3Engine
-from stapo_jax.rollout.multihost import MultiHostRollout, allgather_max, local_mesh
+from stapo_jax.rollout.multihost import MultiHostRollout, local_mesh
+from stapo_jax.runtime.collectives import allgather_max
 cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=512, eos_token_id=None,
                   bos_token_id=None, pad_token_id=0, initializer_range=0.5, tie_word_embeddings=False)

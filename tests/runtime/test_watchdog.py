@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stapo_jax.config.schema import ConfigError, load_config
+from stapo_jax.config.schema import load_config
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.runtime import watchdog
 from stapo_jax.runtime.watchdog import EXIT_STALL, StallWatchdog, parse_hang, resolve_timeout
 
@@ -105,7 +106,7 @@ from stapo_jax.runtime.distributed import initialize
 from stapo_jax.runtime.watchdog import StallWatchdog, heartbeat_floor, progress
 stall = float(sys.argv[1])
 initialize(min_heartbeat_s=heartbeat_floor(stall))   # no heartbeat setting: the default the trainer gets
-from stapo_jax.rollout.multihost import allgather_max
+from stapo_jax.runtime.collectives import allgather_max
 import jax
 with StallWatchdog(stall, process_index=jax.process_index()):
     for step in range(1, 100000):

@@ -52,7 +52,8 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state, layout):
     reach the plan's bound (n_max = 8 > 1 sequence per padded micro-batch). ``packed rows``: a micro-batch-scoped
     S2T mask (the update depends on a row's micro-batch): full-length sequences packed one per row."""
 
-    from models.qwen3 import Qwen3, Qwen3Config
+    from models.qwen3 import Qwen3
+    from models.qwen3_config import Qwen3Config
     from models.sharding import make_mesh
     from stapo_jax.train.optim import make_optimizer
     from stapo_jax.config.recipes import get_recipe
@@ -174,7 +175,8 @@ def test_make_spec_paper_configs_and_errors(tmp_path):
     assert spec["hbm_gb"] == 95.0 and spec["device_kind"] == "tpu-v5p"
     assert (spec["mini_batch_sequences"], spec["num_micro_batches"], spec["updates_per_step"]) == (512, 128, 4)
     assert (spec["prompt_length"], spec["response_length"]) == (1024, 15360)
-    from models.qwen3 import Qwen3Config, param_count
+    from models.qwen3 import param_count
+    from models.qwen3_config import Qwen3Config
     assert param_count(Qwen3Config(**spec["model"])) == 14_768_307_200  # Qwen3-14B (conventions.md §6: 14.768B)
     assert plan.analytic(spec, Qwen3Config(**spec["model"]))["params"] == 14_768_307_200
     small = plan.make_spec(load_config(REPO / "configs/paper/qwen3-1.7b-base-stapo.yaml"),
@@ -213,7 +215,7 @@ def test_packed_slot_bound_is_reached_and_capped(tmp_path):
     n_max = mini_rows - S + 1 = 9 on 8 shards of 16 sequences; at the default cap 8 x ppo_micro_batch_size: 8),
     and for the paper's 14B config on a v5p-64 slice (4 data-parallel shards, K = 128 padded micro-batches of 1
     sequence): K' = 126 micro-batches of 8 slots, 1,008 slots per device instead of 128."""
-    from stapo_jax.config.schema import ConfigError
+    from stapo_jax.core.errors import ConfigError
     from stapo_jax.tools.plan_analytic import packed_slot_bound
     from stapo_jax.train.packing import token_budget_slots
 

@@ -107,7 +107,7 @@ from jax.sharding import AbstractMesh
 from models.attention import resolve_implementation
 from models.layer_scan import resolve_scan_unroll
 from models.platform import mesh_platform
-from models.qwen3 import Qwen3Config
+from models.qwen3_config import Qwen3Config
 from models.sharding import make_mesh
 from stapo_jax.rollout.decode_fns import resolve_kernel_layout
 from stapo_jax.tools.plan_programs import plan_decode, plan_train

@@ -1,6 +1,6 @@
 """Micro-batch balancing for packed updates (``packing.balanced_row_order``, ``update.balance_allowed``): rows
 stay in their mini-batch and shard block, micro-batches get nearly equal token counts (fewer packed rows), and
-the update with reordered rows equals the update without (fp32, 1e-5)."""
+the update with rows regrouped into variable-count slots equals the padded update (fp32, 1e-5)."""
 import types
 
 import jax
@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.train.batching import pack_prompt_response
@@ -59,7 +60,7 @@ def _experience(b=8):
     return types.SimpleNamespace(arrays=arrays, num_rows=b)
 
 
-def test_balanced_packed_update_equals_unbalanced_and_packs_fewer_rows():
+def test_balanced_order_packs_fewer_rows():
     exp = _experience()
     a = exp.arrays
     r = a["response_mask"].shape[1]
@@ -67,21 +68,6 @@ def test_balanced_packed_update_equals_unbalanced_and_packs_fewer_rows():
     perm = balanced_row_order(a["attention_mask"].sum(-1), mini_rows=8, num_micro_batches=2)
     balanced = pack_micro_batches(a["input_ids"][perm], a["attention_mask"][perm], r, num_micro_batches=2)
     assert balanced.input_ids.shape[0] < plain.input_ids.shape[0]
-    opt = optax.adamw(1e-2)
-    recipe = get_recipe("stapo")
-    lp_fn = jax.jit(make_log_prob_fn(seq_chunk=4, num_micro_batches=2), static_argnums=(1, 4))
-    out = {}
-    for balance in (False, True):
-        state = TrainState.create(Qwen3(CFG, rngs=nnx.Rngs(0)), opt)
-        steps = make_update_steps(recipe, opt, num_micro_batches=2, seq_chunk=4, vocab_size=CFG.vocab_size)
-        new, m = update_policy(state, exp, steps, lp_fn, mini_rows=4, num_micro_batches=2, use_remove_padding=True,
-                               balance_micro_batches=balance)
-        out[balance] = (jax.tree.map(np.asarray, new.params), m)
-    for x, y in zip(jax.tree.leaves(out[False][0]), jax.tree.leaves(out[True][0])):
-        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
-    assert out[True][1]["grad_norm"] > 0
-    for k, v in out[False][1].items():
-        assert abs(out[True][1][k] - v) <= 1e-5 * max(1.0, abs(v)), k
 
 
 def test_variable_count_slots_update_equals_padded_update():

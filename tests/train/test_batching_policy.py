@@ -6,7 +6,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
 from stapo_jax.train.optim import GlobalNormClipped, clip_by_global_norm, make_optimizer

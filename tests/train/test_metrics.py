@@ -113,7 +113,8 @@ def test_trainer_logger_wandb_offline(tmp_path, monkeypatch):
 
 
 def test_trainer_logger_names_an_unknown_logger():
-    from stapo_jax.config.schema import ConfigError, load_config
+    from stapo_jax.config.schema import load_config
+    from stapo_jax.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"trainer.logger: unknown logger\(s\) \['mlflow'\]"):
         load_config(None, ["trainer.logger=[console,mlflow]"])

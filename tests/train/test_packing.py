@@ -10,7 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.algo.objectives import LOSS_AGG_MODES

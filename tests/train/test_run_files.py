@@ -12,7 +12,7 @@ import pytest
 import yaml
 from fixtures_trainer import cli_args, child_env, write_config
 
-from stapo_jax.config.schema import ConfigError
+from stapo_jax.core.errors import ConfigError
 from stapo_jax.train.metrics import MetricsLogger, read_metrics, truncate_rows
 from stapo_jax.train.run_files import check_run_dir, earlier_summary, write_summary
 

@@ -7,7 +7,8 @@ import numpy as np
 from flax import nnx
 
 from models.decode import greedy_generate
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.train.optim import make_optimizer
 from stapo_jax.train.sft import run_sft, sft_step

@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.experience import Experience, fill_mini_batches

@@ -12,7 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from models.sharding import make_mesh
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.train.batching import pack_prompt_response

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3 import Qwen3
+from models.qwen3_config import Qwen3Config
 from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.train.batching import pack_prompt_response

@@ -1,8 +1,9 @@
-"""Settings dataclasses' validation, shared by every layer: the error type :class:`ConfigError`, the named-choice
-check, and the typed building / type checking of a settings dataclass from plain values (type coercion, unknown
-keys with did-you-mean suggestions). A leaf of the package: it imports nothing of ``stapo_jax`` or ``models``, so
-the algorithm's settings (``stapo_jax.algo.*_settings``) and the run schema (:mod:`stapo_jax.config.schema`) both
-build on it; :mod:`stapo_jax.config.loading` adds YAML and dotted overrides on top.
+"""Settings dataclasses' validation, shared by every layer: the named-choice check, and the typed building / type
+checking of a settings dataclass from plain values (type coercion, unknown keys with did-you-mean suggestions),
+each failure a :class:`~stapo_jax.core.errors.ConfigError`. In the core layer: it imports only
+:mod:`stapo_jax.core.errors`, so the algorithm's settings (``stapo_jax.algo.*_settings``) and the run schema
+(:mod:`stapo_jax.config.schema`) both build on it; :mod:`stapo_jax.config.loading` adds YAML and dotted overrides
+on top.
 """
 from __future__ import annotations
 
@@ -14,15 +15,10 @@ import numbers
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["ConfigError", "check_one_of", "check_field_types", "coerce", "type_name", "build_dataclass",
+from stapo_jax.core.errors import ConfigError
+
+__all__ = ["check_one_of", "check_field_types", "coerce", "type_name", "build_dataclass",
            "unknown_keys", "unknown_key_message", "dataclass_keys"]
-
-
-class ConfigError(ValueError):
-    """A config key is unknown, a value has the wrong type or range, or two keys contradict each other.
-
-    The message always names the dotted key(s) involved.
-    """
 
 
 def dataclass_keys(cls: type, prefix: str = "") -> list[str]:

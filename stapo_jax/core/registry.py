@@ -15,9 +15,9 @@ import importlib
 import pkgutil
 from typing import Callable, Iterable
 
-from stapo_jax.algo.settings_base import ConfigError
+from stapo_jax.core.errors import ConfigError
 
-__all__ = ["Registry", "register_into", "did_you_mean"]
+__all__ = ["Registry", "did_you_mean"]
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -112,25 +112,3 @@ class Registry(dict):
     def values(self):
         """``dict.values`` after :meth:`load`."""
         return dict.values(self.load())
-
-
-def register_into(table: dict, kind: str, name: str, make: Callable = lambda fn: fn) -> Callable:
-    """A decorator that stores ``make(fn)`` as ``table[name]`` and returns ``fn`` unchanged (``table.register``
-    for a :class:`Registry`).
-
-    Args: table: the registry; kind: what is registered, for the error message; name: its key;
-      make: builds the stored entry from the function (default: the function itself).
-    Raises: ValueError if ``name`` is already in ``table``.
-    Source: verl ``core_algos.register_adv_est`` / ``register_policy_loss`` (same duplicate-name error).
-    Takes ``name``: str.
-    """
-    if isinstance(table, Registry):
-        return table.register(name, make)
-
-    def deco(fn):
-        if name in table:
-            raise ValueError(f"{kind} {name!r} is already registered")
-        table[name] = make(fn)
-        return fn
-
-    return deco

@@ -1,0 +1,99 @@
+"""Settings that travel with their extension: a registered token mask (``TokenMask.settings_cls`` / ``section``)
+or reward kind (``RewardKind.settings_cls`` / ``section``) declares a frozen settings dataclass and the run-config
+section that holds it (verl's pattern of a loss reading its own ``policy_loss.*`` keys). The config loader reads
+that section for every registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a
+field of the schema (``s2t``, ``top_entropy``, ``cov``) is built by the schema itself, every other one (e.g.
+``reward.math_verify_strict``, or a mask registered in a new file) is held in ``Config.extensions`` by its
+dotted section and reaches the :class:`~stapo_jax.algo.recipes.Recipe` (``Recipe.extensions``) and the scorer.
+
+Importing this module does not import jax; :func:`declared_sections` imports the registries (hence jax), as
+``selection.check_registered_names`` does at the end of every load.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_type_hints
+
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import build_dataclass
+
+__all__ = ["declared_sections", "schema_has_section", "split_sections", "build_settings", "settings_for"]
+
+
+def declared_sections() -> dict[str, type]:
+    """``{dotted section: settings dataclass}`` of every registered token mask and reward kind that declares
+    settings (entries registered later, e.g. by a new module or a test, included). Imports the registries (jax).
+
+    Raises: ConfigError when two extensions declare one section with different classes (naming both).
+    Source: verl ``policy_loss.*`` (an extension reads its own keys).
+    """
+    from stapo_jax.algo.masks import TOKEN_MASKS  # the registries (jax): loaded on first use
+    from stapo_jax.rewards.registry import REWARD_KINDS
+
+    out: dict[str, type] = {}
+    for kind, registry in (("token mask", TOKEN_MASKS), ("reward kind", REWARD_KINDS)):
+        for name, entry in registry.items():
+            if entry.settings_cls is None:
+                continue
+            if not entry.section:
+                raise ConfigError(f"{kind} {name!r} declares settings_cls without a section")
+            prev = out.setdefault(entry.section, entry.settings_cls)
+            if prev is not entry.settings_cls:
+                raise ConfigError(f"section {entry.section}: {kind} {name!r} declares {entry.settings_cls.__name__}, "
+                                  f"another extension {prev.__name__}")
+    return out
+
+
+def schema_has_section(schema: type, section: str) -> bool:
+    """Whether the dotted ``section`` is a (nested) dataclass field of the schema dataclass ``schema``
+    (``s2t`` of ``Config``). Takes a dataclass type and a str. Never raises. Source: the schema annotations."""
+    tp: Any = schema
+    for part in section.split("."):
+        hints = get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return False
+        tp = hints[part]
+    return dataclasses.is_dataclass(tp)
+
+
+def split_sections(raw: dict, sections: dict[str, type], schema: type) -> dict[str, Any]:
+    """Remove from the nested mapping ``raw`` (in place) the declared ``sections`` the ``schema`` has no field for,
+    and return them ``{dotted section: raw value}`` (absent ones are not returned). Takes YAML mappings.
+
+    Raises: ConfigError ``extensions`` when ``raw`` sets that reserved key (it is filled by the loader).
+    Source: this module's rule (an extension's section is where its YAML sits).
+    """
+    if "extensions" in raw:
+        raise ConfigError("unknown config key 'extensions' (an extension's settings go in its own section, e.g. "
+                          "reward.math_verify_strict)")
+    out = {}
+    for section in sections:
+        if schema_has_section(schema, section):
+            continue
+        *parents, leaf = section.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            out[section] = node.pop(leaf)
+    return out
+
+
+def build_settings(found: dict[str, Any], sections: dict[str, type]) -> dict[str, Any]:
+    """``{dotted section: settings instance}`` for each section in ``found`` (:func:`split_sections`: the declared
+    sections the YAML sets and the schema has no field for); a section the YAML leaves out is not held (its users
+    take the class defaults: :func:`settings_for`), so a config without one equals ``Config()``.
+
+    Raises: ConfigError naming ``<section>.<key>`` (unknown key, wrong type, or the class's own range check).
+    Source: :func:`stapo_jax.config.loading.build_dataclass` (the schema's typed build).
+    """
+    return {section: build_dataclass(sections[section], value, section + ".") for section, value in found.items()}
+
+
+def settings_for(extensions: dict[str, Any], entry) -> Any:
+    """The settings instance of the registered extension ``entry`` (a ``TokenMask`` / ``RewardKind``): the one in
+    ``extensions`` (``Config.extensions``) under its section, else its ``settings_cls()`` defaults; None when it
+    declares none. Never raises (but as the class's own check of its defaults). Source: this module's rule."""
+    if entry is None or entry.settings_cls is None:
+        return None
+    return extensions.get(entry.section) or entry.settings_cls()

@@ -1,0 +1,156 @@
+"""Extensions own their settings (issue 44 item 3): a token mask or a reward kind registered with a settings
+dataclass and a section is set from YAML through the real config loader, the recipe / scorer gets the instance,
+and the setting changes the result. Also the built-in ones that were not settable: ``cov.*`` (Clip-Cov / KL-Cov)
+and ``reward.math_verify_strict.*`` (``rel_tol``, ``require_think_close``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stapo_jax.algo.masks import TOKEN_MASKS, register_token_mask
+from stapo_jax.algo.recipes import compute_token_mask
+from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.settings import check_field_types
+from stapo_jax.config.recipes import recipe_from_config
+from stapo_jax.config.schema import from_dict, load_config
+from stapo_jax.rewards import make_scorer
+from stapo_jax.rewards.math_strict import MathStrictSettings
+from stapo_jax.rewards.registry import REWARD_KINDS, register_reward
+
+# ------------------------------------------------------------------ a new mask with a setting of its own
+
+
+@dataclass(frozen=True)
+class EntropyCapSettings:
+    """Keep the valid tokens whose entropy is at most ``cap`` (nats)."""
+
+    cap: float = 1.0
+
+    def __post_init__(self):
+        check_field_types(self, "entropy_cap")
+        if not self.cap > 0:
+            raise ConfigError(f"entropy_cap.cap={self.cap} must be > 0")
+
+
+def entropy_cap_mask(entropy, response_mask, *, cap=1.0):
+    valid = response_mask.astype(bool)
+    return valid & (entropy <= cap), jnp.asarray(cap, entropy.dtype)
+
+
+# ------------------------------------------------------------------ a new reward with a setting of its own
+
+
+@dataclass(frozen=True)
+class ShortAnswerSettings:
+    """Score 1 for a response of at most ``max_chars`` characters."""
+
+    max_chars: int = 10
+
+    def __post_init__(self):
+        check_field_types(self, "reward.short_answer")
+        if self.max_chars < 1:
+            raise ConfigError(f"reward.short_answer.max_chars={self.max_chars} must be >= 1")
+
+
+def short_answer(response: str, gold: str, max_chars: int = 10) -> float:
+    return 1.0 if len(response) <= max_chars else 0.0
+
+
+@pytest.fixture
+def extensions():
+    """Register the two examples (as their own file would), and remove them afterwards."""
+    register_token_mask("entropy_cap", needs=("entropy",), settings=("entropy_cap.cap",), population="valid tokens",
+                        settings_cls=EntropyCapSettings, section="entropy_cap")(entropy_cap_mask)
+    register_reward("short_answer", settings_cls=ShortAnswerSettings, section="reward.short_answer")(short_answer)
+    yield
+    dict.__delitem__(TOKEN_MASKS, "entropy_cap")
+    dict.__delitem__(REWARD_KINDS, "short_answer")
+
+
+ENTROPY = jnp.asarray([[0.2, 0.9, 1.4, 3.0], [0.1, 2.0, 0.6, 0.0]], jnp.float32)
+RESPONSE_MASK = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 0]], jnp.int32)
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_new_mask_reads_its_own_section_from_yaml(extensions, tmp_path):
+    path = _write(tmp_path, "algorithm:\n  recipe: grpo\nactor:\n  token_mask: entropy_cap\nentropy_cap:\n  cap: 0.5\n")
+    cfg = load_config(path)
+    assert cfg.extensions == {"entropy_cap": EntropyCapSettings(cap=0.5)}
+    recipe = recipe_from_config(cfg)
+    keep, stats = compute_token_mask(recipe, response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep).tolist() == [[True, False, False, False], [True, False, False, False]]
+    assert float(stats["entropy_cap/threshold"]) == 0.5
+    # the setting changes the result; an override reaches it as well
+    keep2, _ = compute_token_mask(recipe_from_config(load_config(path, ["entropy_cap.cap=1.5"])),
+                                  response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep2).tolist() == [[True, True, True, False], [True, False, True, False]]
+    # absent section: the class defaults (cap 1.0); the saved config reloads to an equal one
+    default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "entropy_cap"}}))
+    assert default.extensions["entropy_cap"] == EntropyCapSettings(cap=1.0)
+    assert load_config(cfg.save(tmp_path / "run")) == cfg
+
+
+def test_new_mask_section_errors_name_the_key(extensions):
+    with pytest.raises(ConfigError, match=r"entropy_cap.cap=-1.0 must be > 0"):
+        from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "entropy_cap"}, "entropy_cap": {"cap": -1}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'entropy_cap.capp'; did you mean 'entropy_cap.cap'"):
+        from_dict({"algorithm": {"recipe": "grpo"}, "entropy_cap": {"capp": 1}})
+    with pytest.raises(ConfigError, match=r"entropy_cap.cap: expected float, got str"):
+        from_dict({"algorithm": {"recipe": "grpo"}, "entropy_cap": {"cap": "wide"}})
+
+
+def test_new_reward_reads_its_own_section_from_yaml(extensions, tmp_path):
+    path = _write(tmp_path, "reward:\n  kind: short_answer\n  short_answer:\n    max_chars: 3\n")
+    cfg = load_config(path)
+    assert cfg.extensions == {"reward.short_answer": ShortAnswerSettings(max_chars=3)}
+    responses, golds = ["abc", "abcdef", "a"], ["", "", ""]
+    with make_scorer(cfg) as scorer:
+        assert scorer.score(responses, golds)[0].tolist() == [1.0, 0.0, 1.0]
+    with make_scorer(load_config(path, ["reward.short_answer.max_chars=6"])) as scorer:
+        assert scorer.score(responses, golds)[0].tolist() == [1.0, 1.0, 1.0]
+    with make_scorer(from_dict({"reward": {"kind": "short_answer"}})) as scorer:  # absent: default 10
+        assert scorer.score(["x" * 10, "x" * 11], ["", ""])[0].tolist() == [1.0, 0.0]
+    with pytest.raises(ConfigError, match=r"reward.short_answer.max_chars=0 must be >= 1"):
+        load_config(path, ["reward.short_answer.max_chars=0"])
+
+
+def test_cov_section_sets_clip_cov_and_kl_cov(tmp_path):
+    path = _write(tmp_path, "algorithm:\n  recipe: grpo\nactor:\n  token_mask: kl_cov\ncov:\n  kl_cov_ratio: 0.5\n"
+                            "  clip_cov_ratio: 0.25\n  clip_cov_lb: -2.0\n  clip_cov_ub: 7.0\n")
+    recipe = recipe_from_config(load_config(path))
+    assert (recipe.cov.kl_cov_ratio, recipe.cov.clip_cov_ratio, recipe.cov.clip_cov_lb, recipe.cov.clip_cov_ub) == (
+        0.5, 0.25, -2.0, 7.0)
+    lp = jnp.log(jnp.asarray([[0.1, 0.5, 0.9, 0.3], [0.2, 0.7, 0.4, 0.6]], jnp.float32))
+    adv = jnp.asarray([1.0, -1.0], jnp.float32)
+    mask = jnp.ones((2, 4), jnp.int32)
+    sel, _ = compute_token_mask(recipe, response_mask=mask, log_probs=lp, advantages=adv)
+    sel_default, _ = compute_token_mask(recipe_from_config(load_config(path, ["cov.kl_cov_ratio=0.0002"])),
+                                        response_mask=mask, log_probs=lp, advantages=adv)
+    assert int(np.asarray(sel).sum()) == 4 and int(np.asarray(sel_default).sum()) == 1  # floor(0.5 * 8), max(1, 0)
+    for bad, msg in ((["cov.kl_cov_ratio=0"], r"cov.kl_cov_ratio=0.0 must be in \(0, 1\]"),
+                     (["cov.clip_cov_lb=8"], r"cov.clip_cov_lb=8.0 must be < cov.clip_cov_ub=7.0")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(path, bad)
+
+
+def test_math_verify_strict_settings_from_yaml():
+    cfg = from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1,
+                                "math_verify_strict": {"rel_tol": 1e-3, "require_think_close": True}}})
+    assert cfg.extensions["reward.math_verify_strict"] == MathStrictSettings(rel_tol=1e-3, require_think_close=True)
+    responses = ["</think> \\boxed{0.3333}", "\\boxed{0.3333}", "</think> \\boxed{0.33}"]
+    with make_scorer(cfg) as scorer:
+        assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [1.0, 0.0, 0.0]
+    with make_scorer(from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1}})) as scorer:  # defaults
+        assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ConfigError, match=r"reward.math_verify_strict.rel_tol=0.0 must be > 0"):
+        from_dict({"reward": {"math_verify_strict": {"rel_tol": 0}}})
+    with pytest.raises(ConfigError, match=r"reward.math_verify_strict.require_think_close: expected bool"):
+        from_dict({"reward": {"math_verify_strict": {"require_think_close": "yes"}}})
