@@ -34,7 +34,7 @@ from benchutil import (interleaved, load_line, machine_line, pick_torch_threads,
                        use_cli_allocator)
 
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy  # noqa: E402
-from stapo_jax.algo.objectives import compute_policy_loss, safe_divide  # noqa: E402
+from stapo_jax.algo.objectives import PolicyLossInputs, compute_policy_loss, safe_divide  # noqa: E402
 from stapo_jax.algo.recipes import compute_token_mask  # noqa: E402
 from stapo_jax.config.recipes import get_recipe  # noqa: E402
 
@@ -81,7 +81,8 @@ def main():
         def jloss(z, ids, old, adv, resp):
             lp, ent = logits_to_log_probs_and_entropy(z, ids)
             keep, _ = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp)
-            s, d, _ = compute_policy_loss(lp, old, adv, resp, keep, c, entropy=ent, renormalize=recipe.renormalize)
+            s, d, _ = compute_policy_loss(PolicyLossInputs(old, lp, adv, resp, keep, entropy=ent,
+                                                           renormalize=recipe.renormalize), c)
             return safe_divide(s, d)
 
         return jax.jit(jax.value_and_grad(jloss))

@@ -67,6 +67,11 @@ class TokenMask:
     dotted recipe field naming its population scope (``microbatch`` / ``minibatch``), or None (each call is its own
     population). selects: the mask selects tokens for a penalty (``kl_cov_selection``) instead of keeping them.
     renormalize: whether dropped tokens leave the denominator: a bool or a dotted recipe field.
+    threshold_metric: the metric name of its threshold (None: ``<name>/threshold``; S2T: ``s2t/tau_h``).
+    entropy_threshold: its threshold is the entropy threshold ``tau_h`` of the token diagnostics (S2T), which
+    otherwise take the recipe's entropy quantile of the population. rows_reorderable: with a ``minibatch`` scope
+    its mask does not depend on which micro-batch holds a row, so a packed update may reorder the rows (False for
+    a mask without a scope: each micro-batch is its own population).
     settings_cls: the mask's own frozen settings dataclass (validating in ``__post_init__``), or None.
     section: the run-config section holding ``settings_cls`` (also the recipe field the ``settings`` names
     start with), e.g. ``s2t``: the config loader builds it from YAML for every registered mask
@@ -81,8 +86,16 @@ class TokenMask:
     scope: str | None = None
     selects: bool = False
     renormalize: bool | str = True
+    threshold_metric: str | None = None
+    entropy_threshold: bool = False
+    rows_reorderable: bool = False
     settings_cls: type | None = None
     section: str | None = None
+
+    @property
+    def metric_name(self) -> str:
+        """The metric name of the threshold: ``threshold_metric``, else ``<name>/threshold``."""
+        return self.threshold_metric or f"{self.name}/threshold"
 
 
 # the built-in masks are registered in this module; a new mask is one new module in stapo_jax/algo/token_masks/
@@ -197,8 +210,8 @@ def masked_quantile(
 @register_token_mask("s2t", needs=("log_probs", "entropy", "advantages"),
                      settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
                      population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
-                     scope="s2t.quantile_scope", renormalize="s2t.renormalize", settings_cls=S2TConfig,
-                     section="s2t")
+                     scope="s2t.quantile_scope", renormalize="s2t.renormalize", threshold_metric="s2t/tau_h",
+                     entropy_threshold=True, rows_reorderable=True, settings_cls=S2TConfig, section="s2t")
 def s2t_mask(
     log_probs: jax.Array,
     entropy: jax.Array,
@@ -257,8 +270,8 @@ def s2t_mask(
 
 
 @register_token_mask("top_entropy", needs=("entropy",), settings=("top_entropy.ratio",),
-                     population="valid tokens", scope="top_entropy.scope", settings_cls=TopEntropyConfig,
-                     section="top_entropy")
+                     population="valid tokens", scope="top_entropy.scope", rows_reorderable=True,
+                     settings_cls=TopEntropyConfig, section="top_entropy")
 def top_entropy_mask(
     entropy: jax.Array, response_mask: jax.Array, *, ratio: float = 0.2, quantile_method: str = "topk_ceil",
     axis_name=None,

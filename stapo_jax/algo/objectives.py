@@ -23,11 +23,15 @@ Metrics are ``{name: (sum, weight)}`` pairs of scalars, so they also accumulate 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.algo.loss_inputs import (  # noqa: F401  (re-exported: part of this module's API)
+    CheckedLossInputs,
+    PolicyLossInputs,
+    check_loss_inputs,
+    loss_masks,
+)
 from stapo_jax.algo.loss_settings import (  # noqa: F401  (re-exported: part of this module's API)
     CONSTANT_DENOMINATOR_MODES,
     KL_TYPES,
@@ -46,8 +50,9 @@ __all__ = [
     "aggregate",
     "global_loss_denominator",
     "compute_policy_loss",
-    "LossInputs",
-    "policy_loss_inputs",
+    "PolicyLossInputs",
+    "CheckedLossInputs",
+    "check_loss_inputs",
     "finish_policy_loss",
     "kl_has_own_denominator",
     "metric_pair",
@@ -101,13 +106,6 @@ def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array, kl_type: str) -> 
         k2 = 0.5 * delta**2
         value = k2 + jax.lax.stop_gradient(value - k2)
     return value
-
-
-def _masks(response_mask, token_mask, renormalize):
-    # read as a boolean (nonzero = a response token), so a mask value of 2 or 0.5 counts once, not as a weight
-    v = response_mask.astype(bool).astype(jnp.float32)
-    k = v if token_mask is None else v * token_mask.astype(v.dtype)
-    return k, (k if renormalize else v)
 
 
 def aggregate(
@@ -172,7 +170,7 @@ def global_loss_denominator(
     Returns: float32 scalar. Raises: ValueError as :func:`aggregate`.
     Source: verl 0.9.1 ``core_algos.agg_loss`` denominators (global-token / sequence normalisation).
     """
-    k, d = _masks(response_mask, token_mask, renormalize)
+    k, d = loss_masks(response_mask, token_mask, renormalize)
     return aggregate(jnp.zeros(k.shape, jnp.float32), k, d, config.loss_agg_mode, config.loss_scale_factor)[1]
 
 
@@ -182,89 +180,6 @@ def metric_pair(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     Args: ``x``, ``w`` broadcastable float arrays (e.g. ``[B, T]`` values and mask). Returns two float scalars.
     Raises: nothing of its own. Source: Tunix ``WeightedMetric`` (sum and weight accumulated separately)."""
     return (jnp.sum(x * w), jnp.sum(w))
-
-
-class LossInputs(NamedTuple):
-    """The checked inputs of a policy loss (:func:`policy_loss_inputs`): padding zeroed, constants stop-gradient,
-    all ``[B, T]`` in the dtype of ``log_probs`` (``adv`` ``[B, 1]`` or ``[B, T]``; the optional ones None when not
-    given). ``valid``: bool response tokens; ``k`` / ``d``: the policy-gradient numerator / denominator masks
-    (``d`` = ``k``, or ``v`` when masked tokens stay in the count); ``v``: float response mask."""
-
-    log_probs: jax.Array
-    old: jax.Array
-    adv: jax.Array
-    entropy: jax.Array | None
-    ref_log_probs: jax.Array | None
-    rollout_log_probs: jax.Array | None
-    kl_cov_selection: jax.Array | None
-    valid: jax.Array
-    k: jax.Array
-    d: jax.Array
-    v: jax.Array
-
-
-def policy_loss_inputs(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    token_mask: jax.Array | None,
-    config: PolicyLossConfig,
-    *,
-    entropy: jax.Array | None = None,
-    ref_log_probs: jax.Array | None = None,
-    rollout_log_probs: jax.Array | None = None,
-    kl_cov_selection: jax.Array | None = None,
-    renormalize: bool = True,
-) -> LossInputs:
-    """Check and clean the arguments every registered policy loss takes (those of :func:`compute_policy_loss`).
-
-    Args: as :func:`compute_policy_loss` (``[B, T]`` arrays; advantages ``[B]`` or ``[B, T]``).
-    Returns: a :class:`LossInputs` (padding positions zeroed before any arithmetic, so neither a value nor a
-      gradient can see a NaN there: the "double where" rule).
-    Raises: ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
-      ``advantages``, or an input the config needs missing (``ref_log_probs`` with ``use_kl_loss``, ``entropy``
-      with ``entropy_coeff``, ``rollout_log_probs`` with ``sampler_is=truncate``).
-    Source: verl ``compute_policy_loss_vanilla`` argument conventions (conventions.md §1).
-    """
-    if log_probs.ndim != 2:
-        raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
-    for name, a in (("log_probs", log_probs), ("old_log_probs", old_log_probs), ("advantages", advantages)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):  # an int dtype would truncate the others (cast to it)
-            raise ValueError(f"{name} must be a float array, got dtype {a.dtype}")
-    shape = tuple(log_probs.shape)
-    named = dict(old_log_probs=old_log_probs, response_mask=response_mask, token_mask=token_mask, entropy=entropy,
-                 ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
-                 kl_cov_selection=kl_cov_selection)
-    for name, a in named.items():
-        if a is not None and tuple(a.shape) != shape:
-            raise ValueError(f"{name} shape {tuple(a.shape)} must equal log_probs shape {shape}")
-    if advantages.ndim == 1:
-        if advantages.shape[0] != shape[0]:
-            raise ValueError(f"advantages [B] has B={advantages.shape[0]}, log_probs is {shape}")
-        advantages = advantages[:, None]
-    elif tuple(advantages.shape) != shape:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [B] or equal log_probs {shape}")
-    if config.use_kl_loss and ref_log_probs is None:
-        raise ValueError("config.use_kl_loss is set but ref_log_probs is None")
-    if config.entropy_coeff != 0 and entropy is None:
-        raise ValueError("config.entropy_coeff != 0 but entropy is None")
-    if config.rollout_is_threshold is not None and rollout_log_probs is None:
-        raise ValueError("config.sampler_is='truncate' needs rollout_log_probs (the sampler's [B, T] log-probs)")
-    sg, dt = jax.lax.stop_gradient, log_probs.dtype
-    valid = response_mask.astype(bool)
-
-    def clean(x):
-        return None if x is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
-
-    advantages = clean(advantages)  # [B, 1] broadcasts to [B, T] here
-    k, d = _masks(response_mask, token_mask, renormalize)
-    ref, roll = clean(ref_log_probs), clean(rollout_log_probs)
-    return LossInputs(clean(log_probs), sg(clean(old_log_probs)).astype(dt), sg(advantages).astype(dt),
-                      clean(entropy), None if ref is None else sg(ref).astype(dt),
-                      None if roll is None else sg(roll).astype(dt),
-                      None if kl_cov_selection is None else kl_cov_selection.astype(dt), valid, k.astype(dt),
-                      d.astype(dt), valid.astype(dt))
 
 
 def kl_has_own_denominator(config: PolicyLossConfig, has_token_mask: bool, renormalize: bool) -> bool:
@@ -278,31 +193,24 @@ def kl_has_own_denominator(config: PolicyLossConfig, has_token_mask: bool, renor
             and config.loss_agg_mode not in CONSTANT_DENOMINATOR_MODES)
 
 
-def finish_policy_loss(
-    x: LossInputs,
-    pg: jax.Array,
-    config: PolicyLossConfig,
-    metrics: dict,
-    per_token: dict,
-    *,
-    fold_kl: bool = True,
-    return_per_token: bool = False,
-):
+def finish_policy_loss(x: CheckedLossInputs, pg: jax.Array, config: PolicyLossConfig, metrics: dict,
+                       per_token: dict):
     """The part every policy loss shares after its per-token surrogate ``pg`` ``[B, T]`` (float, before masks):
     the truncated sampler importance weight, the aggregation over the kept tokens, the KL term over **every valid
     token** (the token mask selects policy-gradient tokens only) and the entropy bonus.
 
     The KL term is aggregated over the response mask with its own denominator (``metrics["kl_loss"]``); with
-    ``fold_kl`` it enters ``loss_sum`` as ``kl_loss_coef * kl_sum * den / kl_den``, so that
+    ``x.fold_kl`` it enters ``loss_sum`` as ``kl_loss_coef * kl_sum * den / kl_den``, so that
     ``safe_divide(loss_sum, den)`` is ``pg + kl_loss_coef * KL`` exactly for a call on the whole mini-batch (and
     for any split into micro-batches unless :func:`kl_has_own_denominator`, where both denominators are equal).
     ``fold_kl=False`` leaves it out (a train step that differentiates the KL term apart). When no token is kept
     (``den = 0``) the folded form cannot carry the KL term; the train step's separate KL gradient still applies.
 
-    Args: x: :class:`LossInputs`; pg: ``[B, T]`` float; config; metrics: ``{name: (sum, weight)}`` so far (the
-      loss's own: clip fractions, ``ppo_kl``, ...); per_token: ``{name: [B, T]}`` so far (``log_ratio``,
-      ``ratio``, ``clipped``, ``clipped_lower``); fold_kl; return_per_token: see :func:`compute_policy_loss`.
-    Returns: ``(loss_sum, loss_denominator, metrics)`` (+ ``per_token`` with ``return_per_token``).
+    Args: x: :class:`CheckedLossInputs` (from :func:`check_loss_inputs`; its ``fold_kl`` / ``return_per_token``
+      flags as :class:`PolicyLossInputs`); pg: ``[B, T]`` float; config; metrics: ``{name: (sum, weight)}`` so
+      far (the loss's own: clip fractions, ``ppo_kl``, ...); per_token: ``{name: [B, T]}`` so far
+      (``log_ratio``, ``ratio``, ``clipped``, ``clipped_lower``).
+    Returns: ``(loss_sum, loss_denominator, metrics)`` (+ ``per_token`` with ``x.return_per_token``).
     Raises: ValueError as :func:`aggregate`. Source: verl actor ``ppo_loss`` (pg + kl_coef * agg_loss(kld,
       response_mask) - entropy_coeff * H); stapo_spec.md §5 (``beta agg(KL)`` read over valid tokens).
     """
@@ -319,7 +227,7 @@ def finish_policy_loss(
         kl = kl_penalty(x.log_probs, x.ref_log_probs, config.kl_loss_type)
         kl_sum, kl_den = aggregate(kl, v, v, mode, factor)
         metrics["kl_loss"] = (kl_sum, kl_den)
-        if fold_kl:
+        if x.fold_kl:
             scale = safe_divide(sg(den), sg(kl_den))
             loss_sum = loss_sum + config.kl_loss_coef * kl_sum * scale
             kl_tok = config.kl_loss_coef * kl * scale
@@ -330,7 +238,7 @@ def finish_policy_loss(
             loss_sum = loss_sum - config.entropy_coeff * ent_sum
             total = total - config.entropy_coeff * x.entropy
             metrics["entropy_loss"] = (ent_sum, den)
-    if return_per_token:
+    if x.return_per_token:
         zero = jnp.zeros((), dt)
         out = {name: (a if a.dtype == bool else jnp.where(x.valid, a, zero)) for name, a in per_token.items()}
         out.update({"pg_losses": jnp.where(x.valid, pg, zero), "kl": jnp.where(x.valid, kl, zero),
@@ -340,48 +248,24 @@ def finish_policy_loss(
 
 
 def compute_policy_loss(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    token_mask: jax.Array | None = None,
-    config: PolicyLossConfig = PolicyLossConfig(),
-    *,
-    entropy: jax.Array | None = None,
-    ref_log_probs: jax.Array | None = None,
-    rollout_log_probs: jax.Array | None = None,
-    kl_cov_selection: jax.Array | None = None,
-    renormalize: bool = True,
-    fold_kl: bool = True,
-    return_per_token: bool = False,
+    inputs: PolicyLossInputs, config: PolicyLossConfig = PolicyLossConfig()
 ) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
     """Clipped surrogate (+ KL, - entropy bonus) as ``(loss_sum, loss_denominator, metrics)``: the ``vanilla``
     policy loss (verl ``loss_mode``).
 
     Args:
-      log_probs: ``[B, T]`` float, current policy (gradient flows through it), nats.
-      old_log_probs: ``[B, T]`` float, the policy that produced the rollouts (constant).
-      advantages: ``[B]`` or ``[B, T]`` float (constant).
-      response_mask: ``[B, T]`` 0/1 or bool, valid response tokens (read as a boolean: any nonzero value is
-        one token, never a weight).
-      token_mask: ``[B, T]`` bool keep mask (S2T, top-entropy, ...) or None (keep all valid tokens). It selects
-        the policy-gradient tokens only: the KL term covers every valid token (verl, TRL).
-      config: :class:`PolicyLossConfig`.
-      entropy: ``[B, T]`` float; required if ``config.entropy_coeff != 0``; also gives the ``entropy`` metric
-        (token-mean over valid tokens).
-      ref_log_probs: ``[B, T]``; required if ``config.use_kl_loss``.
-      rollout_log_probs: ``[B, T]`` sampler log-probs; required with ``config.sampler_is='truncate'``.
-      kl_cov_selection: ``[B, T]`` bool from :func:`stapo_jax.algo.masks.kl_cov_mask`; switches to verl's KL-Cov
-        loss ``-A r + ppo_kl_coef |delta| [selected]`` (no ratio clip).
-      renormalize: False keeps masked tokens in the denominator (``s2t.renormalize=false``, clip-cov).
-      fold_kl: see :func:`finish_policy_loss` (False: the KL term is left out of ``loss_sum``).
-      return_per_token: also return a fourth value, the per-token terms ``{name: [B, T]}`` for loss unit tests:
-        ``log_ratio`` (clamped ``log_probs - old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token,
-        after the truncated-IS weight, before any mask), ``clipped`` (bool: the ratio clip is active, verl's
-        ``pg_losses2 > pg_losses1``), ``clipped_lower`` (bool: the dual clip is active; all False without it),
-        ``kl`` (the KL estimator; zeros without ``use_kl_loss``), ``loss`` (the per-token numerator terms
-        ``(pg_losses - entropy_coeff * entropy) * keep + kl_loss_coef * kl * den / kl_den``). Padding positions
-        hold 0 / False.
+      inputs: :class:`PolicyLossInputs`: ``old_log_probs`` / ``log_probs`` ``[B, T]`` float nats (the gradient
+        flows through ``log_probs``), ``advantages`` ``[B]`` or ``[B, T]``, ``response_mask`` ``[B, T]``, and the
+        optional ``token_mask``, ``entropy``, ``ref_log_probs``, ``rollout_log_probs``, ``kl_cov_selection``
+        (switches to verl's KL-Cov loss ``-A r + ppo_kl_coef |delta| [selected]``, no ratio clip) and the flags
+        ``renormalize``, ``fold_kl``, ``return_per_token``. With ``return_per_token`` a fourth value is returned,
+        the per-token terms ``{name: [B, T]}`` for loss unit tests: ``log_ratio`` (clamped ``log_probs -
+        old_log_probs``), ``ratio``, ``pg_losses`` (the surrogate per token, after the truncated-IS weight, before
+        any mask), ``clipped`` (bool: the ratio clip is active, verl's ``pg_losses2 > pg_losses1``),
+        ``clipped_lower`` (bool: the dual clip is active; all False without it), ``kl`` (the KL estimator; zeros
+        without ``use_kl_loss``), ``loss`` (the per-token numerator terms ``(pg_losses - entropy_coeff * entropy)
+        * keep + kl_loss_coef * kl * den / kl_den``). Padding positions hold 0 / False.
+      config: :class:`PolicyLossConfig` (clip ratios, ``loss_agg_mode``, KL and entropy terms).
 
     Returns:
       ``loss_sum``, ``loss_denominator`` (float scalars; loss = ``safe_divide(sum, global denominator)``)
@@ -391,16 +275,15 @@ def compute_policy_loss(
       terms are active.
 
     Raises:
+      TypeError: ``inputs`` is not a :class:`PolicyLossInputs`.
       ValueError: a shape mismatch (naming the array), a non-float ``log_probs`` / ``old_log_probs`` /
         ``advantages``, or a required optional input missing.
 
     Source: verl ``compute_policy_loss_vanilla`` + ``agg_loss`` + ``kl_penalty`` (conventions.md §1);
     dual clip Ye et al. 1912.09729; STAPO objective stapo_spec.md §4.
     """
-    x = policy_loss_inputs(log_probs, old_log_probs, advantages, response_mask, token_mask, config, entropy=entropy,
-                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs,
-                           kl_cov_selection=kl_cov_selection, renormalize=renormalize)
-    dt, shape, adv, k, valid = x.log_probs.dtype, tuple(log_probs.shape), x.adv, x.k, x.valid
+    x = check_loss_inputs(inputs, config)
+    dt, shape, adv, k, valid = x.log_probs.dtype, tuple(x.log_probs.shape), x.adv, x.k, x.valid
     delta = jnp.clip(x.log_probs - x.old, -config.log_ratio_clamp, config.log_ratio_clamp)
     ratio = jnp.exp(delta)
     metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
@@ -424,7 +307,7 @@ def compute_policy_loss(
     metrics["ppo_kl"] = metric_pair(-delta, k)
     metrics["ratio_mean"] = metric_pair(ratio, k)
     per_token = {"log_ratio": delta, "ratio": ratio, "clipped": clipped, "clipped_lower": clipped_lower}
-    return finish_policy_loss(x, pg, config, metrics, per_token, fold_kl=fold_kl, return_per_token=return_per_token)
+    return finish_policy_loss(x, pg, config, metrics, per_token)
 
 
 def kl_loss(
@@ -457,10 +340,11 @@ def kl_loss(
     return aggregate(kl_penalty(log_probs, ref.astype(dt), kl_loss_type), v, v, loss_agg_mode, loss_scale_factor)
 
 
-# Policy losses by name (``actor.policy_loss``, verl's ``policy_loss.loss_mode``): every loss has the signature and
-# ``(loss_sum, loss_denominator, metrics)`` return of :func:`compute_policy_loss` (the mask and the KL-Cov selection
-# are its arguments). ``vanilla`` is registered here; every other loss is one module of
-# ``stapo_jax.algo.policy_losses`` (DESIGN.md "Add a policy loss"), found by the registry itself.
+# Policy losses by name (``actor.policy_loss``, verl's ``policy_loss.loss_mode``): every loss is
+# ``loss(inputs: PolicyLossInputs, config: PolicyLossConfig) -> (loss_sum, loss_denominator, metrics)`` as
+# :func:`compute_policy_loss` (the mask and the KL-Cov selection are fields of ``inputs``). ``vanilla`` is
+# registered here; every other loss is one module of ``stapo_jax.algo.policy_losses`` (DESIGN.md "Add a policy
+# loss"), found by the registry itself.
 POLICY_LOSSES: Registry = Registry("policy loss", "actor.policy_loss", homes=("stapo_jax.algo.objectives",),
                                    packages=("stapo_jax.algo.policy_losses",))
 POLICY_LOSSES.register("vanilla")(compute_policy_loss)
@@ -470,7 +354,8 @@ KL_COV_POLICY_LOSSES: set[str] = {"vanilla"}
 
 
 def register_policy_loss(name: str, takes_kl_cov_selection: bool = False):
-    """Decorator registering a policy loss under ``name`` (signature of :func:`compute_policy_loss`);
+    """Decorator registering a policy loss ``loss(inputs: PolicyLossInputs, config: PolicyLossConfig)`` under
+    ``name`` (returns as :func:`compute_policy_loss`);
     ``takes_kl_cov_selection``: it accepts a selecting mask's ``kl_cov_selection`` (:data:`KL_COV_POLICY_LOSSES`).
     Returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
     if takes_kl_cov_selection:

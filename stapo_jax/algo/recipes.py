@@ -157,8 +157,9 @@ def compute_token_mask(
 
     Returns:
       ``(keep, stats)``: ``keep`` ``[B, T]`` bool or None (no mask; for a *selecting* mask such as ``kl_cov`` it
-      is the selection, passed to the objective as ``kl_cov_selection``); ``stats``: the mask's threshold as
-      ``s2t/tau_h`` (S2T) or ``<mask>/threshold`` (scalar; NaN for an empty population).
+      is the selection, passed to the objective as ``kl_cov_selection``); ``stats``: the mask's threshold under
+      its registry entry's ``metric_name`` (``s2t/tau_h`` for S2T, else ``<mask>/threshold``; a scalar, NaN for an
+      empty population).
 
     Raises: ValueError naming a statistic the mask needs but did not get, or from the mask function.
     """
@@ -176,4 +177,4 @@ def compute_token_mask(
     if tau_h is not None:
         kwargs["tau_h"] = tau_h
     keep, threshold = spec.fn(response_mask=response_mask, **kwargs)
-    return keep, {("s2t/tau_h" if spec.name == "s2t" else f"{spec.name}/threshold"): threshold}
+    return keep, {spec.metric_name: threshold}

@@ -31,10 +31,12 @@ import numpy as np
 
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.masks import masked_quantile
-from stapo_jax.algo.objectives import LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, finalize_metrics, safe_divide
+from stapo_jax.algo.masks import get_token_mask
+from stapo_jax.algo.objectives import (LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, PolicyLossInputs, finalize_metrics,
+                                       safe_divide)
 from stapo_jax.algo.recipes import compute_token_mask
 from stapo_jax.config.recipes import RECIPES, get_recipe
+from stapo_jax.train.mask_strategy import TAU_H_METRIC, DiagnosticThresholds, diagnostic_tau_h
 
 __all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "mask_without_entropy",
            "DumpError"]
@@ -174,13 +176,15 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
     """Our values for every comparable field of the dump (float64 numpy; x64 is not needed: float32 math).
     Raises: DumpError for a missing / misshaped / non-finite field; ValueError from the loss or mask settings.
     Source: verl ``compute_policy_loss_vanilla`` / ``agg_loss`` names (conventions.md §1)."""
-    _validate(d, recipe.token_mask in ("s2t", "top_entropy"), recipe.loss.use_kl_loss)
+    needs_entropy = recipe.token_mask != "none" and "entropy" in get_token_mask(recipe.token_mask).needs
+    _validate(d, needs_entropy, recipe.loss.use_kl_loss)
     f = lambda k: jnp.asarray(d[k], jnp.float32) if k in d else None  # noqa: E731
     lp, old, adv, resp, ent = f("log_probs"), f("old_log_probs"), f("advantages"), f("response_mask"), f("entropy")
     keep, mask_stats = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp,
                                           old_log_probs=old)
-    s, den, m = POLICY_LOSSES[recipe.policy_loss](lp, old, adv, resp, keep, recipe.loss, entropy=ent,
-                                    ref_log_probs=f("ref_log_probs"), renormalize=recipe.renormalize)
+    inputs = PolicyLossInputs(old, lp, adv, resp, keep, entropy=ent, ref_log_probs=f("ref_log_probs"),
+                              renormalize=recipe.renormalize)
+    s, den, m = POLICY_LOSSES[recipe.policy_loss](inputs, recipe.loss)
     fm = finalize_metrics(m, den)
     ours = {"loss": safe_divide(s, den), "pg_loss": fm["pg_loss"], "pg_clipfrac": fm["pg_clipfrac"],
             "ppo_kl": fm["ppo_kl"]}
@@ -189,12 +193,11 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
             ours[name] = fm[name]
     if ent is not None:
         ours["entropy_mean"] = fm["entropy"]
-        tau = mask_stats.get("s2t/tau_h")  # S2T's own population (quantile_tokens), else all valid tokens
-        if tau is None:
-            tau = masked_quantile(ent, resp, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
-        ours["s2t/tau_h"] = tau
-        diag = token_diagnostics(lp, ent, adv, old, resp, keep, tau_p=recipe.s2t.tau_p, tau_h=tau,
-                                 clip_ratio_low=recipe.loss.clip_ratio_low, clip_ratio_high=recipe.loss.clip_ratio_high)
+        tau = diagnostic_tau_h(recipe, mask_stats, ent, resp)  # S2T's own population, else all valid tokens
+        ours[TAU_H_METRIC] = tau
+        diag = token_diagnostics(lp, ent, adv, old, resp, keep, tau_p=DiagnosticThresholds.of(recipe).tau_p,
+                                 tau_h=tau, clip_ratio_low=recipe.loss.clip_ratio_low,
+                                 clip_ratio_high=recipe.loss.clip_ratio_high)
         ours["s2t/masked_frac"] = finalize_metrics({"x": diag["s2t/masked_frac"]})["x"]
     if "rewards" in d and "group_ids" in d:
         a = recipe.advantage

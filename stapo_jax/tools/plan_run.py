@@ -220,24 +220,38 @@ def _largest_geometry(spec: dict, qcfg, mesh):
     return _geometries(spec, qcfg, mesh)[-1]
 
 
+def spec_optimizer(spec: dict):
+    """The run's optimizer from the spec's ``optim`` entry (``train.optim.make_optimizer``, as the trainer's
+    ``build_optimizer``). Raises KeyError for a spec not from ``plan.make_spec``."""
+    from stapo_jax.train.optim import make_optimizer
+
+    o = spec["optim"]
+    return make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+
+
+def spec_policy_update(spec: dict, qcfg, mesh, shardings, **chunks):
+    """The run's ``train.policy_update.PolicyUpdate`` for the spec (the object the trainer's RL step calls), on
+    ``mesh`` with the abstract state's ``shardings``; ``chunks``: ``seq_chunk`` / ``vocab_chunk`` overrides (the
+    unit programs'). Its ``programs(k)`` are the run's jitted update programs. Raises KeyError for a spec not from
+    ``plan.make_spec``. Source: the trainer's ``start_rl``."""
+    from stapo_jax.train.policy_update import PolicyUpdate
+
+    chunk = {"seq_chunk": spec["seq_chunk"], "vocab_chunk": spec["vocab_chunk"], **chunks}
+    return PolicyUpdate(spec_recipe(spec), spec_optimizer(spec), mesh, temperature=spec["temperature"],
+                        vocab_size=qcfg.vocab_size, state_shardings=shardings,
+                        mini_rows=spec["mini_batch_sequences"], num_micro_batches=spec["num_micro_batches"], **chunk)
+
+
 def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict, object]]:
     """Compile the update phase's programs (module docstring) for the abstract train ``state`` / ``shardings``
     (``plan_programs.abstract_train_state``). Returns ``[(entry, compiled)]`` as :func:`compile_program`.
     Raises KeyError for a spec not from ``plan.make_spec``; compile errors are entries. Source: the trainer's
-    ``rl_step.step_update`` with ``trainer.precompile`` (``precompile.update_geometries``)."""
+    ``PolicyUpdate`` with ``trainer.precompile`` (``precompile.update_geometries``)."""
     import jax
 
-    from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.train.train_step import make_log_prob_fn, make_update_steps
-
-    o = spec["optim"]
-    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
     rows, k, r = spec["mini_batch_sequences"], spec["num_micro_batches"], spec["response_length"]
     geometries = _geometries(spec, qcfg, mesh)
-    common = dict(temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512, vocab_chunk=spec["vocab_chunk"])
-    first, rest = make_update_steps(spec_recipe(spec), opt, num_micro_batches=k, vocab_size=qcfg.vocab_size,
-                                    mesh=mesh, state_shardings=shardings, donate=True, **common)
-    log_prob = jax.jit(make_log_prob_fn(num_micro_batches=k, **common), static_argnums=(1, 4))
+    first, rest, log_prob = spec_policy_update(spec, qcfg, mesh, shardings).programs(k)
     out = []
     for g in geometries:
         batch = _update_batch(spec, mesh, rows, g, k)
@@ -265,22 +279,15 @@ def unit_programs(spec: dict, qcfg, mesh, geometry, dparams_fn=None) -> list[tup
 
     import jax
 
-    from stapo_jax.train.optim import make_optimizer
-    from stapo_jax.train.train_step import make_log_prob_fn, make_update_steps
     from stapo_jax.tools.plan_programs import abstract_train_state
 
-    o = spec["optim"]
-    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
     k, r = spec["num_micro_batches"], spec["response_length"]
     rows = spec["mini_batch_sequences"] // k
-    common = dict(temperature=spec["temperature"], seq_chunk=r, vocab_chunk=None)
     out = []
     for layers in (1, 2):
         ucfg = dataclasses.replace(qcfg, num_hidden_layers=layers, scan_unroll=layers)
-        state, shardings = abstract_train_state(ucfg, opt, mesh, spec.get("opt_state", "trainer"))
-        _, rest = make_update_steps(spec_recipe(spec), opt, num_micro_batches=1, vocab_size=ucfg.vocab_size,
-                                    mesh=mesh, state_shardings=shardings, donate=True, **common)
-        log_prob = jax.jit(make_log_prob_fn(num_micro_batches=1, **common), static_argnums=(1, 4))
+        state, shardings = abstract_train_state(ucfg, spec_optimizer(spec), mesh, spec.get("opt_state", "trainer"))
+        _, rest, log_prob = spec_policy_update(spec, ucfg, mesh, shardings, seq_chunk=r, vocab_chunk=None).programs(1)
         batch = _update_batch(spec, mesh, rows, geometry, 1)  # one micro-batch: S x M packed rows
         tag = f"{layers} layer{'s' if layers > 1 else ''}"
         with jax.set_mesh(mesh):
@@ -388,12 +395,9 @@ def run_programs(spec: dict, qcfg, mesh, host_devices=None) -> dict:
     from models.decode import decode_layer_dtype
     from stapo_jax.rollout.decode_fns import as_decode_params, resolve_kernel_layout
     from stapo_jax.tools.plan_programs import abstract_params, abstract_train_state, shard_bytes
-    from stapo_jax.train.optim import make_optimizer
 
     JOURNAL.open(spec.get("journal"))
-    o = spec["optim"]
-    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
-    state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))
+    state, shardings = abstract_train_state(qcfg, spec_optimizer(spec), mesh, spec.get("opt_state", "trainer"))
     emesh = engine_mesh(mesh, host_devices, spec["mesh"]["tensor"])
     eparams = abstract_params(qcfg, emesh)[1]
     dparams = as_decode_params(eparams, resolve_kernel_layout(spec["engine"]["kernel_layout"], emesh),

@@ -11,10 +11,14 @@ positions, ``K`` micro-batches of ``B/K`` strided rows each, see :func:`split_mi
    pass, for micro-batch ``j`` (stop-gradient ``log_probs`` / ``entropy`` ``[B/K, R]`` float32 of the current
    policy): the ``[B/K, R]`` bool keep mask (or selection, or None for no mask) and a float32 scalar entropy
    threshold for the diagnostics.
-3. ``finish(ctx, state, params, grad_sum, log_probs, entropy, keeps, taus, mbs, batch) -> MaskOutcome``:
-   after it, with every token's ``[B, R]`` statistics, the stacked ``[K, B/K, R]`` keeps and ``[K]`` taus: the
-   final gradient sum (a strategy may add a correction), the final ``[B, R]`` mask, the thresholds and any
-   extra metrics.
+3. ``finish(x: FinishInputs) -> MaskOutcome``: after it, with every token's ``[B, R]`` statistics, the stacked
+   ``[K, B/K, R]`` keeps and ``[K]`` taus (one typed bundle, :class:`FinishInputs`): the final gradient sum (a
+   strategy may add a correction), the final ``[B, R]`` mask, the thresholds and any extra metrics.
+
+What differs per mask is data: the mask's registry entry (``stapo_jax.algo.masks.TokenMask``: its threshold's
+metric name, whether its threshold is the diagnostics' entropy threshold, whether rows may be reordered) and its
+update entry here (:class:`MaskUpdateSpec`: its strategy, the recipe of a first mini-batch that may read the old
+policy's statistics, its count metrics); no generic function names a mask.
 
 This module holds the interface, the strategy lookup (:func:`mask_strategy`) and the two generic strategies
 every registered mask (``stapo_jax.algo.masks.TOKEN_MASKS``) can use: :func:`per_micro_batch_strategy` (each
@@ -33,20 +37,24 @@ import jax
 import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.masks import masked_quantile
-from stapo_jax.algo.objectives import POLICY_LOSSES, kl_has_own_denominator
+from stapo_jax.algo.masks import get_token_mask, masked_quantile
+from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossInputs, kl_has_own_denominator
 from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
 from stapo_jax.core.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 
-__all__ = ["COUNT_METRICS", "UpdateContext", "MaskStrategy", "MaskOutcome", "MASK_STRATEGIES",
+__all__ = ["COUNT_METRICS", "DIAGNOSTIC_COUNT_METRICS", "TAU_H_METRIC", "DiagnosticThresholds", "UpdateContext",
+           "MaskStrategy", "MaskOutcome", "FinishInputs", "MaskUpdateSpec", "MASK_STRATEGIES", "first_minibatch_recipe",
            "register_mask_strategy", "mask_strategy", "masked_policy_loss", "kl_apart", "mask_metrics",
            "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy", "prepass_stats",
-           "split_micro_batches", "join_micro_batches", "s2t_strategy", "old_policy_stats", "correction_strategy"]
+           "split_micro_batches", "join_micro_batches", "s2t_strategy", "s2t_first_minibatch", "old_policy_stats",
+           "correction_strategy"]
 
-# the mask's and diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and
-# the mini-batches of a step, not as means
-COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes", "s2t/corrected_tokens")
+# the token diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and the
+# mini-batches of a step, not as means; COUNT_METRICS (end of module) adds the registered strategies' own counts
+DIAGNOSTIC_COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated")
+# the token diagnostics' entropy threshold, reported for every recipe (stapo_spec.md §7)
+TAU_H_METRIC = "s2t/tau_h"
 
 
 def split_micro_batches(x: Optional[jax.Array], k: int) -> Optional[jax.Array]:
@@ -101,25 +109,72 @@ class MaskOutcome(NamedTuple):
     metrics: dict
 
 
+class FinishInputs(NamedTuple):
+    """What :attr:`MaskStrategy.finish` reads after the gradient pass. ctx: the :class:`UpdateContext`. state: what
+    ``prepare`` returned. params: the parameter pytree. grad_sum: the gradient-sum pytree so far. log_probs /
+    entropy: ``[B, R]`` float32 stop-gradient statistics of every token from the gradient pass. keeps: ``[K, B/K,
+    R]`` bool (or None: no mask). taus: ``[K]`` float32 thresholds of the micro-batches. micro_batches: the
+    ``Batch`` split ``[K, B/K, ...]``. batch: the mini-batch ``[B, ...]``."""
+
+    ctx: UpdateContext
+    state: Any
+    params: Any
+    grad_sum: Any
+    log_probs: jax.Array
+    entropy: jax.Array
+    keeps: Optional[jax.Array]
+    taus: jax.Array
+    micro_batches: Any
+    batch: Any
+
+
 @dataclass(frozen=True)
 class MaskStrategy:
-    """The three calls of the train step's mask handling (see the module docstring for their signatures)."""
+    """The three calls of the train step's mask handling (see the module docstring for their signatures):
+    ``prepare(ctx, params, batch)``, ``micro_mask(ctx, state, per_micro_j, log_probs, entropy, mb, j)``,
+    ``finish(x: FinishInputs) -> MaskOutcome``."""
 
     prepare: Callable
     micro_mask: Callable
     finish: Callable
 
 
-# mask name -> factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` (None: use the generic strategy); every
-# factory is defined and registered in this module (S2T's at its end)
+@dataclass(frozen=True)
+class MaskUpdateSpec:
+    """A token mask's entry in :data:`MASK_STRATEGIES`: how the update handles it.
+
+    name: the mask (``actor.token_mask``). make: ``(recipe, has_old_entropy) -> MaskStrategy | None`` (None: the
+    generic strategy of :func:`mask_strategy`). first_minibatch: ``(recipe) -> Recipe | None``, the recipe of the
+    first mini-batch of a training step when it may differ (θ = θ_old there: S2T's ``prepass`` reads the old
+    policy's statistics, saving the pre-pass), or None. count_metrics: the strategy's metrics that are counts
+    (summed over mini-batches, not averaged)."""
+
+    name: str
+    make: Callable
+    first_minibatch: Optional[Callable] = None
+    count_metrics: tuple[str, ...] = ()
+
+
+# mask name -> :class:`MaskUpdateSpec`; every entry is defined and registered in this module (S2T's at its end)
 MASK_STRATEGIES: Registry = Registry("mask strategy", "actor.token_mask", homes=("stapo_jax.train.mask_strategy",))
 
 
-def register_mask_strategy(name: str) -> Callable:
+def register_mask_strategy(name: str, *, first_minibatch: Optional[Callable] = None,
+                           count_metrics: tuple[str, ...] = ()) -> Callable:
     """Decorator registering a strategy factory ``(recipe, has_old_entropy) -> MaskStrategy | None`` for the
-    token mask ``name``. Raises: ValueError if ``name`` already has one. Source: verl ``register_policy_loss``.
-    Takes ``name``: str."""
-    return MASK_STRATEGIES.register(name)
+    token mask ``name`` as a :class:`MaskUpdateSpec` with ``first_minibatch`` / ``count_metrics`` (its fields).
+    Returns the decorator (the factory unchanged). Raises: ValueError if ``name`` already has one.
+    Source: verl ``register_policy_loss``."""
+    return MASK_STRATEGIES.register(name, lambda make: MaskUpdateSpec(name, make, first_minibatch,
+                                                                      tuple(count_metrics)))
+
+
+def first_minibatch_recipe(recipe: Recipe) -> Optional[Recipe]:
+    """The recipe of a training step's first mini-batch when its mask's update entry gives one that differs
+    (:attr:`MaskUpdateSpec.first_minibatch`), else None (every mini-batch runs ``recipe``). Never raises.
+    Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch)."""
+    spec = MASK_STRATEGIES.get(recipe.token_mask)
+    return None if spec is None or spec.first_minibatch is None else spec.first_minibatch(recipe)
 
 
 def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
@@ -128,8 +183,8 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
     ``has_old_entropy``: whether the batch carries ``old_entropy``. Raises: ValueError for an unknown mask.
     The strategy's masks are ``[B, R]`` bool. Source: stapo_spec.md §3 (population of the
     threshold)."""
-    make = MASK_STRATEGIES.get(recipe.token_mask)
-    strategy = make(recipe, has_old_entropy) if make is not None else None
+    spec = MASK_STRATEGIES.get(recipe.token_mask)
+    strategy = spec.make(recipe, has_old_entropy) if spec is not None else None
     if strategy is not None:
         return strategy
     return full_batch_strategy(prepass_stats) if recipe.mask_scope == "minibatch" else per_micro_batch_strategy()
@@ -147,10 +202,13 @@ def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
 
     def surrogate(lp, ent, mb, keep):
-        return policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask.astype(jnp.float32),
-                           None if selects else keep, recipe.loss, entropy=ent, ref_log_probs=mb.ref_log_probs,
-                           rollout_log_probs=mb.rollout_log_probs, kl_cov_selection=keep if selects else None,
-                           renormalize=recipe.renormalize, fold_kl=fold_kl)
+        inputs = PolicyLossInputs(old_log_probs=mb.old_log_probs, log_probs=lp, advantages=mb.advantages,
+                                  response_mask=mb.response_mask.astype(jnp.float32),
+                                  token_mask=None if selects else keep, entropy=ent, ref_log_probs=mb.ref_log_probs,
+                                  rollout_log_probs=mb.rollout_log_probs,
+                                  kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize,
+                                  fold_kl=fold_kl)
+        return policy_loss(inputs, recipe.loss)
 
     return surrogate
 
@@ -164,30 +222,52 @@ def kl_apart(recipe: Recipe) -> bool:
     return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
 
 
+@dataclass(frozen=True)
+class DiagnosticThresholds:
+    """The thresholds of the token diagnostics, the same for every mask (STAPO's token categories, stapo_spec.md
+    §7): tau_p (probability, in (0, 1)), entropy_quantile (in (0, 1)) and quantile_method, which give ``tau_h``
+    when the mask has no entropy threshold of its own. STAPO sets them in the recipe's ``s2t`` section
+    (:meth:`of`, the one place they are read)."""
+
+    tau_p: float
+    entropy_quantile: float
+    quantile_method: str
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "DiagnosticThresholds":
+        """The recipe's diagnostic thresholds (``s2t.tau_p``, ``s2t.entropy_quantile``, ``s2t.quantile_method``).
+        Never raises (validated with the recipe)."""
+        return cls(recipe.s2t.tau_p, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
+
+
 def mask_metrics(recipe: Recipe, out: "MaskOutcome", batch, vocab_size: Optional[int] = None) -> dict:
     """The token diagnostics of a mini-batch (``stapo_jax.algo.diagnostics.token_diagnostics``) from the
     statistics that defined its final mask ``out`` (:class:`MaskOutcome`), plus the ``s2t/tau_h`` threshold metric
-    (reported as 0 for an empty population: no NaN in the logs), all as ``{name: (sum, weight)}`` float32 scalar
-    pairs for ``finalize_metrics``. batch: the mini-batch (``[B, R]`` arrays); vocab_size: |V| for the Theorem
-    3.1 bounds (None: skipped). Raises: ValueError as ``token_diagnostics``. Source: stapo_spec.md §3, §7."""
-    loss = recipe.loss
+    (:data:`TAU_H_METRIC`; reported as 0 for an empty population: no NaN in the logs), all as ``{name: (sum,
+    weight)}`` float32 scalar pairs for ``finalize_metrics``. batch: the mini-batch (``[B, R]`` arrays);
+    vocab_size: |V| for the Theorem 3.1 bounds (None: skipped). Raises: ValueError as ``token_diagnostics``.
+    Source: stapo_spec.md §3, §7."""
+    loss, keep = recipe.loss, None if mask_selects_tokens(recipe.token_mask) else out.keep
     m = token_diagnostics(*out.diag_stats, batch.advantages, batch.old_log_probs,
-                          batch.response_mask.astype(jnp.float32), None if mask_selects_tokens(recipe.token_mask) else out.keep,
-                          tau_p=recipe.s2t.tau_p, tau_h=out.tau_rows, clip_ratio_low=loss.clip_ratio_low,
-                          clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
-                          vocab_size=vocab_size, log_ratio_clamp=loss.log_ratio_clamp)
-    m["s2t/tau_h"] = (jnp.nan_to_num(out.tau_h, nan=0.0), jnp.ones((), jnp.float32))
+                          batch.response_mask.astype(jnp.float32), keep,
+                          tau_p=DiagnosticThresholds.of(recipe).tau_p, tau_h=out.tau_rows,
+                          clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
+                          clip_ratio_c=loss.clip_ratio_c, vocab_size=vocab_size, log_ratio_clamp=loss.log_ratio_clamp)
+    m[TAU_H_METRIC] = (jnp.nan_to_num(out.tau_h, nan=0.0), jnp.ones((), jnp.float32))
     return m
 
 
 def diagnostic_tau_h(recipe: Recipe, stats: dict, entropy: jax.Array, valid: jax.Array) -> jax.Array:
-    """The entropy threshold the diagnostics use: the S2T ``tau_h`` the mask reported in ``stats`` (its own
-    population), else the recipe's ``s2t.entropy_quantile`` of ``entropy`` over ``valid`` (``[N, R]``). Float32
+    """The entropy threshold the diagnostics use: the mask's own threshold from ``stats`` when its registry entry
+    says it is the entropy threshold (``TokenMask.entropy_threshold``: S2T's ``tau_h`` over its own population),
+    else the :class:`DiagnosticThresholds` entropy quantile of ``entropy`` over ``valid`` (``[N, R]``). Float32
     scalar, NaN for an empty population. Source: stapo_spec.md §3.
     Raises: ValueError as ``masked_quantile`` (misshaped arrays)."""
-    if "s2t/tau_h" in stats:
-        return stats["s2t/tau_h"]
-    return masked_quantile(entropy, valid, recipe.s2t.entropy_quantile, recipe.s2t.quantile_method)
+    spec = None if recipe.token_mask == "none" else get_token_mask(recipe.token_mask)
+    if spec is not None and spec.entropy_threshold:
+        return stats[spec.metric_name]
+    d = DiagnosticThresholds.of(recipe)
+    return masked_quantile(entropy, valid, d.entropy_quantile, d.quantile_method)
 
 
 def _micro_batch_mask(ctx: UpdateContext, lp, ent, mb, j, tau_h=None):
@@ -222,8 +302,8 @@ def per_micro_batch_strategy() -> MaskStrategy:
     Its masks are ``[B/K, R]`` bool per micro-batch, thresholds float32 scalars. Raises: ValueError as
     ``compute_token_mask`` when run."""
 
-    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
-        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus)
+    def finish(x: FinishInputs) -> MaskOutcome:
+        return micro_batch_outcome(x.grad_sum, x.log_probs, x.entropy, x.keeps, x.taus)
 
     return MaskStrategy(prepare=lambda ctx, params, batch: (None, None),
                         micro_mask=lambda ctx, state, pm, lp, ent, mb, j: _micro_batch_mask(ctx, lp, ent, mb, j),
@@ -252,9 +332,9 @@ def full_batch_strategy(stats_fn: Callable) -> MaskStrategy:
         tau = diagnostic_tau_h(ctx.recipe, st, stats[1], resp)
         return (stats, keep, tau), split_micro_batches(keep, ctx.num_micro_batches)
 
-    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
-        stats, keep, tau = state
-        return MaskOutcome(grad_sum, keep, tau, tau, stats, {})
+    def finish(x: FinishInputs) -> MaskOutcome:
+        stats, keep, tau = x.state
+        return MaskOutcome(x.grad_sum, keep, tau, tau, stats, {})
 
     return MaskStrategy(prepare=prepare, micro_mask=lambda ctx, state, pm, lp, ent, mb, j: (pm, state[2]),
                         finish=finish)
@@ -290,17 +370,30 @@ def correction_strategy() -> MaskStrategy:
                                       tau_h=tau_guess)
         return keep, st["s2t/tau_h"]
 
-    def finish(ctx, state, params, grad_sum, lp, ent, keeps, taus, mbs, batch):
-        keep, stats = compute_token_mask(ctx.recipe, log_probs=lp, entropy=ent, advantages=batch.advantages,
+    def finish(x: FinishInputs) -> MaskOutcome:
+        ctx, batch = x.ctx, x.batch
+        keep, stats = compute_token_mask(ctx.recipe, log_probs=x.log_probs, entropy=x.entropy,
+                                         advantages=batch.advantages,
                                          response_mask=batch.response_mask.astype(jnp.float32))
-        grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, params, grad_sum, mbs, keeps,
+        grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, x.params, x.grad_sum, x.micro_batches, x.keeps,
                                           split_micro_batches(keep, ctx.num_micro_batches), grad=ctx.grad)
-        return micro_batch_outcome(grad_sum, lp, ent, keeps, taus, extra, keep=keep, tau_h=stats["s2t/tau_h"])
+        return micro_batch_outcome(grad_sum, x.log_probs, x.entropy, x.keeps, x.taus, extra, keep=keep,
+                                   tau_h=stats["s2t/tau_h"])
 
     return MaskStrategy(prepare=prepare, micro_mask=micro_mask, finish=finish)
 
 
-@register_mask_strategy("s2t")
+def s2t_first_minibatch(recipe: Recipe) -> Optional[Recipe]:
+    """S2T's first mini-batch of a step: with the ``prepass`` mode it reads the rollout policy's statistics
+    (``stats_policy=old``; θ = θ_old there), saving the pre-pass; else None. Never raises.
+    Source: stapo_spec.md §3."""
+    if minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
+        return recipe.replace(s2t={"stats_policy": "old"})
+    return None
+
+
+@register_mask_strategy("s2t", first_minibatch=s2t_first_minibatch,
+                        count_metrics=("s2t/correction_passes", "s2t/corrected_tokens"))
 def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     """The S2T update strategy by :func:`minibatch_stats_mode`: ``old`` -> the mask once from the old policy's
     statistics, ``correction`` -> :func:`correction_strategy`; None (the generic pre-pass / per-micro-batch
@@ -311,3 +404,8 @@ def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     :func:`stapo_jax.algo.recipes.compute_token_mask` when run. Source: stapo_spec.md §3."""
     mode = minibatch_stats_mode(recipe, has_old_entropy)
     return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
+
+
+# counts (summed over micro-batches and mini-batches, not averaged): the diagnostics' and every registered
+# strategy's own
+COUNT_METRICS = DIAGNOSTIC_COUNT_METRICS + tuple(m for spec in MASK_STRATEGIES.values() for m in spec.count_metrics)

@@ -18,38 +18,12 @@ from stapo_jax.runtime.collectives import coordination_seconds
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.runtime.watchdog import progress
 from stapo_jax.train.experience import Experience, collect_experience, fill_mini_batches, heldout_accuracy
-from stapo_jax.train.precompile import precompile_update, update_geometries
 from stapo_jax.train.run_files import DUMP_ENV, dump_experience
 from stapo_jax.train.run_setup import Run
 from stapo_jax.train.steady_state import update_work
-from stapo_jax.train.train_step import TrainState, make_log_prob_fn, make_update_steps
-from stapo_jax.train.update import (all_finite, balance_allowed, data_parallel_size, stop_requested,
-                                   token_budget_micro_batches, update_policy)
-
-
-class UpdatePrograms:
-    """The jitted update programs per micro-batch count K (first step, step, old-log-prob fn), made on first use.
-
-    The update donates its input state: the optimizer writes the new parameters and moments into the old state's
-    buffers (no second copy of the model and optimizer state per mini-batch); the rollout engine is re-synced
-    from the returned state after every update, never reading a donated buffer.
-    """
-
-    def __init__(self, recipe, optimizer, state: TrainState, mesh, *, temperature: float, actor: ActorConfig,
-                 vocab_size: int):
-        self.common = dict(temperature=temperature, seq_chunk=actor.logprob_seq_chunk or 512,
-                           vocab_chunk=actor.logprob_vocab_chunk)
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        self.step_kw = dict(vocab_size=vocab_size, mesh=mesh, state_shardings=shardings, donate=True, **self.common)
-        self.recipe, self.optimizer = recipe, optimizer
-        self.by_k: dict[int, tuple] = {}
-
-    def get(self, k: int) -> tuple:
-        """``(first step, step, old-log-prob fn)`` for ``k`` micro-batches (built at the first call for ``k``)."""
-        if k not in self.by_k:
-            self.by_k[k] = (*make_update_steps(self.recipe, self.optimizer, num_micro_batches=k, **self.step_kw),
-                            jax.jit(make_log_prob_fn(num_micro_batches=k, **self.common), static_argnums=(1, 4)))
-        return self.by_k[k]
+from stapo_jax.train.policy_update import PolicyUpdate
+from stapo_jax.train.train_step import TrainState
+from stapo_jax.train.update import all_finite, stop_requested
 
 
 @dataclass
@@ -57,7 +31,7 @@ class Loop:
     """What changes from one RL step to the next (besides the metrics files and checkpoints)."""
 
     rollout: Any                # the rollout engine (re-synced after every update)
-    programs: UpdatePrograms
+    update: PolicyUpdate        # the policy update (programs per micro-batch count, mini-batch loop)
     data_it: Any                # the global prompt-batch iterator (its state is checkpointed)
     state: TrainState
     rng: np.ndarray             # the RL seed stream: uint32 key data on the host, identical on every process
@@ -90,7 +64,7 @@ def rl_step(run: Run, loop: Loop, step: int, rollout_cfg: RolloutConfig, actor: 
     t1 = time.perf_counter()
     if run.main_process and os.environ.get(DUMP_ENV):  # opt-in debug dump (layout-equivalence tests)
         dump_experience(os.environ[DUMP_ENV], step + 1, exp)
-    m, kk = step_update(run, loop, exp, step, actor)
+    m, kk = step_update(run, loop, exp, step)
     t2 = time.perf_counter()
     if not bool(all_finite(loop.state.params)):
         raise FloatingPointError(f"parameters became non-finite in RL step {step + 1} (loss {m.get('loss')}, "
@@ -140,31 +114,16 @@ def step_experience(run: Run, loop: Loop, rollout_cfg: RolloutConfig) -> Experie
     return fill_mini_batches(exp, run.mini_rows)
 
 
-def step_update(run: Run, loop: Loop, exp: Experience, step: int, actor: ActorConfig) -> tuple[dict, int]:
-    """The policy update of one step on ``exp`` (``loop.state`` becomes the updated, donated-into state); with
-    ``trainer.precompile`` every update program is compiled first, in the run's first step. Packed rows where the
-    micro-batch does not matter: fewer, fuller micro-batches of variable sequence counts within one padded
-    micro-batch's tokens (dummy slots fill the fixed shapes). Returns the update's metrics (float scalars) and
-    the micro-batch count K used (int). Raises: what ``update_policy`` raises. Source: verl ``update_actor``."""
-    kk, slots = run.num_micro_batches, None
-    if run.packed and balance_allowed(run.recipe) and not run.bounded:
-        kk, slots = token_budget_micro_batches(exp.arrays["attention_mask"], mini_rows=run.mini_rows,
-                                               num_micro_batches=run.num_micro_batches,
-                                               num_shards=data_parallel_size(run.mesh), long_rows=run.long_rows,
-                                               max_sequences=actor.sequences_cap())
+def step_update(run: Run, loop: Loop, exp: Experience, step: int) -> tuple[dict, int]:
+    """The policy update of one step on ``exp`` by ``loop.update`` (``loop.state`` becomes the updated,
+    donated-into state); with ``trainer.precompile`` every update program is compiled first, in the run's first
+    step. Returns the update's metrics (float scalars) and the micro-batch count K used (int). Raises: what
+    ``PolicyUpdate`` raises. Source: verl ``update_actor``."""
     progress("update")
-    first_fn, step_fn, log_prob_fn = loop.programs.get(kk)
-    update_kw = dict(mini_rows=run.mini_rows, ppo_epochs=actor.ppo_epochs, mesh=run.mesh, num_micro_batches=kk,
-                     use_remove_padding=run.packed, long_rows=run.long_rows, ref_params=loop.ref_params)
-    geometries = update_geometries(run.mini_rows, kk, data_parallel_size(run.mesh), exp.arrays["input_ids"].shape[1],
-                                   run.long_rows) if run.bounded and run.packed else None
-    if run.bounded and step == loop.start:  # every update program of the run, before the first update runs
-        precompile_update(loop.state, exp, (first_fn, step_fn), log_prob_fn, geometries or [None],
-                          stats=run.stats, progress=run.logger.progress, **update_kw)
-    with run.stats.phase("update"):
-        loop.state, m = update_policy(loop.state, exp, (first_fn, step_fn), log_prob_fn, slots=slots,
-                                      geometries=geometries, **update_kw)
-    return m, kk
+    loop.state, m = loop.update(loop.state, exp, ref_params=loop.ref_params,
+                                precompile=run.bounded and step == loop.start, stats=run.stats,
+                                progress=run.logger.progress)
+    return m, loop.update.last_micro_batches
 
 
 def step_metrics(m: dict, stats: CompileStats, exp: Experience, *, step_s: float, update_s: float, sync_s: float,

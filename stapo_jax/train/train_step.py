@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from stapo_jax.algo.objectives import finalize_metrics, kl_loss, safe_divide
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.algo.s2t import minibatch_stats_mode
-from stapo_jax.train.mask_strategy import (COUNT_METRICS, UpdateContext, join_micro_batches, kl_apart,
-                                           mask_metrics, mask_strategy, masked_policy_loss, split_micro_batches)
+from stapo_jax.train.mask_strategy import (COUNT_METRICS, FinishInputs, UpdateContext, first_minibatch_recipe,
+                                           join_micro_batches, kl_apart, mask_metrics, mask_strategy,
+                                           masked_policy_loss, split_micro_batches)
 from stapo_jax.train.optim import update_with_norm
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
@@ -258,7 +258,8 @@ def make_train_step(
         grad_sum, kl_grad_sum, (lps, ents, keeps, taus) = _micro_batch_gradients(
             strategy, ctx, mask_state, params, mbs, per_micro, forward, surrogate, kl_sum if apart else None)
         lp_all, ent_all = join_micro_batches(lps), join_micro_batches(ents)
-        out = strategy.finish(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs, batch)
+        out = strategy.finish(FinishInputs(ctx, mask_state, params, grad_sum, lp_all, ent_all, keeps, taus, mbs,
+                                           batch))
         # loss value, denominator and metrics on the whole mini-batch with the final mask (stop-gradient inputs);
         # and the token diagnostics from the statistics that defined the mask
         loss_sum, den, m = surrogate(lp_all, ent_all, batch, out.keep)
@@ -375,15 +376,15 @@ def _grad(fn, params):
 
 def make_update_steps(recipe: Recipe, optimizer, **step_kw):
     """``(first_step, step)``: the jitted update (:func:`make_train_step` ``(recipe, optimizer, **step_kw)``) and
-    the one to use on the first mini-batch of a training step. They differ only for S2T with the ``prepass`` mode,
-    where the first mini-batch reads the rollout policy's statistics (θ = θ_old there), saving the pre-pass;
-    otherwise both are the same function.
+    the one to use on the first mini-batch of a training step. They differ only where the mask's update entry gives
+    a first-mini-batch recipe (``mask_strategy.first_minibatch_recipe``: S2T with the ``prepass`` mode, where the
+    first mini-batch reads the rollout policy's statistics, θ = θ_old there, saving the pre-pass); otherwise both
+    are the same function.
 
     The returned steps take the ``[B, ...]`` :class:`~stapo_jax.train.train_step.Batch` arrays
     (``old_log_probs`` / ``old_entropy`` ``[B, R]`` float32) and return float32 scalar metrics.
     Raises: ValueError as ``make_train_step``. Source: stapo_spec.md §3 (θ = θ_old on the first mini-batch).
     """
     step = make_train_step(recipe, optimizer, **step_kw)
-    if recipe.token_mask == "s2t" and minibatch_stats_mode(recipe, has_old_entropy=True) == "prepass":
-        return make_train_step(recipe.replace(s2t={"stats_policy": "old"}), optimizer, **step_kw), step
-    return step, step
+    first = first_minibatch_recipe(recipe)
+    return (step if first is None else make_train_step(first, optimizer, **step_kw)), step

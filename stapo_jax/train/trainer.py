@@ -26,7 +26,8 @@ from stapo_jax.runtime.watchdog import StallWatchdog, progress, resolve_timeout
 from stapo_jax.train.experience import heldout_accuracy
 from stapo_jax.train.optim import build_optimizer
 from stapo_jax.train.precompile import precompile_sampler
-from stapo_jax.train.rl_step import Loop, UpdatePrograms, rl_step
+from stapo_jax.train.policy_update import PolicyUpdate
+from stapo_jax.train.rl_step import Loop, rl_step
 from stapo_jax.train.run_files import earlier_summary, sft_warmup, write_plots, write_summary
 from stapo_jax.train.run_setup import Run, setup_run
 from stapo_jax.train.steady_state import run_report
@@ -148,14 +149,19 @@ def start_rl(cfg: Config, run: Run, rollout) -> Loop:
     optimizer = build_optimizer(cfg)
     state = TrainState.create(run.model, optimizer, run.mesh)
     progress("setup")
-    programs = UpdatePrograms(run.recipe, optimizer, state, run.mesh, temperature=cfg.rollout.temperature,
-                              actor=cfg.actor, vocab_size=run.model.config.vocab_size)
+    a = cfg.actor
+    update = PolicyUpdate(run.recipe, optimizer, run.mesh, temperature=cfg.rollout.temperature,
+                          seq_chunk=a.logprob_seq_chunk, vocab_chunk=a.logprob_vocab_chunk,
+                          vocab_size=run.model.config.vocab_size,
+                          state_shardings=jax.tree.map(lambda x: x.sharding, state), mini_rows=run.mini_rows,
+                          num_micro_batches=run.num_micro_batches, ppo_epochs=a.ppo_epochs, packed=run.packed,
+                          long_rows=run.long_rows, bounded=run.bounded, sequences_cap=a.sequences_cap())
     data_it = make_iterator(run.train_ds.examples, cfg.trainer.train_batch_size, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, shard_index=0, shard_count=1)
     # the RL seed stream lives on the host (numpy): identical on every process, checkpointed by process 0
     rng = np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.trainer.seed)))
     ref_params = jax.tree.map(jnp.copy, state.params) if cfg.actor.use_kl_loss else None  # the update donates
-    loop = Loop(rollout=rollout, programs=programs, data_it=data_it, state=state, rng=rng, start=0,
+    loop = Loop(rollout=rollout, update=update, data_it=data_it, state=state, rng=rng, start=0,
                 ref_params=ref_params)
     if run.resuming:
         check_kl_reference(run.ckpt, cfg.actor.use_kl_loss)

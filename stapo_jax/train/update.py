@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from stapo_jax.algo.masks import get_token_mask
 from stapo_jax.config.schema import Config, micro_batch_count
 from stapo_jax.core.errors import ConfigError
 from stapo_jax.runtime.collectives import allgather_max
@@ -30,12 +31,15 @@ def stop_requested(preempt: Preemption) -> bool:
 
 def balance_allowed(recipe) -> bool:
     """True when a mini-batch's update does not depend on which micro-batch holds a row, so the rows may be
-    regrouped for packing (``slots``, :func:`token_budget_micro_batches`): no token mask, or an S2T /
-    20-Entropy mask over the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov
-    (random selections keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe``; never raises.
+    regrouped for packing (``slots``, :func:`token_budget_micro_batches`): no token mask, or a mask whose
+    registry entry says its rows may be regrouped (``TokenMask.rows_reorderable``: S2T, 20-Entropy) taken over
+    the whole mini-batch. False for per-micro-batch populations and for Clip-Cov / KL-Cov (random selections
+    keyed per micro-batch). ``recipe``: a ``stapo_jax.algo.recipes.Recipe`` (its mask already validated); never
+    raises.
     Returns a Python bool."""
-    return recipe.token_mask == "none" or (recipe.token_mask in ("s2t", "top_entropy")
-                                           and recipe.mask_scope == "minibatch")
+    if recipe.token_mask == "none":
+        return True
+    return get_token_mask(recipe.token_mask).rows_reorderable and recipe.mask_scope == "minibatch"
 
 
 def data_parallel_size(mesh) -> int:

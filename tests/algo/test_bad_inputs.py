@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stapo_jax.algo.objectives import LOSS_AGG_MODES, PolicyLossConfig, compute_policy_loss
+from stapo_jax.algo.objectives import LOSS_AGG_MODES, PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -22,7 +22,7 @@ def test_nan_in_padding_never_reaches_loss_or_gradient(mode):
     cfg = PolicyLossConfig(loss_agg_mode=mode)
 
     def loss(lp, o):
-        return compute_policy_loss(lp, o, adv, mask, None, cfg)[0]
+        return compute_policy_loss(PolicyLossInputs(o, lp, adv, mask), cfg)[0]
 
     ref_v, ref_g = jax.value_and_grad(loss)(clean_lp, old)
     v, g = jax.value_and_grad(loss)(dirty_lp, dirty_old)

@@ -19,7 +19,7 @@ from stapo_jax.algo.diagnostics import (
 )
 from stapo_jax.algo.logprobs import logits_to_log_probs_and_entropy
 from stapo_jax.algo.chunked_logprobs import chunked_log_probs_and_entropy
-from stapo_jax.algo.objectives import PolicyLossConfig, compute_policy_loss
+from stapo_jax.algo.objectives import PolicyLossConfig, PolicyLossInputs, compute_policy_loss
 
 
 def test_vocab_constant_for_qwen3():
@@ -47,7 +47,7 @@ def _check_lemma_a1(seed, scale, c):
 
     def total(z):  # token-mean sum = sum of per-token losses; token (b,t) depends only on z[b,t]
         lp, _ = logits_to_log_probs_and_entropy(z, ids)
-        return compute_policy_loss(lp, old, adv, resp, None, cfg)[0]
+        return compute_policy_loss(PolicyLossInputs(old, lp, adv, resp), cfg)[0]
 
     g = jax.grad(total)(logits)
     autodiff = np.asarray(jnp.sum(g * g, -1))
@@ -122,7 +122,7 @@ def test_surrogate_weight_is_zero_beyond_the_log_ratio_clamp():
     lp, old, adv = jnp.array([[0.0, -1.0]]), jnp.array([[-25.0, -1.1]]), jnp.array([-1.0])
     w = surrogate_weight(lp - old, adv, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
-    g = jax.grad(lambda x: compute_policy_loss(x, old, adv, jnp.ones((1, 2)), None, cfg)[0])(lp)
+    g = jax.grad(lambda x: compute_policy_loss(PolicyLossInputs(old, x, adv, jnp.ones((1, 2))), cfg)[0])(lp)
     assert float(w[0, 0]) == 0.0 and float(g[0, 0]) == 0.0
     np.testing.assert_allclose(float(w[0, 1]), -float(g[0, 1]), rtol=1e-6)
     assert abs(float(w[0, 1]) + math.exp(0.1)) < 1e-5

@@ -13,7 +13,7 @@ from verl.trainer.ppo import core_algos
 
 from fixtures_peers import verl_actor_config
 
-from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig, safe_divide
+from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossConfig, PolicyLossInputs, safe_divide
 from stapo_jax.algo.policy_losses.gspo import compute_policy_loss_gspo
 from stapo_jax.config.recipes import recipe_from_config
 from stapo_jax.config.schema import from_dict
@@ -47,7 +47,8 @@ def test_gspo_matches_verl(mode):
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
     with jax.enable_x64(True):
         def f(x):
-            s, d, m = compute_policy_loss_gspo(x, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), None, cfg)
+            s, d, m = compute_policy_loss_gspo(PolicyLossInputs(jnp.asarray(old), x, jnp.asarray(adv),
+                                                                jnp.asarray(mask)), cfg)
             return safe_divide(s, d), m
 
         (v_o, m_o), g_o = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
@@ -63,8 +64,9 @@ def test_gspo_ratio_is_one_sequence_ratio_per_response():
     """Every valid token of a response carries the same ratio exp(mean log ratio); padding holds 0."""
     lp, old, adv, mask = inputs(2)
     with jax.enable_x64(True):
-        _, _, _, pt = compute_policy_loss_gspo(jnp.asarray(lp), jnp.asarray(old), jnp.asarray(adv),
-                                               jnp.asarray(mask), None, PolicyLossConfig(), return_per_token=True)
+        _, _, _, pt = compute_policy_loss_gspo(PolicyLossInputs(jnp.asarray(old), jnp.asarray(lp), jnp.asarray(adv),
+                                                                jnp.asarray(mask), return_per_token=True),
+                                               PolicyLossConfig())
     ratio = np.asarray(pt["ratio"])
     for b in range(B):
         n = int(mask[b].sum())

@@ -21,7 +21,8 @@ from verl.trainer.ppo import core_algos
 from fixtures_peers import trl_loss_and_grad, trl_trainer_view, verl_actor_config
 
 from stapo_jax.algo.masks import s2t_mask, top_entropy_mask
-from stapo_jax.algo.objectives import PolicyLossConfig, compute_policy_loss, kl_has_own_denominator, safe_divide
+from stapo_jax.algo.objectives import (PolicyLossConfig, PolicyLossInputs, compute_policy_loss, kl_has_own_denominator,
+                                       safe_divide)
 
 B, T = 6, 7
 BETA = 0.1
@@ -47,8 +48,9 @@ def ours(lp, old, adv, mask, keep, cfg, ref, renormalize):
     """Our loss value and its gradient w.r.t. log_probs (float64), and the kl_loss metric."""
     with jax.enable_x64(True):
         def f(x):
-            s, d, m = compute_policy_loss(x, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), jnp.asarray(keep),
-                                          cfg, ref_log_probs=jnp.asarray(ref), renormalize=renormalize)
+            s, d, m = compute_policy_loss(PolicyLossInputs(jnp.asarray(old), x, jnp.asarray(adv), jnp.asarray(mask),
+                                                           jnp.asarray(keep), ref_log_probs=jnp.asarray(ref),
+                                                           renormalize=renormalize), cfg)
             return safe_divide(s, d), m
 
         (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))

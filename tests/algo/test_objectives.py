@@ -6,6 +6,7 @@ reward group), the loss value and its gradient w.r.t. the logits agree with test
 and hypothesis properties (empty batches give 0 loss and 0 gradient, never NaN).
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -27,6 +28,7 @@ from stapo_jax.algo.objectives import (  # noqa: E402
     CONSTANT_DENOMINATOR_MODES,
     LOSS_AGG_MODES,
     PolicyLossConfig,
+    PolicyLossInputs,
     aggregate,
     compute_policy_loss,
     finalize_metrics,
@@ -72,9 +74,9 @@ def jax_loss_and_grad(inp, recipe, dtype):
     def loss_fn(logits):
         lp, ent = logits_to_log_probs_and_entropy(logits, ids, TEMP)
         keep, _ = compute_token_mask(recipe, log_probs=lp, entropy=ent, advantages=adv, response_mask=resp)
-        s, d, m = compute_policy_loss(lp, old, adv, resp, keep, recipe.loss, entropy=ent,
-                                      ref_log_probs=ref_lp if recipe.loss.use_kl_loss else None,
-                                      renormalize=recipe.renormalize)
+        s, d, m = compute_policy_loss(PolicyLossInputs(old, lp, adv, resp, keep, entropy=ent,
+                                                       ref_log_probs=ref_lp if recipe.loss.use_kl_loss else None,
+                                                       renormalize=recipe.renormalize), recipe.loss)
         return safe_divide(s, d), (keep, m, d)
 
     (loss, (keep, metrics, den)), grad = jax.value_and_grad(loss_fn, has_aux=True)(logits)
@@ -175,17 +177,17 @@ def test_dual_clip_and_clip_boundaries_by_hand():
     old = jnp.zeros((1, 4))
     adv = jnp.array([[-2.0, 1.0, -1.0, 1.0]])
     mask = jnp.ones((1, 4))
-    s, d, m = compute_policy_loss(lp, old, adv, mask, None, cfg)
+    s, d, m = compute_policy_loss(PolicyLossInputs(old, lp, adv, mask), cfg)
     # tokens: dual clip 20; A>0, r=1.5 -> clipped at 1.28 -> -1.28; A<0, r=0.5 -> max(0.5, 0.8) = 0.8; -1.1
     np.testing.assert_allclose(float(s), 20.0 - 1.28 + 0.8 - 1.1, rtol=1e-6)
     assert float(d) == 4.0
     fm = finalize_metrics(m)
     np.testing.assert_allclose(float(fm["pg_clipfrac"]), 2 / 4)  # tokens 1 and 2 clipped
     np.testing.assert_allclose(float(fm["pg_clipfrac_lower"]), 1 / 4)
-    g = jax.grad(lambda x: compute_policy_loss(x, old, adv, mask, None, cfg)[0])(lp)
+    g = jax.grad(lambda x: compute_policy_loss(PolicyLossInputs(old, x, adv, mask), cfg)[0])(lp)
     np.testing.assert_allclose(np.asarray(g), [[0.0, 0.0, 0.0, -1.1]], rtol=1e-6)
     # log-ratio clamp at 20: no overflow, zero gradient beyond it
-    g = jax.grad(lambda x: compute_policy_loss(x, old, adv, mask, None, cfg)[0])(jnp.full((1, 4), 30.0))
+    g = jax.grad(lambda x: compute_policy_loss(PolicyLossInputs(old, x, adv, mask), cfg)[0])(jnp.full((1, 4), 30.0))
     assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -203,23 +205,43 @@ def test_aggregation_values_by_hand():
     assert tuple(map(float, aggregate(L, M, M, "token-sum"))) == (10.0, 1.0)
 
 
+def test_inputs_bundle_is_a_pytree_with_static_flags():
+    """PolicyLossInputs is one pytree argument: its arrays are leaves (None ones absent), its flags static, so a
+    jitted loss of the bundle equals the eager one and a changed flag gives a different program's result."""
+    rng = np.random.default_rng(5)
+    lp, old = (jnp.asarray(rng.normal(size=(2, 4)) - 2.0, jnp.float32) for _ in range(2))
+    resp = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+    inputs = PolicyLossInputs(old, lp, jnp.asarray([1.0, -0.5]), resp, return_per_token=True)
+    leaves, treedef = jax.tree.flatten(inputs)
+    assert len(leaves) == 4 and jax.tree.unflatten(treedef, leaves).return_per_token is True
+    cfg = PolicyLossConfig()
+    eager, jitted = compute_policy_loss(inputs, cfg), jax.jit(compute_policy_loss, static_argnums=1)(inputs, cfg)
+    assert len(jitted) == 4  # return_per_token travelled as static metadata
+    np.testing.assert_array_equal(np.asarray(eager[0]), np.asarray(jitted[0]))
+    np.testing.assert_array_equal(np.asarray(eager[3]["ratio"]), np.asarray(jitted[3]["ratio"]))
+    folded = jax.jit(compute_policy_loss, static_argnums=1)(dataclasses.replace(inputs, return_per_token=False), cfg)
+    assert len(folded) == 3 and float(folded[0]) == float(eager[0])
+
+
 def test_bad_inputs_name_the_field():
     x = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="old_log_probs"):
-        compute_policy_loss(x, jnp.zeros((2, 4)), jnp.zeros(2), x)
+        compute_policy_loss(PolicyLossInputs(jnp.zeros((2, 4)), x, jnp.zeros(2), x))
     with pytest.raises(ValueError, match="advantages"):
-        compute_policy_loss(x, x, jnp.zeros(3), x)
+        compute_policy_loss(PolicyLossInputs(x, x, jnp.zeros(3), x))
     with pytest.raises(ValueError, match="ref_log_probs"):
-        compute_policy_loss(x, x, jnp.zeros(2), x, config=PolicyLossConfig(use_kl_loss=True))
+        compute_policy_loss(PolicyLossInputs(x, x, jnp.zeros(2), x), PolicyLossConfig(use_kl_loss=True))
     with pytest.raises(ValueError, match="clip_ratio_c"):
         PolicyLossConfig(clip_ratio_c=0.5)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         PolicyLossConfig(loss_agg_mode="mean")
     xi = jnp.zeros((2, 3), jnp.int32)  # an int dtype would have truncated the other inputs to ints
-    for args, name in (((xi, x, jnp.zeros(2), x), "log_probs"), ((x, xi, jnp.zeros(2), x), "old_log_probs"),
+    for args, name in (((x, xi, jnp.zeros(2), x), "log_probs"), ((xi, x, jnp.zeros(2), x), "old_log_probs"),
                        ((x, x, jnp.zeros(2, jnp.int32), x), "advantages")):
         with pytest.raises(ValueError, match=f"^{name} must be a float array, got dtype int32"):
-            compute_policy_loss(*args)
+            compute_policy_loss(PolicyLossInputs(*args))
+    with pytest.raises(TypeError, match="takes \\(inputs: PolicyLossInputs, config\\), got inputs of type"):
+        compute_policy_loss(x)  # the bundle, not the arrays
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -236,10 +258,10 @@ def test_response_mask_is_read_as_a_boolean(mode):
 
     def run(mask):
         def f(x):
-            s, d, _ = compute_policy_loss(x, old, adv, jnp.asarray(mask), config=cfg, ref_log_probs=ref_lp)
+            s, d, _ = compute_policy_loss(PolicyLossInputs(old, x, adv, jnp.asarray(mask), ref_log_probs=ref_lp), cfg)
             return s / d
         value, grad = jax.value_and_grad(f)(lp)
-        metrics = compute_policy_loss(lp, old, adv, jnp.asarray(mask), config=cfg, ref_log_probs=ref_lp)[2]
+        metrics = compute_policy_loss(PolicyLossInputs(old, lp, adv, jnp.asarray(mask), ref_log_probs=ref_lp), cfg)[2]
         return float(value), np.asarray(grad), {k: float(a) / float(b) for k, (a, b) in metrics.items()}
 
     want = run(ones)
@@ -265,14 +287,15 @@ def test_all_masked_gives_zero_loss_and_zero_grad(mode, b, t, seed, empty):
     cfg = PolicyLossConfig(loss_agg_mode=mode, use_kl_loss=empty == "response", entropy_coeff=0.1)
 
     def f(x):
-        s, d, _ = compute_policy_loss(x, old, adv, resp, keep, cfg, entropy=-x, ref_log_probs=old)
+        s, d, _ = compute_policy_loss(PolicyLossInputs(old, x, adv, resp, keep, entropy=-x, ref_log_probs=old), cfg)
         return safe_divide(s, d)
 
     # jitted (as in the update step): one compile per example instead of one per operation
     val, g = jax.jit(jax.value_and_grad(f))(lp)
     assert float(val) == 0.0
     assert np.all(np.asarray(g) == 0.0)
-    s, d, m = jax.jit(lambda x: compute_policy_loss(x, old, adv, resp, keep, cfg, entropy=-x, ref_log_probs=old))(lp)
+    s, d, m = jax.jit(lambda x: compute_policy_loss(PolicyLossInputs(old, x, adv, resp, keep, entropy=-x,
+                                                                     ref_log_probs=old), cfg))(lp)
     for v in finalize_metrics(m).values():
         assert np.isfinite(float(v))
 
@@ -293,8 +316,9 @@ def test_micro_batch_accumulation_is_exact(name, mode):
 
     def parts(z, rows):
         lp, ent = logits_to_log_probs_and_entropy(z[rows], ids[rows], TEMP)
-        return compute_policy_loss(lp, old[rows], adv[rows], resp[rows], None if keep is None else keep[rows],
-                                   recipe.loss, entropy=ent, renormalize=recipe.renormalize)[:2]
+        return compute_policy_loss(PolicyLossInputs(old[rows], lp, adv[rows], resp[rows],
+                                                    None if keep is None else keep[rows], entropy=ent,
+                                                    renormalize=recipe.renormalize), recipe.loss)[:2]
 
     def full(z):
         s, d = parts(z, np.arange(B))
@@ -323,7 +347,8 @@ def test_per_token_outputs_and_standalone_kl():
     resp = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
     cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
                            kl_loss_coef=0.1, kl_loss_type="k3")
-    s, d, m, pt = compute_policy_loss(lp, old, adv, resp, None, cfg, ref_log_probs=ref_lp, return_per_token=True)
+    s, d, m, pt = compute_policy_loss(PolicyLossInputs(old, lp, adv, resp, ref_log_probs=ref_lp,
+                                                       return_per_token=True), cfg)
     np.testing.assert_allclose(np.asarray(pt["log_ratio"]), [[0.5, 0.0, -1.8, 0.0], [0.0, 20.0, 0.0, 0.0]],
                                rtol=1e-6)
     np.testing.assert_allclose(np.asarray(pt["ratio"]), np.where(np.asarray(resp) > 0,
@@ -346,11 +371,11 @@ def test_truncated_sampler_importance_weight_by_hand():
     adv, resp = jnp.array([1.0]), jnp.ones((1, 2))
     cfg = PolicyLossConfig(clip_ratio_high=0.28, sampler_is="truncate", sampler_is_cap=2.0)
     assert cfg.rollout_is_threshold == 2.0 and PolicyLossConfig().rollout_is_threshold is None
-    s, d, _ = compute_policy_loss(lp, old, adv, resp, None, cfg, rollout_log_probs=roll)
+    s, d, _ = compute_policy_loss(PolicyLossInputs(old, lp, adv, resp, rollout_log_probs=roll), cfg)
     want = (-math.exp(0.2) * 2.0 - 1.0 * math.exp(-0.4)) / 2  # weights: exp(0.8) capped at 2, exp(-0.4)
     assert float(s) / float(d) == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="rollout_log_probs"):
-        compute_policy_loss(lp, old, adv, resp, None, cfg)
+        compute_policy_loss(PolicyLossInputs(old, lp, adv, resp), cfg)
 
 
 def test_kl_term_ignores_the_token_mask():
@@ -363,14 +388,16 @@ def test_kl_term_ignores_the_token_mask():
     resp = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])
     keep = jnp.array([[True, False, True, False], [False, True, False, False]])
     cfg = PolicyLossConfig(clip_ratio_c=None, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k1")
-    s, d, m, pt = compute_policy_loss(lp, old, adv, resp, keep, cfg, ref_log_probs=ref_lp, return_per_token=True)
+    s, d, m, pt = compute_policy_loss(PolicyLossInputs(old, lp, adv, resp, keep, ref_log_probs=ref_lp,
+                                                       return_per_token=True), cfg)
     kl_tokens = np.array([0.2, 0.2, -1.0, 0.0, -0.2, 0.1])  # log_probs - ref_log_probs on the 5 valid tokens (+pad)
     assert float(d) == 3.0 and float(m["kl_loss"][1]) == 5.0  # kept tokens vs valid tokens
     assert float(safe_divide(*m["kl_loss"])) == pytest.approx((0.2 + 0.2 - 1.0 - 0.2 + 0.1) / 5)
     pg = float(safe_divide(*m["pg_loss"]))
     assert float(safe_divide(s, d)) == pytest.approx(pg + 0.5 * kl_tokens[[0, 1, 2, 4, 5]].sum() / 5, rel=1e-5)
     # the token masked out of the policy gradient (row 0, token 1) keeps its KL gradient: 0.5 / 5 for k1
-    g = jax.grad(lambda x: safe_divide(*compute_policy_loss(x, old, adv, resp, keep, cfg, ref_log_probs=ref_lp)[:2]))(lp)
+    g = jax.grad(lambda x: safe_divide(*compute_policy_loss(PolicyLossInputs(old, x, adv, resp, keep,
+                                                                             ref_log_probs=ref_lp), cfg)[:2]))(lp)
     assert float(g[0, 1]) == pytest.approx(0.5 / 5, rel=1e-6)
     ks, kd = kl_loss(lp, ref_lp, resp, kl_loss_type="k1")
     assert (float(ks), float(kd)) == pytest.approx((float(m["kl_loss"][0]), 5.0))

@@ -27,7 +27,8 @@ from fixtures_peers import policy_inputs, trl_loss_and_grad, trl_trainer_view, v
 
 from stapo_jax.algo.advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
 from stapo_jax.algo.masks import clip_cov_mask, kl_cov_mask, top_entropy_mask
-from stapo_jax.algo.objectives import KL_TYPES, PolicyLossConfig, aggregate, compute_policy_loss, kl_penalty, safe_divide
+from stapo_jax.algo.objectives import (KL_TYPES, PolicyLossConfig, PolicyLossInputs, aggregate, compute_policy_loss,
+                                       kl_penalty, safe_divide)
 from stapo_jax.tools.dump import TRL_LOSS_AGG_MODES
 
 B, T = 6, 7
@@ -37,11 +38,12 @@ VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-to
 def _ours_loss_and_grad(lp, old, adv, mask, cfg, token_mask=None, renormalize=True, kl_cov_selection=None):
     with jax.enable_x64(True):
         def f(x):
-            s, d, m = compute_policy_loss(x, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
-                                          None if token_mask is None else jnp.asarray(token_mask), cfg,
-                                          renormalize=renormalize,
-                                          kl_cov_selection=None if kl_cov_selection is None else
-                                          jnp.asarray(kl_cov_selection))
+            inputs = PolicyLossInputs(jnp.asarray(old), x, jnp.asarray(adv), jnp.asarray(mask),
+                                      None if token_mask is None else jnp.asarray(token_mask),
+                                      renormalize=renormalize,
+                                      kl_cov_selection=None if kl_cov_selection is None else
+                                      jnp.asarray(kl_cov_selection))
+            s, d, m = compute_policy_loss(inputs, cfg)
             return safe_divide(s, d), m
 
         (val, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp, jnp.float64))
@@ -214,8 +216,8 @@ def test_trl_grpo_loss_matches(loss_type, beta):
                            use_kl_loss=beta > 0, kl_loss_coef=beta, kl_loss_type="k3")
     with jax.enable_x64(True):
         def f(x):
-            s, d, _ = compute_policy_loss(x, jnp.asarray(old), jnp.asarray(adv[:, 0]), jnp.asarray(mask), None, cfg,
-                                          ref_log_probs=jnp.asarray(ref))
+            s, d, _ = compute_policy_loss(PolicyLossInputs(jnp.asarray(old), x, jnp.asarray(adv[:, 0]),
+                                                           jnp.asarray(mask), ref_log_probs=jnp.asarray(ref)), cfg)
             return safe_divide(s, d)
 
         v_o, g_o = jax.value_and_grad(f)(jnp.asarray(lp))

@@ -81,3 +81,44 @@ def test_the_train_steps_surrogate_is_the_recipes_registered_policy_loss():
         POLICY_LOSSES.pop("doubled_for_test")
     with pytest.raises(ValueError, match="actor.policy_loss: 'doubled_for_test' is not a registered policy loss"):
         get_recipe("grpo", policy_loss="doubled_for_test")
+
+
+def test_what_differs_per_mask_is_its_registry_entries():
+    """The threshold's metric name, the diagnostics' tau_h, row reordering, the first mini-batch's recipe and the
+    count metrics come from the mask's entries (masks.TokenMask, mask_strategy.MaskUpdateSpec), not its name."""
+    from stapo_jax.algo.recipes import compute_token_mask
+    from stapo_jax.train.train_step import make_update_steps
+    from stapo_jax.train.update import balance_allowed
+
+    assert masks.get_token_mask("s2t").metric_name == "s2t/tau_h"
+    assert masks.get_token_mask("top_entropy").metric_name == "top_entropy/threshold"
+    assert ms.COUNT_METRICS == ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes",
+                                "s2t/corrected_tokens")
+    masks.register_token_mask("positive_tau", needs=("advantages",), settings=(), population="valid tokens",
+                              threshold_metric="positive/tau", entropy_threshold=True)(positive_only)
+    try:
+        recipe = get_recipe("grpo", token_mask="positive_tau")
+        resp = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+        keep, stats = compute_token_mask(recipe, response_mask=resp, advantages=jnp.array([1.0, -1.0]))
+        assert stats == {"positive/tau": 0.0} and keep.tolist() == [[True, True, False], [False, False, False]]
+        # its threshold is the diagnostics' tau_h (entropy_threshold=True), whatever the entropies
+        assert float(ms.diagnostic_tau_h(recipe, stats, jnp.ones((2, 3)), resp)) == 0.0
+        assert float(ms.diagnostic_tau_h(get_recipe("grpo"), {}, jnp.ones((2, 3)), resp)) == 1.0
+        assert not balance_allowed(recipe)  # no scope: each micro-batch is its own population
+
+        @ms.register_mask_strategy("positive_tau", first_minibatch=lambda r: r.replace(s2t={"tau_p": 0.5}),
+                                   count_metrics=("positive/n",))
+        def make(r, has_old):
+            return None
+
+        spec = ms.MASK_STRATEGIES["positive_tau"]
+        assert (spec.name, spec.make, spec.count_metrics) == ("positive_tau", make, ("positive/n",))
+        assert ms.first_minibatch_recipe(recipe).s2t.tau_p == 0.5 and recipe.s2t.tau_p != 0.5
+        first, rest = make_update_steps(recipe, SGD, num_micro_batches=1, seq_chunk=4)
+        assert first is not rest  # the first mini-batch runs the entry's recipe (not compiled here)
+    finally:
+        masks.TOKEN_MASKS.pop("positive_tau", None)
+        ms.MASK_STRATEGIES.pop("positive_tau", None)
+    stapo = get_recipe("stapo")
+    assert ms.first_minibatch_recipe(stapo) is None  # correction mode: one step for every mini-batch
+    assert ms.first_minibatch_recipe(stapo.replace(s2t={"minibatch_method": "prepass"})).s2t.stats_policy == "old"

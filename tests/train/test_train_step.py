@@ -185,7 +185,7 @@ def test_cov_recipes_end_to_end(model, token_mask):
     """Clip-Cov / KL-Cov through the jitted update equal the loss written out directly: log-probs of the model,
     the selection on stop-gradient inputs (Clip-Cov with the step's PRNG key), verl's surrogate, one division;
     and the selection changes the update (it is not silently dropped)."""
-    from stapo_jax.algo.objectives import compute_policy_loss
+    from stapo_jax.algo.objectives import PolicyLossInputs, compute_policy_loss
     from stapo_jax.train.policy import response_log_probs_and_entropy
     from stapo_jax.algo.recipes import compute_token_mask
 
@@ -204,9 +204,10 @@ def test_cov_recipes_end_to_end(model, token_mask):
                                     advantages=batch.advantages, response_mask=resp,
                                     old_log_probs=batch.old_log_probs, key=key)
         kl = token_mask == "kl_cov"
-        s, d, _ = compute_policy_loss(lp, batch.old_log_probs, batch.advantages, resp, None if kl else sel,
-                                      recipe.loss, entropy=ent, kl_cov_selection=sel if kl else None,
-                                      renormalize=recipe.renormalize)
+        s, d, _ = compute_policy_loss(PolicyLossInputs(batch.old_log_probs, lp, batch.advantages, resp,
+                                                       None if kl else sel, entropy=ent,
+                                                       kl_cov_selection=sel if kl else None,
+                                                       renormalize=recipe.renormalize), recipe.loss)
         return s / d, jnp.sum(sel & (resp > 0))
 
     (value, n_sel), g = jax.value_and_grad(loss, has_aux=True)(params)
@@ -323,7 +324,7 @@ def test_kl_term_over_valid_tokens_in_the_update(model, name, old_entropy):
     """KL under a token mask (verl's actor): the update is the gradient of pg / N_keep + beta * KL / N_valid on the
     whole mini-batch, for any number of micro-batches and with S2T's correction pass (the KL term is
     differentiated apart there: its denominator is not the kept-token count)."""
-    from stapo_jax.algo.objectives import compute_policy_loss, safe_divide
+    from stapo_jax.algo.objectives import PolicyLossInputs, compute_policy_loss, safe_divide
     from stapo_jax.algo.recipes import compute_token_mask
     from stapo_jax.train.mask_strategy import kl_apart
     from stapo_jax.train.policy import response_log_probs_and_entropy
@@ -343,8 +344,9 @@ def test_kl_term_over_valid_tokens_in_the_update(model, name, old_entropy):
         keep, _ = compute_token_mask(recipe, log_probs=jax.lax.stop_gradient(lp),
                                      entropy=jax.lax.stop_gradient(ent), advantages=batch.advantages,
                                      response_mask=batch.response_mask.astype(jnp.float32))
-        s, d, m = compute_policy_loss(lp, batch.old_log_probs, batch.advantages, batch.response_mask, keep,
-                                      recipe.loss, entropy=ent, ref_log_probs=batch.ref_log_probs)
+        s, d, m = compute_policy_loss(PolicyLossInputs(batch.old_log_probs, lp, batch.advantages, batch.response_mask,
+                                                       keep, entropy=ent, ref_log_probs=batch.ref_log_probs),
+                                      recipe.loss)
         return safe_divide(s, d), (keep, m)
 
     (want_loss, (keep, m)), want_grad = jax.value_and_grad(whole, has_aux=True)(params)

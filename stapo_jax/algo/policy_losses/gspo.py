@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from stapo_jax.algo.objectives import (PolicyLossConfig, finish_policy_loss, metric_pair, policy_loss_inputs,
-                                       register_policy_loss)
+from stapo_jax.algo.objectives import (PolicyLossConfig, PolicyLossInputs, check_loss_inputs, finish_policy_loss,
+                                       metric_pair, register_policy_loss)
 
 __all__ = ["compute_policy_loss_gspo", "LOG_RATIO_MAX"]
 
@@ -22,36 +22,21 @@ LOG_RATIO_MAX = 10.0  # verl: torch.clamp(log_seq_importance_ratio, max=10.0)
 
 
 @register_policy_loss("gspo")
-def compute_policy_loss_gspo(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    token_mask: jax.Array | None = None,
-    config: PolicyLossConfig = PolicyLossConfig(),
-    *,
-    entropy: jax.Array | None = None,
-    ref_log_probs: jax.Array | None = None,
-    rollout_log_probs: jax.Array | None = None,
-    kl_cov_selection: jax.Array | None = None,
-    renormalize: bool = True,
-    fold_kl: bool = True,
-    return_per_token: bool = False,
-):
-    """GSPO's sequence-ratio surrogate as ``(loss_sum, loss_denominator, metrics)``; arguments, KL / entropy terms
-    and returns as :func:`stapo_jax.algo.objectives.compute_policy_loss` (``[B, T]`` float arrays, nats).
+def compute_policy_loss_gspo(inputs: PolicyLossInputs, config: PolicyLossConfig = PolicyLossConfig()):
+    """GSPO's sequence-ratio surrogate as ``(loss_sum, loss_denominator, metrics)``; ``inputs`` (a
+    :class:`~stapo_jax.algo.loss_inputs.PolicyLossInputs` of ``[B, T]`` float arrays, nats), ``config``, KL /
+    entropy terms and returns as :func:`stapo_jax.algo.objectives.compute_policy_loss`.
 
     ``clip_ratio_c`` and ``log_ratio_clamp`` do not apply (verl's GSPO has neither); metrics ``pg_clipfrac`` and
     ``ppo_kl`` (over the kept tokens), ``pg_clipfrac_lower`` 0, ``ratio_mean`` (the sequence ratio per token).
 
-    Raises: ValueError: as ``compute_policy_loss`` (shapes, dtypes, missing inputs), or a ``kl_cov_selection``
-      (KL-Cov is a ``vanilla`` variant).
+    Raises: TypeError / ValueError: as ``compute_policy_loss`` (not a bundle, shapes, dtypes, missing inputs), or
+      ValueError for an ``inputs.kl_cov_selection`` (KL-Cov is a ``vanilla`` variant).
     Source: verl 0.9.1 ``core_algos.compute_policy_loss_gspo``; Zheng et al. 2507.18071 eq. (7).
     """
-    if kl_cov_selection is not None:
+    x = check_loss_inputs(inputs, config)
+    if x.kl_cov_selection is not None:
         raise ValueError("policy_loss='gspo' takes no kl_cov_selection (use the vanilla loss with kl_cov)")
-    x = policy_loss_inputs(log_probs, old_log_probs, advantages, response_mask, token_mask, config, entropy=entropy,
-                           ref_log_probs=ref_log_probs, rollout_log_probs=rollout_log_probs, renormalize=renormalize)
     sg, lp, dt = jax.lax.stop_gradient, x.log_probs, x.log_probs.dtype
     delta = lp - x.old
     seq_log_ratio = jnp.sum(delta * x.v, axis=-1) / jnp.maximum(jnp.sum(x.v, axis=-1), 1.0)
@@ -65,5 +50,4 @@ def compute_policy_loss_gspo(
                "ppo_kl": metric_pair(-delta, x.k), "ratio_mean": metric_pair(sg(ratio), x.k)}
     per_token = {"log_ratio": log_ratio, "ratio": ratio, "clipped": clipped,
                  "clipped_lower": jnp.zeros(lp.shape, bool)}
-    return finish_policy_loss(x, jnp.maximum(l1, l2), config, metrics, per_token, fold_kl=fold_kl,
-                              return_per_token=return_per_token)
+    return finish_policy_loss(x, jnp.maximum(l1, l2), config, metrics, per_token)
