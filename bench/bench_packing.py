@@ -15,13 +15,13 @@ prompt lengths are the problem lengths + 20 template tokens, capped at 1,024. A 
    rows of at most P + R tokens (``long_rows=False``: xla / cudnn / splash) and with one row per micro-batch
    (``long_rows=True``: blockwise, whose cost follows the segments; the trainer's default on CPU), and the
    trainer's default for packed balanced updates: fewer, fuller micro-batches within the tokens of one padded
-   micro-batch (``update.token_budget_micro_batches``), with equal sequence counts (the previous layout) and with
+   micro-batch (``micro_batches.token_budget_micro_batches``), with equal sequence counts (the previous layout) and with
    variable counts (dummy slots fill ``[n_max, R]``; the response slots per sequence are the LM-head pass's
    extra work; at most ``MAX_SEQUENCES_FACTOR`` x the padded micro-batch's sequences, the trainer's default
    ``actor.max_sequences_per_micro_batch``), at ``--micro-batch`` sequences per padded micro-batch and at the paper configs' 1 per device on
    1, 8 and 64 data-parallel shards.
 2. Update time through the real trainer update path, scaled down to run on CPU (lengths / ``--scale-down``, a
-   small Qwen3 with blockwise attention): ``stapo_jax.train.update.update_policy`` (old-log-prob pass + one STAPO
+   small Qwen3 with blockwise attention): ``stapo_jax.train.policy_update.update_policy`` (old-log-prob pass + one STAPO
    mini-batch step of ``--timed-batch`` sequences in micro-batches of ``--timed-micro``, host-side packing
    included) with ``use_remove_padding`` false vs true, interleaved ``--repeats`` times after a warm-up
    (``bench/benchutil.py``); medians, min..max, the packed / padded ratio, and the largest metric difference
@@ -69,7 +69,8 @@ from stapo_jax.train.packing import (PackedLayout, balanced_row_order, gather_sl
                                     pack_sequences)
 from stapo_jax.train.policy import response_log_probs_and_entropy  # noqa: E402
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn  # noqa: E402
-from stapo_jax.train.update import token_budget_micro_batches, update_policy  # noqa: E402
+from stapo_jax.train.micro_batches import token_budget_micro_batches
+from stapo_jax.train.policy_update import update_policy  # noqa: E402
 
 LENGTHS = Path(__file__).resolve().parent / "data" / "math500_lengths.json"
 MAX_PROMPT, MAX_RESPONSE = 1024, 15360

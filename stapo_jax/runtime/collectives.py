@@ -2,6 +2,7 @@
 reward scoring share, and the clock of the time spent in them.
 
 * :func:`allgather_rows` / :func:`allgather_max`: every process's rows, or the maximum of a scalar, on every process;
+* :func:`stop_requested`: whether a stop signal reached any process (all stop after the same step);
 * :func:`prompt_share`: a process's contiguous share of whole prompts (or groups);
 * :func:`score_rows`: reward scoring split over processes, scores all-gathered;
 * :func:`coordination_seconds` / :func:`add_coordination_seconds`: the wall time spent in these collectives (logged
@@ -20,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 __all__ = ["add_coordination_seconds", "allgather_max", "allgather_rows", "coordination_seconds", "prompt_share",
-           "score_rows"]
+           "score_rows", "stop_requested"]
 
 _COORD = {"s": 0.0}  # seconds spent in cross-process gathers since the last coordination_seconds(reset=True)
 
@@ -101,6 +102,15 @@ def allgather_max(value: float) -> float:
     out = float(np.max(multihost_utils.process_allgather(np.asarray([value], np.float64))))
     _COORD["s"] += time.perf_counter() - t0
     return out
+
+
+def stop_requested(preempt) -> bool:
+    """True on every process when SIGTERM or SIGINT (``preempt``: a ``runtime.stopping.Preemption``, its
+    ``requested`` flag) reached any of them (a max all-gather over processes, so all of them stop after the same
+    step); a collective: every process must call it at the same point.
+    Raises what the JAX all-gather raises when the processes are out of step. Source: SLURM / TPU preemption sends
+    SIGTERM. Returns a Python bool."""
+    return allgather_max(float(preempt.requested)) > 0
 
 
 def score_rows(texts: Sequence[str], golds: Sequence[Any], scorer, group_size: int = 1) -> tuple[np.ndarray, dict]:

@@ -2,7 +2,7 @@
 launcher) mean the same thing.
 
 * The first one sets :attr:`Preemption.requested`; the RL loop agrees on it over processes once per step
-  (``train.update.stop_requested``), checkpoints that step and exits 0 with one line; the SFT warm-up checks it
+  (``runtime.collectives.stop_requested``), checkpoints that step and exits 0 with one line; the SFT warm-up checks it
   every 10 steps.
 * A second one (either signal) stops the process at once: one line on stderr, exit code 130 (128 + SIGINT, the
   shell's code for an interrupted command), no traceback.

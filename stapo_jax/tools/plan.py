@@ -179,7 +179,7 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
     from stapo_jax.config.schema import micro_batch_count
 
     accum = micro_batch_count(cfg.actor.ppo_mini_batch_size * cfg.rollout.n, dp, cfg.actor.ppo_micro_batch_size)
-    if accum is None:  # the trainer's rule (update.num_micro_batches)
+    if accum is None:  # the trainer's rule (micro_batches.num_micro_batches)
         raise PlanError(f"actor.ppo_mini_batch_size x rollout.n = {cfg.actor.ppo_mini_batch_size * cfg.rollout.n} "
                         f"sequences do not split into {dp} data-parallel shards of micro-batches of "
                         f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change one of them or mesh.*")

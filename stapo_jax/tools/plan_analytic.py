@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from models.flops import decode_token_flops, layer_matmul_params, sequence_forward_flops
 
-__all__ = ["spec_recipe", "packed_slot_bound", "analytic"]
+__all__ = ["spec_recipe", "spec_optimizer", "packed_slot_bound", "analytic"]
 
 
 def spec_recipe(spec: dict):
@@ -24,6 +24,15 @@ def spec_recipe(spec: dict):
     if spec["top_entropy_scope"] in QUANTILE_SCOPES:
         changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
     return get_recipe(spec["recipe"], **changes)
+
+
+def spec_optimizer(spec: dict):
+    """The run's optimizer from the spec's ``optim`` entry (``train.optim.make_optimizer``, as the trainer's
+    ``build_optimizer``). Raises KeyError for a spec not from ``plan.make_spec``."""
+    from stapo_jax.train.optim import make_optimizer
+
+    o = spec["optim"]
+    return make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
 
 
 def packed_slot_bound(mini_rows: int, num_micro_batches: int, num_shards: int, width: int, max_sequences: int,

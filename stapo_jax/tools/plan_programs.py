@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from stapo_jax.tools.plan_analytic import packed_slot_bound, spec_recipe
+from stapo_jax.tools.plan_analytic import packed_slot_bound, spec_optimizer, spec_recipe
 
 __all__ = ["PlanError", "shard_bytes", "total_bytes", "abstract_params", "abstract_train_state", "abstract_engine_spec",
            "train_batch_layout", "plan_train", "plan_decode"]
@@ -128,15 +128,15 @@ def train_batch_layout(spec: dict, num_shards: int) -> dict:
     * ``"padded"`` (``model.use_remove_padding=false``): ``rows`` = the mini-batch's sequences, K micro-batches;
     * ``"packed rows"`` (packed, an update that depends on a row's micro-batch, so ``trainer.py`` keeps the
       configured K and one sequence per row at worst): ``rows`` = sequences, packed rows ``[rows, P + R]``;
-    * ``"slots"`` (packed, ``update.balance_allowed``: micro-batches chosen by tokens, ``packing.token_budget_slots``):
+    * ``"slots"`` (packed, ``micro_batches.balance_allowed``: micro-batches chosen by tokens, ``packing.token_budget_slots``):
       the largest slot layout (:func:`~stapo_jax.tools.plan_analytic.packed_slot_bound`): ``rows`` = ``S x K' x
       n_max`` slots, K' micro-batches, each with packed rows ``M x L`` = the padded micro-batch's ``per / K`` rows
       of ``P + R`` (the token budget: every ``micro_batch_rows`` geometry the trainer accepts holds at most as many
       tokens; with rows of at most ``P + R``, as splash / cudnn / xla use, it is one of them).
     Returns ``{"kind", "rows", "micro_batches", "packed_rows" (global M count, 0 padded), "row_length", "n_max"}``
     plus the bound's fields for ``"slots"``. Raises KeyError for a spec not from ``make_spec``, ValueError for sizes
-    that do not split (as ``packed_slot_bound``). Source: ``stapo_jax.train.trainer`` / ``update.update_policy``."""
-    from stapo_jax.train.update import balance_allowed
+    that do not split (as ``packed_slot_bound``). Source: ``stapo_jax.train.trainer`` / ``policy_update.update_policy``."""
+    from stapo_jax.train.micro_batches import balance_allowed
 
     b, k = spec["mini_batch_sequences"], spec["num_micro_batches"]
     width = spec["prompt_length"] + spec["response_length"]
@@ -167,12 +167,10 @@ def plan_train(spec: dict, qcfg, mesh) -> dict:
     import jax.numpy as jnp
 
     from stapo_jax.algo.s2t import minibatch_stats_mode
-    from stapo_jax.train.optim import make_optimizer
     from stapo_jax.train.packing import PackedLayout
     from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step
 
-    o = spec["optim"]
-    opt = make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    opt = spec_optimizer(spec)
     recipe = spec_recipe(spec)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     layout = train_batch_layout(spec, dp)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from stapo_jax.tools.plan_analytic import spec_recipe
+from stapo_jax.tools.plan_analytic import spec_optimizer, spec_recipe
 
 __all__ = ["Journal", "JOURNAL", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
 
@@ -174,7 +174,7 @@ def engine_mesh(mesh, host_devices, tensor: int):
 
 
 def _update_batch(spec: dict, mesh, rows: int, geometry, k: int):
-    """The abstract ``Batch`` of one mini-batch as ``update.update_policy`` places it (``old_entropy`` always
+    """The abstract ``Batch`` of one mini-batch as ``policy_update.update_policy`` places it (``old_entropy`` always
     present, as the trainer passes it; a ``PackedLayout`` of ``[K * S * M, L]`` rows for a packed geometry)."""
     import jax
     import jax.numpy as jnp
@@ -200,12 +200,12 @@ def _update_batch(spec: dict, mesh, rows: int, geometry, k: int):
 
 
 def _geometries(spec: dict, qcfg, mesh) -> list:
-    """The packed ``(M, L)`` geometries of the run's update (``precompile.update_geometries``), or ``[None]``."""
+    """The packed ``(M, L)`` geometries of the run's update (``micro_batches.update_geometries``), or ``[None]``."""
     import jax
 
     from models.attention import resolve_implementation
     from stapo_jax.train.packing import packing_long_rows
-    from stapo_jax.train.precompile import update_geometries
+    from stapo_jax.train.micro_batches import update_geometries
 
     if not spec["use_remove_padding"]:
         return [None]
@@ -218,15 +218,6 @@ def _geometries(spec: dict, qcfg, mesh) -> list:
 
 def _largest_geometry(spec: dict, qcfg, mesh):
     return _geometries(spec, qcfg, mesh)[-1]
-
-
-def spec_optimizer(spec: dict):
-    """The run's optimizer from the spec's ``optim`` entry (``train.optim.make_optimizer``, as the trainer's
-    ``build_optimizer``). Raises KeyError for a spec not from ``plan.make_spec``."""
-    from stapo_jax.train.optim import make_optimizer
-
-    o = spec["optim"]
-    return make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
 
 
 def spec_policy_update(spec: dict, qcfg, mesh, shardings, **chunks):
@@ -246,7 +237,7 @@ def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict
     """Compile the update phase's programs (module docstring) for the abstract train ``state`` / ``shardings``
     (``plan_programs.abstract_train_state``). Returns ``[(entry, compiled)]`` as :func:`compile_program`.
     Raises KeyError for a spec not from ``plan.make_spec``; compile errors are entries. Source: the trainer's
-    ``PolicyUpdate`` with ``trainer.precompile`` (``precompile.update_geometries``)."""
+    ``PolicyUpdate`` with ``trainer.precompile`` (``micro_batches.update_geometries``)."""
     import jax
 
     rows, k, r = spec["mini_batch_sequences"], spec["num_micro_batches"], spec["response_length"]

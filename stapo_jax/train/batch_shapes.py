@@ -12,7 +12,7 @@ import jax
 
 from stapo_jax.config.schema import Config
 from stapo_jax.core.errors import ConfigError
-from stapo_jax.train.update import data_parallel_size, micro_batch_count
+from stapo_jax.train.micro_batches import data_parallel_size, micro_batch_count
 
 
 def nearest(value: int, ok: Callable[[int], bool], limit: int = 1 << 16) -> list[int]:

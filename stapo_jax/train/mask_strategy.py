@@ -38,20 +38,19 @@ import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask, masked_quantile
-from stapo_jax.algo.objectives import POLICY_LOSSES, PolicyLossInputs, kl_has_own_denominator
 from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
-from stapo_jax.core.registry import Registry
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
+from stapo_jax.core.registry import Registry
 
-__all__ = ["COUNT_METRICS", "DIAGNOSTIC_COUNT_METRICS", "TAU_H_METRIC", "DiagnosticThresholds", "UpdateContext",
+__all__ = ["count_metrics", "DIAGNOSTIC_COUNT_METRICS", "TAU_H_METRIC", "DiagnosticThresholds", "UpdateContext",
            "MaskStrategy", "MaskOutcome", "FinishInputs", "MaskUpdateSpec", "MASK_STRATEGIES", "first_minibatch_recipe",
-           "register_mask_strategy", "mask_strategy", "masked_policy_loss", "kl_apart", "mask_metrics",
+           "register_mask_strategy", "mask_strategy", "mask_metrics",
            "diagnostic_tau_h", "per_micro_batch_strategy", "full_batch_strategy", "prepass_stats",
            "split_micro_batches", "join_micro_batches", "s2t_strategy", "s2t_first_minibatch", "old_policy_stats",
            "correction_strategy"]
 
 # the token diagnostics' counts: reported as totals (sum of the weightless sums) over the micro-batches and the
-# mini-batches of a step, not as means; COUNT_METRICS (end of module) adds the registered strategies' own counts
+# mini-batches of a step, not as means; count_metrics() (end of module) adds the registered strategies' own counts
 DIAGNOSTIC_COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated")
 # the token diagnostics' entropy threshold, reported for every recipe (stapo_spec.md §7)
 TAU_H_METRIC = "s2t/tau_h"
@@ -188,38 +187,6 @@ def mask_strategy(recipe: Recipe, has_old_entropy: bool) -> MaskStrategy:
     if strategy is not None:
         return strategy
     return full_batch_strategy(prepass_stats) if recipe.mask_scope == "minibatch" else per_micro_batch_strategy()
-
-
-def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
-    """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
-    policy loss (``objectives.POLICY_LOSSES.lookup(recipe.policy_loss)``, signature of ``compute_policy_loss``) on
-    a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None)
-    applied the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the
-    ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy. fold_kl: False leaves the
-    KL term out of ``loss_sum`` (:func:`kl_apart`).
-    Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
-    ``compute_policy_loss_kl_cov`` (selection)."""
-    selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
-
-    def surrogate(lp, ent, mb, keep):
-        inputs = PolicyLossInputs(old_log_probs=mb.old_log_probs, log_probs=lp, advantages=mb.advantages,
-                                  response_mask=mb.response_mask.astype(jnp.float32),
-                                  token_mask=None if selects else keep, entropy=ent, ref_log_probs=mb.ref_log_probs,
-                                  rollout_log_probs=mb.rollout_log_probs,
-                                  kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize,
-                                  fold_kl=fold_kl)
-        return policy_loss(inputs, recipe.loss)
-
-    return surrogate
-
-
-def kl_apart(recipe: Recipe) -> bool:
-    """Whether the update differentiates the KL term apart from the policy gradient: its denominator (every valid
-    token) can differ from the policy gradient's (the kept tokens), and the kept-token count of the mini-batch is
-    known only after the gradient pass (``objectives.kl_has_own_denominator``). Returns a bool.
-    Never raises. Source: verl actor (``pg_loss + kl_loss_coef * agg_loss(kld, response_mask)``)."""
-    has_mask = recipe.token_mask != "none" and not mask_selects_tokens(recipe.token_mask)
-    return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
 
 
 @dataclass(frozen=True)
@@ -406,6 +373,9 @@ def s2t_strategy(recipe: Recipe, has_old_entropy: bool):
     return {"old": full_batch_strategy(old_policy_stats), "correction": correction_strategy()}.get(mode)
 
 
-# counts (summed over micro-batches and mini-batches, not averaged): the diagnostics' and every registered
-# strategy's own
-COUNT_METRICS = DIAGNOSTIC_COUNT_METRICS + tuple(m for spec in MASK_STRATEGIES.values() for m in spec.count_metrics)
+def count_metrics() -> tuple[str, ...]:
+    """The metric names that are counts (summed over micro-batches and mini-batches, not averaged): the token
+    diagnostics' (:data:`DIAGNOSTIC_COUNT_METRICS`) and every registered strategy's own
+    (:attr:`MaskUpdateSpec.count_metrics`), read when called, so a strategy registered after import counts too.
+    Returns a tuple of str. Never raises. Source: verl's ``reduce_metrics`` (means) with counts kept as totals."""
+    return DIAGNOSTIC_COUNT_METRICS + tuple(m for spec in MASK_STRATEGIES.values() for m in spec.count_metrics)

@@ -92,6 +92,13 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Scalar bool array: every element of every leaf of ``tree`` (e.g. the parameters) is finite.
+    Never raises. Source: the nonfinite-gradient guard of verl's actor (skip the update)."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
 def build_optimizer(cfg: Config):
     """AdamW with warm-up and clipping from ``actor.optim`` (:func:`make_optimizer`).
     Takes Python floats; the optimizer keeps the parameters' dtypes. Raises: ValueError as

@@ -14,16 +14,16 @@ import jax
 import numpy as np
 
 from stapo_jax.config.schema import ActorConfig, RolloutConfig, TrainerConfig
-from stapo_jax.runtime.collectives import coordination_seconds
+from stapo_jax.runtime.collectives import coordination_seconds, stop_requested
 from stapo_jax.runtime.compile_stats import CompileStats
 from stapo_jax.runtime.watchdog import progress
 from stapo_jax.train.experience import Experience, collect_experience, fill_mini_batches, heldout_accuracy
 from stapo_jax.train.run_files import DUMP_ENV, dump_experience
 from stapo_jax.train.run_setup import Run
-from stapo_jax.train.steady_state import update_work
+from stapo_jax.train.optim import all_finite
 from stapo_jax.train.policy_update import PolicyUpdate
+from stapo_jax.train.steady_state import update_work
 from stapo_jax.train.train_step import TrainState
-from stapo_jax.train.update import all_finite, stop_requested
 
 
 @dataclass

@@ -23,7 +23,8 @@ from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.optim import make_optimizer, update_with_norm
 from stapo_jax.train.policy import response_log_probs_and_entropy
 from stapo_jax.train.train_step import init_optimizer_state, place_rows
-from stapo_jax.train.update import data_parallel_size, stop_requested
+from stapo_jax.runtime.collectives import stop_requested
+from stapo_jax.train.micro_batches import data_parallel_size
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))

@@ -22,7 +22,7 @@ Batch layout follows ``stapo_jax.train.batching`` (verl): ``input_ids`` ``[B, P 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.struct
 import jax
@@ -32,16 +32,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stapo_jax.algo.objectives import finalize_metrics, kl_loss, safe_divide
-from stapo_jax.algo.recipes import Recipe
-from stapo_jax.train.mask_strategy import (COUNT_METRICS, FinishInputs, UpdateContext, first_minibatch_recipe,
-                                           join_micro_batches, kl_apart, mask_metrics, mask_strategy,
-                                           masked_policy_loss, split_micro_batches)
+from stapo_jax.algo.loss_inputs import PolicyLossInputs
+from stapo_jax.algo.objectives import POLICY_LOSSES, finalize_metrics, kl_has_own_denominator, kl_loss, safe_divide
+from stapo_jax.algo.recipes import Recipe, mask_selects_tokens
+from stapo_jax.train.mask_strategy import (FinishInputs, UpdateContext, count_metrics, first_minibatch_recipe,
+                                           join_micro_batches, mask_metrics, mask_strategy, split_micro_batches)
 from stapo_jax.train.optim import update_with_norm
 from stapo_jax.train.packing import PackedLayout
 from stapo_jax.train.policy import response_log_probs_and_entropy
 
-__all__ = ["TrainState", "Batch", "make_train_step", "make_update_steps", "make_log_prob_fn", "batch_sharding", "COUNT_METRICS",
+__all__ = ["TrainState", "Batch", "make_train_step", "make_update_steps", "make_log_prob_fn", "batch_sharding", "masked_policy_loss",
+           "kl_apart",
            "optimizer_state_shardings", "init_optimizer_state"]
 
 DATA_AXES = ("data", "fsdp")
@@ -176,13 +177,45 @@ def place_rows(x, mesh) -> jax.Array:
     """The host array ``x`` [B, ...] (the same global rows on every process) as a global ``jax.Array`` with its
     rows over the data axes of ``mesh`` (:func:`batch_sharding`), each process filling only its own devices'
     rows (``jax.make_array_from_callback``); one device's array when ``mesh`` is None. B must divide into
-    ``update.data_parallel_size(mesh)`` shards (callers check it and name their key). The RL update and the SFT
+    ``micro_batches.data_parallel_size(mesh)`` shards (callers check it and name their key). The RL update and the SFT
     warm-up place their batches with it. Any dtype (kept). Raises: ValueError from JAX when B does not divide
     over the data shards. Source: JAX's multi-controller input pattern (``jax.make_array_from_callback``), as
     MaxText feeds global batches."""
     if mesh is None:
         return jnp.asarray(x)
     return jax.make_array_from_callback(x.shape, batch_sharding(mesh), lambda idx: x[idx])
+
+
+def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
+    """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
+    policy loss (``objectives.POLICY_LOSSES.lookup(recipe.policy_loss)``, signature of ``compute_policy_loss``) on
+    a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None)
+    applied the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the
+    ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy. fold_kl: False leaves the
+    KL term out of ``loss_sum`` (:func:`kl_apart`).
+    Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
+    ``compute_policy_loss_kl_cov`` (selection)."""
+    selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
+
+    def surrogate(lp, ent, mb, keep):
+        inputs = PolicyLossInputs(old_log_probs=mb.old_log_probs, log_probs=lp, advantages=mb.advantages,
+                                  response_mask=mb.response_mask.astype(jnp.float32),
+                                  token_mask=None if selects else keep, entropy=ent, ref_log_probs=mb.ref_log_probs,
+                                  rollout_log_probs=mb.rollout_log_probs,
+                                  kl_cov_selection=keep if selects else None, renormalize=recipe.renormalize,
+                                  fold_kl=fold_kl)
+        return policy_loss(inputs, recipe.loss)
+
+    return surrogate
+
+
+def kl_apart(recipe: Recipe) -> bool:
+    """Whether the update differentiates the KL term apart from the policy gradient: its denominator (every valid
+    token) can differ from the policy gradient's (the kept tokens), and the kept-token count of the mini-batch is
+    known only after the gradient pass (``objectives.kl_has_own_denominator``). Returns a bool.
+    Never raises. Source: verl actor (``pg_loss + kl_loss_coef * agg_loss(kld, response_mask)``)."""
+    has_mask = recipe.token_mask != "none" and not mask_selects_tokens(recipe.token_mask)
+    return kl_has_own_denominator(recipe.loss, has_mask, recipe.renormalize)
 
 
 def make_train_step(
@@ -362,7 +395,7 @@ def _step_metrics(m: dict, den, strategy_metrics: dict, loss_value, grad_norm, f
     """The step's float32 scalar metrics: the loss's ``(sum, weight)`` pairs finalised over ``den``, the counts,
     the mask strategy's own, and ``loss`` / ``loss_denominator`` / ``grad_norm`` / ``nonfinite_grad``."""
     metrics = finalize_metrics(m, den)
-    metrics.update({name: m[name][0] for name in COUNT_METRICS if name in m})
+    metrics.update({name: m[name][0] for name in count_metrics() if name in m})
     metrics.update(strategy_metrics)
     metrics.update({"loss": loss_value, "loss_denominator": den, "grad_norm": grad_norm,
                     "nonfinite_grad": (~finite).astype(jnp.float32)})

@@ -32,7 +32,7 @@ from stapo_jax.train.run_files import earlier_summary, sft_warmup, write_plots, 
 from stapo_jax.train.run_setup import Run, setup_run
 from stapo_jax.train.steady_state import run_report
 from stapo_jax.train.train_step import TrainState
-from stapo_jax.train.update import stop_requested
+from stapo_jax.runtime.collectives import stop_requested
 
 log = logging.getLogger(__name__)
 

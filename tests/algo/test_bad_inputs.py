@@ -278,7 +278,7 @@ def test_train_with_an_impossible_device_setting_writes_nothing(tmp_path, overri
     (dict(mini_rows=8, num_micro_batches=2, num_shards=0), r"num_shards=0"),  # was ZeroDivisionError
 ])
 def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
-    from stapo_jax.train.update import token_budget_micro_batches
+    from stapo_jax.train.micro_batches import token_budget_micro_batches
 
     mask = np.arange(12)[None] < np.arange(1, 17)[:, None] % 12 + 1  # [16, 12], lengths 1..12
     with pytest.raises(ValueError, match=match):
@@ -293,7 +293,7 @@ def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
     above the size the user set for memory; now a ConfigError naming the key, as ``Config.grad_accum_steps``."""
     from stapo_jax.config.schema import load_config
     from stapo_jax.core.errors import ConfigError
-    from stapo_jax.train.update import num_micro_batches
+    from stapo_jax.train.micro_batches import num_micro_batches
 
     cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
     with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48"):

@@ -221,7 +221,7 @@ def test_kill_sigterm_and_resume(layouts, tmp_path):
        heartbeat bound (``STAPO_DISTRIBUTED_HEARTBEAT_TIMEOUT_S``, read by ``runtime/distributed.initialize``),
        its log naming the dead task and the heartbeat timeout;
     3. restart; SIGTERM to process 1 only: both stop after the same step (the flag is all-gathered,
-       ``train/update.stop_requested``), save it and exit 0;
+       ``runtime.collectives.stop_requested``), save it and exit 0;
     4. restart: it resumes from that step and ends with the uninterrupted run's parameters."""
     run = tmp_path / "run"
     run.mkdir()

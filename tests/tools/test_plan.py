@@ -62,7 +62,7 @@ def test_plan_equals_real_compiled_programs(tmp_path, opt_state, layout):
     from stapo_jax.rollout.sampling import SamplingParams
     from stapo_jax.train.packing import gather_slots, pack_micro_batches
     from stapo_jax.train.train_step import Batch, TrainState, batch_sharding, make_train_step
-    from stapo_jax.train.update import token_budget_micro_batches
+    from stapo_jax.train.micro_batches import token_budget_micro_batches
 
     scope = "minibatch" if layout == "slots" else "microbatch"
     cfg, _ = tiny_cfg(tmp_path, overrides=[f"s2t.quantile_scope={scope}"])

@@ -1,4 +1,4 @@
-"""Micro-batch balancing for packed updates (``packing.balanced_row_order``, ``update.balance_allowed``): rows
+"""Micro-batch balancing for packed updates (``packing.balanced_row_order``, ``micro_batches.balance_allowed``): rows
 stay in their mini-batch and shard block, micro-batches get nearly equal token counts (fewer packed rows), and
 the update with rows regrouped into variable-count slots equals the padded update (fp32, 1e-5)."""
 import types
@@ -16,7 +16,8 @@ from stapo_jax.train.train_step import make_update_steps
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.packing import balanced_row_order, pack_micro_batches
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn
-from stapo_jax.train.update import balance_allowed, update_policy
+from stapo_jax.train.micro_batches import balance_allowed
+from stapo_jax.train.policy_update import update_policy
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, max_position_embeddings=64, initializer_range=0.5)
@@ -71,11 +72,11 @@ def test_balanced_order_packs_fewer_rows():
 
 
 def test_variable_count_slots_update_equals_padded_update():
-    """update_policy with ``slots`` (update.token_budget_micro_batches: at 1 sequence per padded micro-batch,
+    """update_policy with ``slots`` (micro_batches.token_budget_micro_batches: at 1 sequence per padded micro-batch,
     K = 4 per mini-batch of 4, fewer micro-batches of variable sequence counts plus dummy slots) equals the padded
     update (use_remove_padding false, K = 4): parameters and every metric, the sampler / trainer log-prob gap
     included (fp32, 1e-5)."""
-    from stapo_jax.train.update import token_budget_micro_batches
+    from stapo_jax.train.micro_batches import token_budget_micro_batches
 
     exp = _experience()
     a = exp.arrays

@@ -61,7 +61,7 @@ def test_the_train_steps_surrogate_is_the_recipes_registered_policy_loss():
     verl's register_policy_loss): a registered loss is what the step differentiates; an unknown name is refused."""
     from stapo_jax.algo.objectives import POLICY_LOSSES, compute_policy_loss, register_policy_loss
     from stapo_jax.config.recipes import get_recipe
-    from stapo_jax.train.mask_strategy import masked_policy_loss
+    from stapo_jax.train.train_step import masked_policy_loss
     from stapo_jax.train.train_step import Batch
 
     @register_policy_loss("doubled_for_test")
@@ -88,11 +88,11 @@ def test_what_differs_per_mask_is_its_registry_entries():
     count metrics come from the mask's entries (masks.TokenMask, mask_strategy.MaskUpdateSpec), not its name."""
     from stapo_jax.algo.recipes import compute_token_mask
     from stapo_jax.train.train_step import make_update_steps
-    from stapo_jax.train.update import balance_allowed
+    from stapo_jax.train.micro_batches import balance_allowed
 
     assert masks.get_token_mask("s2t").metric_name == "s2t/tau_h"
     assert masks.get_token_mask("top_entropy").metric_name == "top_entropy/threshold"
-    assert ms.COUNT_METRICS == ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes",
+    assert ms.count_metrics() == ("s2t/n_keep", "grad/bounds_violated", "s2t/correction_passes",
                                 "s2t/corrected_tokens")
     masks.register_token_mask("positive_tau", needs=("advantages",), settings=(), population="valid tokens",
                               threshold_metric="positive/tau", entropy_threshold=True)(positive_only)
@@ -113,6 +113,8 @@ def test_what_differs_per_mask_is_its_registry_entries():
 
         spec = ms.MASK_STRATEGIES["positive_tau"]
         assert (spec.name, spec.make, spec.count_metrics) == ("positive_tau", make, ("positive/n",))
+        # a strategy registered after import adds its counts (summed over mini-batches by the update)
+        assert ms.count_metrics()[-1] == "positive/n"
         assert ms.first_minibatch_recipe(recipe).s2t.tau_p == 0.5 and recipe.s2t.tau_p != 0.5
         first, rest = make_update_steps(recipe, SGD, num_micro_batches=1, seq_chunk=4)
         assert first is not rest  # the first mini-batch runs the entry's recipe (not compiled here)

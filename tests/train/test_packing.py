@@ -265,7 +265,7 @@ def test_variable_count_packed_update_equals_padded_update(name, mode):
     """Micro-batches of a VARIABLE number of sequences chosen by tokens (``token_budget_slots``: the paper configs'
     1 sequence per padded micro-batch, K = 8, becomes fewer micro-batches of up to ``n_max`` sequences with
     dummy slots) give the padded 8-micro-batch step's loss, denominator, metrics and update (fp32, 1e-5),
-    for every recipe (all of them allow regrouping: ``update.balance_allowed``) and aggregation mode: dummy
+    for every recipe (all of them allow regrouping: ``micro_batches.balance_allowed``) and aggregation mode: dummy
     slots count in no seq-mean denominator and in no S2T threshold population."""
     model = Qwen3(CFG_STEP, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -366,7 +366,7 @@ def test_trainer_layout_computes_at_most_1_1_tokens_per_useful_token_on_the_math
 
 
 def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_batch_of_tokens():
-    """update.token_budget_micro_batches on the MATH length mix: micro-batches of variable sequence counts within
+    """micro_batches.token_budget_micro_batches on the MATH length mix: micro-batches of variable sequence counts within
     one padded micro-batch's tokens compute <= 1.1 tokens per real token at 16 padded sequences per micro-batch
     (K = 32) and at the paper configs' 1 sequence per micro-batch (K = 512 on one device; 8 shards of K = 64),
     where equal counts (two sequences per 16K row) computed over 3 tokens per real token; every layout stays within
@@ -374,7 +374,7 @@ def test_token_budget_picks_fewer_fuller_micro_batches_within_one_padded_micro_b
     import sys
     from pathlib import Path
 
-    from stapo_jax.train.update import token_budget_micro_batches
+    from stapo_jax.train.micro_batches import token_budget_micro_batches
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from bench_packing import length_mix, padded_arrays

@@ -12,7 +12,7 @@ from models.qwen3 import Qwen3
 from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.policy_update import PolicyUpdate
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn, make_update_steps
-from stapo_jax.train.update import update_policy
+from stapo_jax.train.policy_update import update_policy
 
 
 def test_policy_update_equals_the_update_built_by_hand():

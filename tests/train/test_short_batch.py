@@ -15,7 +15,7 @@ from stapo_jax.config.recipes import get_recipe
 from stapo_jax.train.batching import pack_prompt_response
 from stapo_jax.train.experience import Experience, fill_mini_batches
 from stapo_jax.train.train_step import TrainState, make_log_prob_fn, make_update_steps
-from stapo_jax.train.update import update_policy
+from stapo_jax.train.policy_update import update_policy
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, max_position_embeddings=64, initializer_range=0.5)

@@ -326,7 +326,7 @@ def test_kl_term_over_valid_tokens_in_the_update(model, name, old_entropy):
     differentiated apart there: its denominator is not the kept-token count)."""
     from stapo_jax.algo.objectives import PolicyLossInputs, compute_policy_loss, safe_divide
     from stapo_jax.algo.recipes import compute_token_mask
-    from stapo_jax.train.mask_strategy import kl_apart
+    from stapo_jax.train.train_step import kl_apart
     from stapo_jax.train.policy import response_log_probs_and_entropy
 
     batch = make_batch(model, seed=6)
