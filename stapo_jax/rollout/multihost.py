@@ -1,6 +1,6 @@
 """Rollouts in a multi-controller job: one sampler replica per JAX process, global results on every process.
 
-Layout (DESIGN.md "Rollout layout across processes"): every process runs its own
+Layout (DESIGN.md "Multi-process runs"): every process runs its own
 :class:`~stapo_jax.rollout.driver.RolloutDriver` over its *local* devices, so no decode step talks to another
 host. :class:`MultiHostRollout.generate` receives the same global prompt list on every process, gives process
 ``p`` of ``N`` a contiguous share of whole prompts (a group of G samples never straddles processes), samples it

@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Lowest first; the same table as DESIGN.md. A unit is a package (its modules and subpackages) or the root
+# Lowest first; the layers of DESIGN.md's picture. A unit is a package (its modules and subpackages) or the root
 # package's own modules (``stapo_jax/__init__.py``, ``__main__.py``: the CLI entry and the lazy re-exports).
 LAYERS: dict[str, int] = {
     "stapo_jax.core": 0,     # errors (ConfigError, CheckpointError), settings coercion, Registry
@@ -91,7 +91,7 @@ def unit_of(module: str) -> str:
         if ".".join(parts[:i]) in LAYERS:
             return ".".join(parts[:i])
     raise KeyError(f"{module}: no layer in tests/project/test_layering.py LAYERS (add its package to the table and to "
-                   f"DESIGN.md)")
+                   f"DESIGN.md's picture)")
 
 
 def layer_violations(graph: dict[str, dict[str, int]]) -> list[str]:
