@@ -74,6 +74,11 @@ ENTROPY = jnp.asarray([[0.2, 0.9, 1.4, 3.0], [0.1, 2.0, 0.6, 0.0]], jnp.float32)
 RESPONSE_MASK = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 0]], jnp.int32)
 
 
+def _scorer(cfg):
+    """The scorer of a run config, given the sections it reads."""
+    return make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions)
+
+
 def _write(tmp_path, text: str):
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -112,11 +117,11 @@ def test_new_reward_reads_its_own_section_from_yaml(extensions, tmp_path):
     cfg = load_config(path)
     assert cfg.extensions == {"reward.short_answer": ShortAnswerSettings(max_chars=3)}
     responses, golds = ["abc", "abcdef", "a"], ["", "", ""]
-    with make_scorer(cfg) as scorer:
+    with _scorer(cfg) as scorer:
         assert scorer.score(responses, golds)[0].tolist() == [1.0, 0.0, 1.0]
-    with make_scorer(load_config(path, ["reward.short_answer.max_chars=6"])) as scorer:
+    with _scorer(load_config(path, ["reward.short_answer.max_chars=6"])) as scorer:
         assert scorer.score(responses, golds)[0].tolist() == [1.0, 1.0, 1.0]
-    with make_scorer(from_dict({"reward": {"kind": "short_answer"}})) as scorer:  # absent: default 10
+    with _scorer(from_dict({"reward": {"kind": "short_answer"}})) as scorer:  # absent: default 10
         assert scorer.score(["x" * 10, "x" * 11], ["", ""])[0].tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.short_answer.max_chars=0 must be >= 1"):
         load_config(path, ["reward.short_answer.max_chars=0"])
@@ -146,9 +151,9 @@ def test_math_verify_strict_settings_from_yaml():
                                 "math_verify_strict": {"rel_tol": 1e-3, "require_think_close": True}}})
     assert cfg.extensions["reward.math_verify_strict"] == MathStrictSettings(rel_tol=1e-3, require_think_close=True)
     responses = ["</think> \\boxed{0.3333}", "\\boxed{0.3333}", "</think> \\boxed{0.33}"]
-    with make_scorer(cfg) as scorer:
+    with _scorer(cfg) as scorer:
         assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [1.0, 0.0, 0.0]
-    with make_scorer(from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1}})) as scorer:  # defaults
+    with _scorer(from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1}})) as scorer:  # defaults
         assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.math_verify_strict.rel_tol=0.0 must be > 0"):
         from_dict({"reward": {"math_verify_strict": {"rel_tol": 0}}})
