@@ -39,12 +39,17 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_
                                          homes=("stapo_jax.algo.advantages",))
 
 
-def register_adv_est(name: str):
+def register_adv_est(name: str, *, settings_cls: type | None = None, section: str | None = None):
     """Decorator registering an outcome-advantage estimator ``fn(rewards [N], group_ids [N], **kw) -> [N]`` under
-    ``name`` (the recipe's ``adv_estimator``). Raises ValueError if the name is taken.
-    Source: verl ``core_algos.register_adv_est``.
-    rewards float32, group_ids any integer dtype; the estimate is float32."""
-    return ADVANTAGE_ESTIMATORS.register(name)
+    ``name`` (the recipe's ``adv_estimator``); rewards float32, group_ids any integer dtype, the estimate float32.
+    ``settings_cls`` / ``section``: settings of its own, a frozen dataclass (validating in ``__post_init__``) read
+    from that dotted run-config section (``algorithm.<name>`` by convention; :mod:`stapo_jax.config.extensions`);
+    the estimator then takes each field as a keyword (:func:`compute_advantages` / :func:`recipe_advantages` with
+    ``extensions`` pass them; declare them keyword-only without defaults, so that a call without its settings
+    fails loudly). Returns the decorator.
+    Raises ValueError if the name is taken, or for ``settings_cls`` without ``section``.
+    Source: verl ``core_algos.register_adv_est``; an extension reading its own keys: verl ``policy_loss.*``."""
+    return ADVANTAGE_ESTIMATORS.register(name, settings_cls=settings_cls, section=section)
 
 
 def _check(rewards: jax.Array, group_ids: jax.Array) -> None:
@@ -200,32 +205,38 @@ def rloo_advantages(rewards, group_ids, *, num_groups=None, single_sample="zero"
     return _zero_groups(adv, constant, single, single_sample).astype(_out_dtype(rewards))
 
 
-def compute_advantages(name: str, rewards, group_ids, **kwargs) -> jax.Array:
-    """Dispatch by estimator name (``grpo``, ``dr_grpo``, ``rloo``); kwargs go to the estimator.
+def compute_advantages(name: str, rewards, group_ids, *, extensions=None, **kwargs) -> jax.Array:
+    """Dispatch by estimator name (``grpo``, ``dr_grpo``, ``rloo``, any registered later); kwargs go to the
+    estimator, and so do the fields of the settings it declares (``register_adv_est(..., settings_cls=,
+    section=)``): ``extensions[section]`` (``Recipe.extensions``, ``{dotted section: settings instance}``), else
+    its ``settings_cls()`` defaults. A built-in (no settings) is called exactly as before.
 
     Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int. Returns ``[N]`` float advantages (as the estimator).
     Source: verl ``core_algos.get_adv_estimator_fn`` (estimators registered by name).
 
     Raises:
       ValueError: unknown ``name`` (a ConfigError naming ``algorithm.adv_estimator``, with did-you-mean).
+      TypeError: settings in ``extensions`` of the wrong class.
     """
-    return ADVANTAGE_ESTIMATORS.lookup(name)(rewards, group_ids, **kwargs)
+    return ADVANTAGE_ESTIMATORS.bound(name, extensions)(rewards, group_ids, **kwargs)
 
 
-def recipe_advantages(settings, rewards, group_ids, **kwargs) -> jax.Array:
+def recipe_advantages(settings, rewards, group_ids, *, extensions=None, **kwargs) -> jax.Array:
     """The advantages a recipe's :class:`~stapo_jax.algo.recipe_settings.AdvantageConfig` (the run config's
     ``algorithm`` section) describes: its ``adv_estimator`` via :func:`compute_advantages`, with ``grpo`` given
-    ``epsilon=adv_eps``, ``ddof=std_ddof`` and ``norm_adv_by_std_in_grpo``; kwargs (e.g. ``num_groups``,
-    ``single_sample``) go to the estimator.
+    ``epsilon=adv_eps``, ``ddof=std_ddof`` and ``norm_adv_by_std_in_grpo``; ``extensions`` (``Recipe.extensions``)
+    holds the settings of an estimator that declares its own; kwargs (e.g. ``num_groups``, ``single_sample``) go
+    to the estimator.
 
     Args: ``rewards`` ``[N]`` float, ``group_ids`` ``[N]`` int (any integers). Returns ``[N]`` float advantages.
-    Raises: ValueError as :func:`compute_advantages` and the estimator (shapes, an unknown name).
+    Raises: ValueError as :func:`compute_advantages` and the estimator (shapes, an unknown name); TypeError for
+      settings of the wrong class.
     Source: verl ``compute_advantage`` (``algorithm.adv_estimator``, ``algorithm.norm_adv_by_std_in_grpo``).
     """
     if settings.adv_estimator == "grpo":
         kwargs = dict(epsilon=settings.adv_eps, ddof=settings.std_ddof,
                       norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, **kwargs)
-    return compute_advantages(settings.adv_estimator, rewards, group_ids, **kwargs)
+    return compute_advantages(settings.adv_estimator, rewards, group_ids, extensions=extensions, **kwargs)
 
 
 def nonzero_variance_groups(rewards: jax.Array, group_ids: jax.Array, *, num_groups: int | None = None) -> jax.Array:

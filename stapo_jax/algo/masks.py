@@ -106,9 +106,12 @@ TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo
 def register_token_mask(name: str, **spec) -> Callable:
     """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
 
-    Returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
-    Raises: ValueError if ``name`` is taken. Source: verl ``core_algos.register_policy_loss``."""
-    return TOKEN_MASKS.register(name, lambda fn: TokenMask(name=name, fn=fn, **spec))
+    Returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``, its
+    ``settings_cls`` / ``section`` also as the registry's declaration: ``TOKEN_MASKS.declared(name)``).
+    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse).
+    Source: verl ``core_algos.register_policy_loss``."""
+    return TOKEN_MASKS.register(name, lambda fn: TokenMask(name=name, fn=fn, **spec),
+                                settings_cls=spec.get("settings_cls"), section=spec.get("section"))
 
 
 def get_token_mask(name: str) -> TokenMask:

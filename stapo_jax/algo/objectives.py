@@ -59,6 +59,7 @@ __all__ = [
     "POLICY_LOSSES",
     "KL_COV_POLICY_LOSSES",
     "register_policy_loss",
+    "get_policy_loss_fn",
     "safe_divide",
     "finalize_metrics",
     "add_metrics",
@@ -353,14 +354,31 @@ POLICY_LOSSES.register("vanilla")(compute_policy_loss)
 KL_COV_POLICY_LOSSES: set[str] = {"vanilla"}
 
 
-def register_policy_loss(name: str, takes_kl_cov_selection: bool = False):
+def register_policy_loss(name: str, takes_kl_cov_selection: bool = False, *, settings_cls: type | None = None,
+                         section: str | None = None):
     """Decorator registering a policy loss ``loss(inputs: PolicyLossInputs, config: PolicyLossConfig)`` under
-    ``name`` (returns as :func:`compute_policy_loss`);
+    ``name`` (returns as :func:`compute_policy_loss`: float scalars ``loss_sum``, ``loss_denominator`` and
+    ``{name: (sum, weight)}`` metrics, from ``[B, T]`` float arrays);
     ``takes_kl_cov_selection``: it accepts a selecting mask's ``kl_cov_selection`` (:data:`KL_COV_POLICY_LOSSES`).
-    Returns the decorator. Raises ValueError if the name is taken. Source: verl ``core_algos.register_policy_loss``."""
+    ``settings_cls`` / ``section``: settings of its own, a frozen dataclass (validating in ``__post_init__``) read
+    from that dotted run-config section (``actor.<name>`` by convention; :mod:`stapo_jax.config.extensions`); the
+    loss then takes each field as a keyword, ``loss(inputs, config, **fields)`` (:func:`get_policy_loss_fn` binds
+    them; declare them keyword-only without defaults, so that a call without its settings fails loudly).
+    Returns the decorator. Raises ValueError if the name is taken, or for ``settings_cls`` without ``section``.
+    Source: verl ``core_algos.register_policy_loss``; a loss reading its own keys: verl ``policy_loss.*``."""
     if takes_kl_cov_selection:
         KL_COV_POLICY_LOSSES.add(name)
-    return POLICY_LOSSES.register(name)
+    return POLICY_LOSSES.register(name, settings_cls=settings_cls, section=section)
+
+
+def get_policy_loss_fn(name: str, extensions=None):
+    """The registered policy loss ``name`` as ``loss(inputs, config)`` (signature and shapes as
+    :func:`compute_policy_loss`), with the settings it declares bound as keywords: ``extensions[section]``
+    (``Recipe.extensions``, ``{dotted section: settings instance}``), else its ``settings_cls()`` defaults. A loss
+    that declares none (every built-in) is returned itself, so it is called exactly as before.
+    Raises: ConfigError naming ``actor.policy_loss`` for an unknown name (did-you-mean); TypeError for settings
+    of the wrong class. Source: verl ``core_algos.get_policy_loss_fn``; verl ``policy_loss.*`` (its own keys)."""
+    return POLICY_LOSSES.bound(name, extensions)
 
 
 def add_metrics(a: dict, b: dict) -> dict:

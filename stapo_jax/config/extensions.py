@@ -1,10 +1,12 @@
-"""Settings that travel with their extension: a registered token mask (``TokenMask.settings_cls`` / ``section``)
-or reward kind (``RewardKind.settings_cls`` / ``section``) declares a frozen settings dataclass and the run-config
-section that holds it (verl's pattern of a loss reading its own ``policy_loss.*`` keys). The config loader reads
-that section for every registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a
+"""Settings that travel with their extension: a registered token mask (``TokenMask.settings_cls`` / ``section``),
+reward kind (``RewardKind.settings_cls`` / ``section``), policy loss (``register_policy_loss(..., settings_cls=,
+section=)``) or advantage estimator (``register_adv_est(..., settings_cls=, section=)``) declares a frozen settings
+dataclass and the run-config section that holds it (each registry keeps the declaration: ``Registry.declared``;
+verl's pattern of a loss reading its own ``policy_loss.*`` keys). The config loader reads that section for every registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a
 field of the schema (``s2t``, ``top_entropy``, ``cov``) is built by the schema itself, every other one (e.g.
 ``reward.math_verify_strict``, or a mask registered in a new file) is held in ``Config.extensions`` by its
-dotted section and reaches the :class:`~stapo_jax.algo.recipes.Recipe` (``Recipe.extensions``) and the scorer.
+dotted section and reaches the :class:`~stapo_jax.algo.recipes.Recipe` (``Recipe.extensions``: a policy loss and
+an estimator get theirs as keywords, ``Registry.bound``) and the scorer.
 
 Importing this module does not import jax; :func:`declared_sections` imports the registries (hence jax), as
 ``selection.check_registered_names`` does at the end of every load.
@@ -15,32 +17,36 @@ import dataclasses
 from typing import Any, get_type_hints
 
 from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.registry import settings_for  # noqa: F401  (re-exported: part of this module's API)
 from stapo_jax.core.settings import build_dataclass
 
 __all__ = ["declared_sections", "schema_has_section", "split_sections", "build_settings", "settings_for"]
 
 
 def declared_sections() -> dict[str, type]:
-    """``{dotted section: settings dataclass}`` of every registered token mask and reward kind that declares
-    settings (entries registered later, e.g. by a new module or a test, included). Imports the registries (jax).
+    """``{dotted section: settings dataclass}`` of every registered token mask, reward kind, policy loss and
+    advantage estimator that declares settings (``register_*(..., settings_cls=S, section="x")``, kept by the
+    registry: ``Registry.declared``; entries registered later, e.g. by a new module or a test, included). Imports
+    the registries (jax).
 
     Raises: ConfigError when two extensions declare one section with different classes (naming both).
-    Source: verl ``policy_loss.*`` (an extension reads its own keys).
+    Source: verl ``policy_loss.*`` (an extension reads its own keys); verl ``core_algos.register_*``.
     """
-    from stapo_jax.algo.masks import TOKEN_MASKS  # the registries (jax): loaded on first use
+    from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first use
+    from stapo_jax.algo.masks import TOKEN_MASKS
+    from stapo_jax.algo.objectives import POLICY_LOSSES
     from stapo_jax.rewards.registry import REWARD_KINDS
 
     out: dict[str, type] = {}
-    for kind, registry in (("token mask", TOKEN_MASKS), ("reward kind", REWARD_KINDS)):
-        for name, entry in registry.items():
-            if entry.settings_cls is None:
+    for registry in (TOKEN_MASKS, REWARD_KINDS, POLICY_LOSSES, ADVANTAGE_ESTIMATORS):
+        for name in registry:
+            entry = registry.declared(name)
+            if entry is None:
                 continue
-            if not entry.section:
-                raise ConfigError(f"{kind} {name!r} declares settings_cls without a section")
             prev = out.setdefault(entry.section, entry.settings_cls)
             if prev is not entry.settings_cls:
-                raise ConfigError(f"section {entry.section}: {kind} {name!r} declares {entry.settings_cls.__name__}, "
-                                  f"another extension {prev.__name__}")
+                raise ConfigError(f"section {entry.section}: {registry.kind} {name!r} declares "
+                                  f"{entry.settings_cls.__name__}, another extension {prev.__name__}")
     return out
 
 
@@ -88,12 +94,3 @@ def build_settings(found: dict[str, Any], sections: dict[str, type]) -> dict[str
     Source: :func:`stapo_jax.config.loading.build_dataclass` (the schema's typed build).
     """
     return {section: build_dataclass(sections[section], value, section + ".") for section, value in found.items()}
-
-
-def settings_for(extensions: dict[str, Any], entry) -> Any:
-    """The settings instance of the registered extension ``entry`` (a ``TokenMask`` / ``RewardKind``): the one in
-    ``extensions`` (``Config.extensions``) under its section, else its ``settings_cls()`` defaults; None when it
-    declares none. Never raises (but as the class's own check of its defaults). Source: this module's rule."""
-    if entry is None or entry.settings_cls is None:
-        return None
-    return extensions.get(entry.section) or entry.settings_cls()

@@ -7,9 +7,11 @@ A preset is the run config naming it (the schema defaults plus its row of
 """
 from __future__ import annotations
 
+from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
 from stapo_jax.algo.masks import TOKEN_MASKS
+from stapo_jax.algo.objectives import POLICY_LOSSES
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.config.extensions import settings_for
+from stapo_jax.config.extensions import schema_has_section, settings_for
 from stapo_jax.config.presets import RECIPE_PRESETS
 from stapo_jax.config.schema import from_dict
 from stapo_jax.config.selection import token_mask_name
@@ -23,7 +25,9 @@ def recipe_from_config(cfg) -> Recipe:
     :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
     (resolved by the loader: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` / ``cov`` its mask
     settings, ``cfg.extensions`` the settings of other registered extensions (:mod:`stapo_jax.config.extensions`;
-    a selected mask's absent section: its defaults), ``algorithm`` (an ``AdvantageConfig``) its advantage,
+    the absent section of the selected mask, policy loss or advantage estimator: its defaults; the loss and the
+    estimator get theirs as keywords: ``objectives.get_policy_loss_fn``, ``advantages.recipe_advantages``),
+    ``algorithm`` (an ``AdvantageConfig``) its advantage,
     ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
 
@@ -33,9 +37,12 @@ def recipe_from_config(cfg) -> Recipe:
     """
     mask = token_mask_name(cfg)
     extensions = dict(cfg.extensions)
-    entry = TOKEN_MASKS.get(mask)  # a mask registered with its own section: its settings (defaults when absent)
-    if entry is not None and entry.settings_cls is not None and not hasattr(cfg, entry.section):
-        extensions[entry.section] = settings_for(extensions, entry)
+    # the selected mask, loss and estimator registered with their own section: their settings (defaults if absent)
+    for registry, name in ((TOKEN_MASKS, mask), (POLICY_LOSSES, cfg.actor.policy_loss),
+                           (ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator)):
+        declared = registry.declared(name)
+        if declared is not None and not schema_has_section(type(cfg), declared.section):
+            extensions[declared.section] = settings_for(extensions, declared)
     return Recipe(
         cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, policy_loss=cfg.actor.policy_loss,
         s2t=cfg.s2t, top_entropy=cfg.top_entropy, cov=cfg.cov, advantage=cfg.algorithm, sampling=cfg.sampling,

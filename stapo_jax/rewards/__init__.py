@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -157,22 +157,30 @@ class RewardScorer:
         self.close()
 
 
-def make_scorer(cfg, on_progress: Optional[Callable[[], None]] = None) -> RewardScorer:
-    """A :class:`RewardScorer` from a run :class:`~stapo_jax.config.schema.Config` (``reward.*``, ``data.gym.task``).
+def make_scorer(reward, *, gym_task: Optional[str] = None, extensions: Optional[Mapping[str, Any]] = None,
+                on_progress: Optional[Callable[[], None]] = None) -> RewardScorer:
+    """A :class:`RewardScorer` from the sections of a run config it reads (not the whole config).
 
-    Reads the scalar (str / float / int / bool) fields ``reward.kind``, ``reward.timeout_s``,
-    ``reward.num_workers``, ``reward.boxed_normalize``, ``reward.gym_answer_format``, ``reward.max_pool_restarts``
-    and ``data.gym.task``, and the kind's own settings section (``reward.<kind>``, held in ``cfg.extensions``
-    by the config loader: e.g. ``reward.math_verify_strict.rel_tol``); ``on_progress`` as :class:`RewardScorer`.
+    Args:
+      reward: the run config's ``reward`` section (``Config.reward``): its scalar fields ``kind`` (str),
+        ``timeout_s`` (float), ``num_workers`` (int), ``boxed_normalize`` (bool), ``gym_answer_format`` (str) and
+        ``max_pool_restarts`` (int).
+      gym_task: ``data.gym.task`` (str, required for ``kind: gym``), or None.
+      extensions: ``Config.extensions`` (``{dotted section: settings instance}``); the kind's own settings are
+        the entry under its section (``reward.<kind>``, e.g. ``reward.math_verify_strict.rel_tol``); absent or
+        None: the kind's defaults.
+      on_progress: as :class:`RewardScorer`.
+
     Raises ValueError (from :class:`RewardScorer`) for an unknown kind, ``kind: gym`` without a task, a
-    non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind. Source: the project's config
-    convention (``docs/conventions.md``).
+    non-positive ``timeout_s``, or ``num_workers < 1`` for a pooled kind; TypeError for settings of the wrong
+    class. Source: the project's config convention (``docs/conventions.md``); the kind's own section: verl's
+    ``policy_loss.*`` pattern (an extension reads its own keys).
     """
-    r = cfg.reward
-    settings = cfg.extensions.get(get_reward_kind(r.kind).section)  # None: the kind's defaults
-    return RewardScorer(r.kind, timeout_s=r.timeout_s, num_workers=r.num_workers, boxed_normalize=r.boxed_normalize,
-                        gym_task=cfg.data.gym.task, gym_answer_format=r.gym_answer_format, settings=settings,
-                        max_pool_restarts=r.max_pool_restarts, on_progress=on_progress)
+    settings = (extensions or {}).get(get_reward_kind(reward.kind).section)  # None: the kind's defaults
+    return RewardScorer(reward.kind, timeout_s=reward.timeout_s, num_workers=reward.num_workers,
+                        boxed_normalize=reward.boxed_normalize, gym_task=gym_task,
+                        gym_answer_format=reward.gym_answer_format, settings=settings,
+                        max_pool_restarts=reward.max_pool_restarts, on_progress=on_progress)
 
 
 _SCORERS: dict[tuple, RewardScorer] = {}

@@ -5,11 +5,10 @@ so a new reward is one new file there (DESIGN.md "Add a reward").
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from stapo_jax.core.registry import Registry
+from stapo_jax.core.registry import Registry, settings_keywords
 
 __all__ = ["RewardKind", "REWARD_KINDS", "register_reward", "get_reward_kind"]
 
@@ -54,13 +53,7 @@ class RewardKind:
         missing = [o for o in self.requires if not scorer_options.get(o)]
         if missing:
             raise ValueError(f"reward kind {self.name!r} needs {missing}")
-        own = {}
-        if self.settings_cls is not None:
-            settings = self.settings_cls() if settings is None else settings
-            if not isinstance(settings, self.settings_cls):
-                raise TypeError(f"reward kind {self.name!r} takes {self.settings_cls.__name__} settings, got "
-                                f"{type(settings).__name__}")
-            own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        own = settings_keywords(f"reward kind {self.name!r}", self.settings_cls, settings)
         return {**self.fixed, **{kw: scorer_options[opt] for kw, opt in self.options.items()}, **own}
 
 
@@ -71,9 +64,11 @@ def register_reward(name: str, **spec) -> Callable:
     """Decorator registering a verifier ``fn(response, gold, **keywords) -> float`` as reward kind ``name``
     (fields of :class:`RewardKind`). Stack it to register one function under several names (e.g. with different
     ``fixed`` keywords). Returns the decorator.
-    Raises: ValueError if ``name`` is taken. Source: verl ``register_policy_loss`` pattern; verl ``compute_score``
+    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse).
+    Source: verl ``register_policy_loss`` pattern; verl ``compute_score``
     (one float per response)."""
-    return REWARD_KINDS.register(name, lambda fn: RewardKind(name=name, fn=fn, **spec))
+    return REWARD_KINDS.register(name, lambda fn: RewardKind(name=name, fn=fn, **spec),
+                                 settings_cls=spec.get("settings_cls"), section=spec.get("section"))
 
 
 def get_reward_kind(name: str) -> RewardKind:

@@ -32,8 +32,8 @@ import numpy as np
 from stapo_jax.algo.advantages import grpo_advantages
 from stapo_jax.algo.diagnostics import token_diagnostics
 from stapo_jax.algo.masks import get_token_mask
-from stapo_jax.algo.objectives import (LOSS_AGG_MODES, KL_TYPES, POLICY_LOSSES, PolicyLossInputs, finalize_metrics,
-                                       safe_divide)
+from stapo_jax.algo.objectives import (LOSS_AGG_MODES, KL_TYPES, PolicyLossInputs, finalize_metrics,
+                                       get_policy_loss_fn, safe_divide)
 from stapo_jax.algo.recipes import compute_token_mask
 from stapo_jax.config.recipes import RECIPES, get_recipe
 from stapo_jax.train.mask_strategy import TAU_H_METRIC, DiagnosticThresholds, diagnostic_tau_h
@@ -184,7 +184,7 @@ def recompute(d: dict, recipe) -> dict[str, np.ndarray]:
                                           old_log_probs=old)
     inputs = PolicyLossInputs(old, lp, adv, resp, keep, entropy=ent, ref_log_probs=f("ref_log_probs"),
                               renormalize=recipe.renormalize)
-    s, den, m = POLICY_LOSSES[recipe.policy_loss](inputs, recipe.loss)
+    s, den, m = get_policy_loss_fn(recipe.policy_loss, recipe.extensions)(inputs, recipe.loss)
     fm = finalize_metrics(m, den)
     ours = {"loss": safe_divide(s, den), "pg_loss": fm["pg_loss"], "pg_clipfrac": fm["pg_clipfrac"],
             "ppo_kl": fm["ppo_kl"]}

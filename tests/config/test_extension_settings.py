@@ -1,19 +1,24 @@
-"""Extensions own their settings (issue 44 item 3): a token mask or a reward kind registered with a settings
-dataclass and a section is set from YAML through the real config loader, the recipe / scorer gets the instance,
-and the setting changes the result. Also the built-in ones that were not settable: ``cov.*`` (Clip-Cov / KL-Cov)
+"""Extensions own their settings (issue 44 item 3): a token mask, a reward kind, a policy loss or an advantage
+estimator registered with a settings dataclass and a section is set from YAML through the real config loader, the
+recipe / scorer / loss / estimator gets the instance, and the setting changes the result. Also the built-in ones that were not settable: ``cov.*`` (Clip-Cov / KL-Cov)
 and ``reward.math_verify_strict.*`` (``rel_tol``, ``require_think_close``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, recipe_advantages, register_adv_est
 from stapo_jax.algo.masks import TOKEN_MASKS, register_token_mask
+from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_policy_loss, get_policy_loss_fn,
+                                       register_policy_loss)
 from stapo_jax.algo.recipes import compute_token_mask
 from stapo_jax.core.errors import ConfigError
 from stapo_jax.core.settings import check_field_types
+from stapo_jax.config.extensions import declared_sections
 from stapo_jax.config.recipes import recipe_from_config
 from stapo_jax.config.schema import from_dict, load_config
 from stapo_jax.rewards import make_scorer
@@ -74,6 +79,11 @@ ENTROPY = jnp.asarray([[0.2, 0.9, 1.4, 3.0], [0.1, 2.0, 0.6, 0.0]], jnp.float32)
 RESPONSE_MASK = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 0]], jnp.int32)
 
 
+def _scorer(cfg):
+    """The scorer of a run config, given the sections it reads."""
+    return make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions)
+
+
 def _write(tmp_path, text: str):
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -112,11 +122,11 @@ def test_new_reward_reads_its_own_section_from_yaml(extensions, tmp_path):
     cfg = load_config(path)
     assert cfg.extensions == {"reward.short_answer": ShortAnswerSettings(max_chars=3)}
     responses, golds = ["abc", "abcdef", "a"], ["", "", ""]
-    with make_scorer(cfg) as scorer:
+    with _scorer(cfg) as scorer:
         assert scorer.score(responses, golds)[0].tolist() == [1.0, 0.0, 1.0]
-    with make_scorer(load_config(path, ["reward.short_answer.max_chars=6"])) as scorer:
+    with _scorer(load_config(path, ["reward.short_answer.max_chars=6"])) as scorer:
         assert scorer.score(responses, golds)[0].tolist() == [1.0, 1.0, 1.0]
-    with make_scorer(from_dict({"reward": {"kind": "short_answer"}})) as scorer:  # absent: default 10
+    with _scorer(from_dict({"reward": {"kind": "short_answer"}})) as scorer:  # absent: default 10
         assert scorer.score(["x" * 10, "x" * 11], ["", ""])[0].tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.short_answer.max_chars=0 must be >= 1"):
         load_config(path, ["reward.short_answer.max_chars=0"])
@@ -146,11 +156,139 @@ def test_math_verify_strict_settings_from_yaml():
                                 "math_verify_strict": {"rel_tol": 1e-3, "require_think_close": True}}})
     assert cfg.extensions["reward.math_verify_strict"] == MathStrictSettings(rel_tol=1e-3, require_think_close=True)
     responses = ["</think> \\boxed{0.3333}", "\\boxed{0.3333}", "</think> \\boxed{0.33}"]
-    with make_scorer(cfg) as scorer:
+    with _scorer(cfg) as scorer:
         assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [1.0, 0.0, 0.0]
-    with make_scorer(from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1}})) as scorer:  # defaults
+    with _scorer(from_dict({"reward": {"kind": "math_verify_strict", "num_workers": 1}})) as scorer:  # defaults
         assert scorer.score(responses, ["\\frac{1}{3}"] * 3)[0].tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.math_verify_strict.rel_tol=0.0 must be > 0"):
         from_dict({"reward": {"math_verify_strict": {"rel_tol": 0}}})
     with pytest.raises(ConfigError, match=r"reward.math_verify_strict.require_think_close: expected bool"):
         from_dict({"reward": {"math_verify_strict": {"require_think_close": "yes"}}})
+
+
+# ------------------------------------------------------------------ a new policy loss with a setting of its own
+
+
+@dataclass(frozen=True)
+class ScaledPGSettings:
+    """Multiply the advantages by ``scale`` (> 0) before the vanilla surrogate."""
+
+    scale: float = 1.0
+
+    def __post_init__(self):
+        check_field_types(self, "actor.scaled_pg")
+        if not self.scale > 0:
+            raise ConfigError(f"actor.scaled_pg.scale={self.scale} must be > 0")
+
+
+def scaled_pg_loss(inputs, config, *, scale):  # keyword-only, no default: a call without its settings fails
+    return compute_policy_loss(dataclasses.replace(inputs, advantages=inputs.advantages * scale), config)
+
+
+# ------------------------------------------------------------------ a new advantage estimator with a setting of its own
+
+
+@dataclass(frozen=True)
+class FixedBaselineSettings:
+    """``A = R - baseline`` (a constant baseline in [0, 1])."""
+
+    baseline: float = 0.0
+
+    def __post_init__(self):
+        check_field_types(self, "algorithm.fixed_baseline")
+        if not 0.0 <= self.baseline <= 1.0:
+            raise ConfigError(f"algorithm.fixed_baseline.baseline={self.baseline} must be in [0, 1]")
+
+
+def fixed_baseline_advantages(rewards, group_ids, *, baseline, num_groups=None, **_unused):
+    return (jnp.asarray(rewards, jnp.float32) - baseline).astype(jnp.float32)
+
+
+@pytest.fixture
+def loss_and_estimator():
+    """Register the loss and the estimator (as their own files would), and remove them afterwards."""
+    register_policy_loss("scaled_pg", settings_cls=ScaledPGSettings, section="actor.scaled_pg")(scaled_pg_loss)
+    register_adv_est("fixed_baseline", settings_cls=FixedBaselineSettings,
+                     section="algorithm.fixed_baseline")(fixed_baseline_advantages)
+    yield
+    dict.__delitem__(POLICY_LOSSES, "scaled_pg")
+    dict.__delitem__(ADVANTAGE_ESTIMATORS, "fixed_baseline")
+
+
+LP = jnp.log(jnp.asarray([[0.3, 0.5, 0.9, 0.4], [0.2, 0.7, 0.6, 0.5]], jnp.float32))
+OLD = jnp.log(jnp.asarray([[0.3, 0.4, 0.8, 0.5], [0.25, 0.7, 0.5, 0.5]], jnp.float32))
+LOSS_INPUTS = PolicyLossInputs(old_log_probs=OLD, log_probs=LP, advantages=jnp.asarray([1.0, -0.5], jnp.float32),
+                               response_mask=RESPONSE_MASK)
+
+
+def _loss_sum(recipe):
+    return float(get_policy_loss_fn(recipe.policy_loss, recipe.extensions)(LOSS_INPUTS, recipe.loss)[0])
+
+
+def test_new_policy_loss_reads_its_own_section_from_yaml(loss_and_estimator, tmp_path):
+    path = _write(tmp_path, "algorithm:\n  recipe: grpo\nactor:\n  policy_loss: scaled_pg\n  scaled_pg:\n"
+                            "    scale: 2.0\n")
+    cfg = load_config(path)
+    assert "actor.scaled_pg" in declared_sections() and "algorithm.fixed_baseline" in declared_sections()
+    assert cfg.extensions == {"actor.scaled_pg": ScaledPGSettings(scale=2.0)}
+    recipe = recipe_from_config(cfg)
+    vanilla = float(compute_policy_loss(LOSS_INPUTS, recipe.loss)[0])
+    assert vanilla != 0.0
+    np.testing.assert_allclose(_loss_sum(recipe), 2.0 * vanilla, rtol=1e-6)  # the setting reaches the loss
+    np.testing.assert_allclose(_loss_sum(recipe_from_config(load_config(path, ["actor.scaled_pg.scale=3"]))),
+                               3.0 * vanilla, rtol=1e-6)
+    # absent section: the class defaults (scale 1: the vanilla loss); the saved config reloads to an equal one
+    default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"policy_loss": "scaled_pg"}}))
+    assert default.extensions["actor.scaled_pg"] == ScaledPGSettings()
+    np.testing.assert_allclose(_loss_sum(default), vanilla, rtol=1e-6)
+    assert load_config(cfg.save(tmp_path / "run")) == cfg
+    with pytest.raises(TypeError, match="scale"):  # the bare entry needs its settings: never silently defaulted
+        POLICY_LOSSES["scaled_pg"](LOSS_INPUTS, recipe.loss)
+    # a built-in declares no settings: the registered function itself, called as before
+    assert get_policy_loss_fn("vanilla", cfg.extensions) is compute_policy_loss
+
+
+def test_new_advantage_estimator_reads_its_own_section_from_yaml(loss_and_estimator, tmp_path):
+    path = _write(tmp_path, "algorithm:\n  recipe: grpo\n  adv_estimator: fixed_baseline\n  fixed_baseline:\n"
+                            "    baseline: 0.25\n")
+    cfg = load_config(path)
+    assert cfg.extensions == {"algorithm.fixed_baseline": FixedBaselineSettings(baseline=0.25)}
+    rewards, gid = jnp.asarray([1.0, 0.0, 1.0, 1.0], jnp.float32), jnp.asarray([0, 0, 1, 1], jnp.int32)
+
+    def advantages(recipe):
+        return np.asarray(recipe_advantages(recipe.advantage, rewards, gid, extensions=recipe.extensions,
+                                            num_groups=2)).tolist()
+
+    assert advantages(recipe_from_config(cfg)) == [0.75, -0.25, 0.75, 0.75]
+    assert advantages(recipe_from_config(load_config(path, ["algorithm.fixed_baseline.baseline=1.0"]))) == [
+        0.0, -1.0, 0.0, 0.0]
+    default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo", "adv_estimator": "fixed_baseline"}}))
+    assert default.extensions["algorithm.fixed_baseline"] == FixedBaselineSettings()
+    assert advantages(default) == [1.0, 0.0, 1.0, 1.0]
+    assert load_config(cfg.save(tmp_path / "run")) == cfg
+
+
+def test_new_loss_and_estimator_section_errors_name_the_key(loss_and_estimator):
+    base = {"algorithm": {"recipe": "grpo"}}
+    with pytest.raises(ConfigError, match=r"actor.scaled_pg.scale=0.0 must be > 0"):
+        from_dict({**base, "actor": {"policy_loss": "scaled_pg", "scaled_pg": {"scale": 0}}})
+    with pytest.raises(ConfigError, match=r"actor.scaled_pg.scale: expected float, got str"):
+        from_dict({**base, "actor": {"scaled_pg": {"scale": "big"}}})
+    with pytest.raises(ConfigError, match=r"algorithm.fixed_baseline.baseline=1.5 must be in \[0, 1\]"):
+        from_dict({"algorithm": {"recipe": "grpo", "adv_estimator": "fixed_baseline",
+                                 "fixed_baseline": {"baseline": 1.5}}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.fixed_baseline.basline'; did you mean "
+                                          r"'algorithm.fixed_baseline.baseline'"):
+        from_dict({"algorithm": {"recipe": "grpo", "fixed_baseline": {"basline": 0.5}}})
+    with pytest.raises(TypeError, match=r"policy loss 'scaled_pg' takes ScaledPGSettings settings, got "
+                                        r"FixedBaselineSettings"):
+        get_policy_loss_fn("scaled_pg", {"actor.scaled_pg": FixedBaselineSettings()})
+    with pytest.raises(ValueError, match=r"settings_cls and section go together"):
+        register_policy_loss("no_section", settings_cls=ScaledPGSettings)
+
+
+def test_unregistered_sections_are_unknown_keys_again():
+    """After the fixtures' clean-up the sections are no longer read (a removed entry's declaration is ignored)."""
+    assert "actor.scaled_pg" not in declared_sections() and "entropy_cap" not in declared_sections()
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.scaled_pg"):
+        from_dict({"actor": {"scaled_pg": {"scale": 2.0}}})

@@ -125,7 +125,7 @@ def test_trainer_reward_path_scores_real_gold_answers(cfg):
     golds = [r["answer"] for r in rows]
     assert all(re.fullmatch(r"-?[\d,]+(\.\d+)?", g) for g in golds), golds
     wrong = [str(Decimal(g.replace(",", "")) + 1) for g in golds]
-    with make_scorer(cfg) as scorer:
+    with make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions) as scorer:
         s_ok, st_ok = score_rollout(batch(golds), examples, tok, scorer)
         s_bad, st_bad = score_rollout(batch(wrong), examples, tok, scorer)
     assert st_ok["n"] == st_bad["n"] == len(rows)

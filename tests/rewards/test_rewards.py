@@ -182,7 +182,7 @@ def test_gym_scorer_pool_counts_verifier_crash():
     cfg = load_config(None, ["data.source=gym", "data.gym.task=chain_sum", "reward.kind=gym", "reward.num_workers=1",
                              "reward.timeout_s=10"])
     entries = rgym.make_entries("chain_sum", 3, seed=0)
-    with make_scorer(cfg) as scorer:
+    with make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions) as scorer:
         responses = [f"\\boxed{{{e['answer']}}}" for e in entries] + ["\\boxed{1}"]
         s, st = scorer.score(responses, entries + [{"question": "?"}])  # entry without answer: score_answer raises
     np.testing.assert_array_equal(s, np.array([1, 1, 1, 0], np.float32))

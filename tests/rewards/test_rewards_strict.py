@@ -232,7 +232,7 @@ def test_math_verify_misparses_are_refused():
 
 def test_scorer_from_config_times_out_hangs():
     cfg = load_config(None, ["reward.kind=math_verify_strict", "reward.num_workers=1", f"reward.timeout_s={TIMEOUT_S}"])
-    with make_scorer(cfg) as scorer:
+    with make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions) as scorer:
         responses = ["\\boxed{9^{9^{9^{9}}}}", "so \\boxed{1,000}", "\\boxed{7} or \\boxed{8}",
                      "\\boxed{\\frac{1}{2^{99}}}"]
         t0 = time.perf_counter()
