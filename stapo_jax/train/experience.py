@@ -195,7 +195,8 @@ def build_experience(ro: RolloutBatch, scores: np.ndarray, recipe, *, group_size
         penalty_factor=recipe.overlong.overlong_penalty))
     gid = ro.prompt_index.astype(np.int32)
     num_groups = int(gid.max()) + 1
-    adv = np.asarray(recipe_advantages(recipe.advantage, rewards, gid, num_groups=num_groups), np.float32)
+    adv = np.asarray(recipe_advantages(recipe.advantage, rewards, gid, num_groups=num_groups,
+                                       extensions=recipe.extensions), np.float32)
     responses = [ro.responses[i, :n].tolist() for i, n in enumerate(lengths)]
     R = round_up(max_new_tokens, 8)  # fixed_response_length: one R for every batch (trainer.precompile)
     if not fixed_response_length:

@@ -93,7 +93,7 @@ def setup_run(cfg: Config, stack: contextlib.ExitStack) -> Run:
     model = build.build_model(cfg, mesh, tok, seed=t.seed)
     progress("setup")  # each setup boundary counts as progress (compiles in between cannot mark)
     train_ds, val_examples = load_run_data(cfg, tok)
-    scorer = make_scorer(cfg, on_progress=progress)
+    scorer = make_scorer(cfg.reward, gym_task=cfg.data.gym.task, extensions=cfg.extensions, on_progress=progress)
     stack.callback(scorer.close)
     progress("setup")
     if not t.resume:

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from stapo_jax.algo.loss_inputs import PolicyLossInputs
-from stapo_jax.algo.objectives import POLICY_LOSSES, finalize_metrics, kl_has_own_denominator, kl_loss, safe_divide
+from stapo_jax.algo.objectives import finalize_metrics, get_policy_loss_fn, kl_has_own_denominator, kl_loss, safe_divide
 from stapo_jax.algo.recipes import Recipe, mask_selects_tokens
 from stapo_jax.train.mask_strategy import (FinishInputs, UpdateContext, count_metrics, first_minibatch_recipe,
                                            join_micro_batches, mask_metrics, mask_strategy, split_micro_batches)
@@ -188,14 +188,15 @@ def place_rows(x, mesh) -> jax.Array:
 
 def masked_policy_loss(recipe: Recipe, fold_kl: bool = True) -> Callable:
     """``surrogate(log_probs, entropy, mb, keep) -> (loss_sum, denominator, metrics)``: the recipe's registered
-    policy loss (``objectives.POLICY_LOSSES.lookup(recipe.policy_loss)``, signature of ``compute_policy_loss``) on
-    a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]`` arrays) with the mask ``keep`` ``[N, R]`` bool (or None)
-    applied the way its registry entry says: a keep mask, or for a selecting mask (``kl_cov``) the
-    ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the current policy. fold_kl: False leaves the
-    KL term out of ``loss_sum`` (:func:`kl_apart`).
+    policy loss (``objectives.get_policy_loss_fn(recipe.policy_loss, recipe.extensions)``, signature of
+    ``compute_policy_loss``, the settings it declares bound) on a (micro-)batch ``mb`` (a ``Batch``: ``[N, R]``
+    arrays) with the mask ``keep`` ``[N, R]`` bool (or None) applied the way its registry entry says: a keep mask,
+    or for a selecting mask (``kl_cov``) the ``kl_cov_selection``. log_probs / entropy: ``[N, R]`` float32 of the
+    current policy. fold_kl: False leaves the KL term out of ``loss_sum`` (:func:`kl_apart`).
     Raises: ValueError as ``compute_policy_loss`` (misshaped arrays). Source: conventions.md §1.2; verl
     ``compute_policy_loss_kl_cov`` (selection)."""
-    selects, policy_loss = mask_selects_tokens(recipe.token_mask), POLICY_LOSSES.lookup(recipe.policy_loss)
+    selects = mask_selects_tokens(recipe.token_mask)
+    policy_loss = get_policy_loss_fn(recipe.policy_loss, recipe.extensions)
 
     def surrogate(lp, ent, mb, keep):
         inputs = PolicyLossInputs(old_log_probs=mb.old_log_probs, log_probs=lp, advantages=mb.advantages,
