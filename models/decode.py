@@ -69,7 +69,7 @@ def decode_layer_dtype(config) -> Any:
     (``bfloat16`` compute over ``float32`` master weights: the paper configs). The embedding and LM head are
     not layers: the LM head is read in its stored dtype (:meth:`~models.qwen3.Qwen3.logits`).
 
-    Args: config: a :class:`~models.qwen3.Qwen3Config`. Returns a ``jnp.dtype`` or None. Never raises.
+    Args: config: a :class:`~models.qwen3_config.Qwen3Config`. Returns a ``jnp.dtype`` or None. Never raises.
     Source: Flax ``nnx.Linear``'s ``promote_dtype``; MaxText / JetStream serve bf16 weights of f32 checkpoints.
     """
     compute, stored = jnp.dtype(config.compute_dtype), jnp.dtype(config.weight_dtype)

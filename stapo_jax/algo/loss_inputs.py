@@ -26,7 +26,9 @@ _FLAG_FIELDS = ("renormalize", "fold_kl", "return_per_token")
 
 @dataclass(frozen=True)
 class PolicyLossInputs:
-    """The inputs of one policy-loss call on a (micro-)batch of ``B`` responses of ``T`` positions.
+    """The inputs of one policy-loss call on a (micro-)batch of ``B`` responses of ``T`` positions. The first four
+    fields are in verl's order (``compute_policy_loss(old_log_prob, log_prob, advantages, response_mask)``);
+    name them when building one by hand (``old_log_probs`` before ``log_probs``: swapped, a loss still runs).
 
     Arrays (a JAX pytree's leaves; the optional ones may be None):
       old_log_probs: ``[B, T]`` float, nats, the policy that produced the rollouts (constant).

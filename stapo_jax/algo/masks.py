@@ -38,6 +38,7 @@ from stapo_jax.core.registry import Registry
 from stapo_jax.core.settings import check_one_of
 
 __all__ = [
+    "S2T_TAU_H",
     "TokenMask",
     "TOKEN_MASKS",
     "register_token_mask",
@@ -210,10 +211,15 @@ def masked_quantile(
     return _nan_if_empty(n, out)
 
 
+# S2T's threshold metric; the token diagnostics report their entropy threshold under the same name for every
+# recipe (stapo_spec.md §7; ``train.mask_strategy.TAU_H_METRIC``)
+S2T_TAU_H = "s2t/tau_h"
+
+
 @register_token_mask("s2t", needs=("log_probs", "entropy", "advantages"),
                      settings=("s2t.tau_p", "s2t.entropy_quantile", "s2t.quantile_method", "s2t.quantile_tokens"),
                      population="valid tokens (s2t.quantile_tokens: or A > 0, or A > 0 and p < tau_p)",
-                     scope="s2t.quantile_scope", renormalize="s2t.renormalize", threshold_metric="s2t/tau_h",
+                     scope="s2t.quantile_scope", renormalize="s2t.renormalize", threshold_metric=S2T_TAU_H,
                      entropy_threshold=True, rows_reorderable=True, settings_cls=S2TConfig, section="s2t")
 def s2t_mask(
     log_probs: jax.Array,

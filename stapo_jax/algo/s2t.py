@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from stapo_jax.algo.masks import S2T_TAU_H
 from stapo_jax.algo.recipes import Recipe, compute_token_mask
 
 __all__ = ["minibatch_stats_mode", "provisional_tau_h", "correction_pass"]
@@ -57,7 +58,7 @@ def provisional_tau_h(recipe: Recipe, old_log_probs, old_entropy, advantages, re
     (NaN for an empty population). Raises: ValueError as :func:`stapo_jax.algo.recipes.compute_token_mask`
     (a mismatched shape or an invalid recipe setting). Source: stapo_spec.md §3."""
     return compute_token_mask(recipe, log_probs=old_log_probs, entropy=old_entropy, advantages=advantages,
-                              response_mask=response_mask)[1]["s2t/tau_h"]
+                              response_mask=response_mask)[1][S2T_TAU_H]
 
 
 def correction_pass(forward, surrogate, params, grad_sum, mbs, keep_guess, keep_exact, grad=None):

@@ -336,7 +336,7 @@ class EvalConfig:
 def micro_batch_count(rows: int, dp: int, micro: int) -> Optional[int]:
     """K for a mini-batch of ``rows`` sequences over ``dp`` data-parallel shards in micro-batches of ``micro``
     sequences (``actor.ppo_micro_batch_size``): ``rows / dp / micro``, or 1 when ``micro`` is at least the rows per
-    shard; None when the rows do not split evenly. The one rule of the trainer (``train.micro_batches.num_micro_batches``),
+    shard; None when the rows do not split evenly. The one rule of the trainer (``train.batch_shapes.check_batch_shapes``),
     the planner and :meth:`Config.grad_accum_steps`. Ints in, an int or None out; never raises. Source: verl's
     gradient accumulation (mini-batch / micro-batch)."""
     if dp < 1 or micro < 1 or rows % dp:

@@ -43,7 +43,7 @@ __all__ = ["main", "load_dump", "load_dump_settings", "recompute", "compare", "m
 
 REQUIRED = ("old_log_probs", "log_probs", "advantages", "response_mask")
 REPORTED = ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_mean", "kl_loss",
-            "s2t/masked_frac", "s2t/tau_h")
+            "s2t/masked_frac", TAU_H_METRIC)
 
 
 class DumpError(ValueError):

@@ -177,9 +177,10 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
     n = math.prod(sizes.values())
     dp = sizes["data"] * sizes["fsdp"]
     from stapo_jax.config.schema import micro_batch_count
+    from stapo_jax.config.selection import token_mask_name
 
     accum = micro_batch_count(cfg.actor.ppo_mini_batch_size * cfg.rollout.n, dp, cfg.actor.ppo_micro_batch_size)
-    if accum is None:  # the trainer's rule (micro_batches.num_micro_batches)
+    if accum is None:  # the trainer's rule (batch_shapes.check_batch_shapes)
         raise PlanError(f"actor.ppo_mini_batch_size x rollout.n = {cfg.actor.ppo_mini_batch_size * cfg.rollout.n} "
                         f"sequences do not split into {dp} data-parallel shards of micro-batches of "
                         f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change one of them or mesh.*")
@@ -212,7 +213,8 @@ def make_spec(cfg, *, mesh: Optional[str] = None, devices: Optional[int] = None,
         "use_kl": bool(a.use_kl_loss and a.kl_loss_coef > 0), "sampler_is": a.sampler_is != "off",
         "s2t_minibatch_method": cfg.s2t.minibatch_method,
         # the trainer hands the update the old-log-prob pass's entropies (stats_policy=old, correction mode)
-        "old_stats": cfg.s2t.enabled and (cfg.s2t.stats_policy == "old" or cfg.s2t.minibatch_method == "correction"),
+        "old_stats": token_mask_name(cfg) == "s2t" and (cfg.s2t.stats_policy == "old"
+                                                        or cfg.s2t.minibatch_method == "correction"),
         "decode_slots": cfg.rollout.max_concurrent_decodes,
         "rollout_sequences_per_step": cfg.trainer.train_batch_size * cfg.rollout.n,
         "plan_train": train, "plan_decode": decode, "opt_state": opt_state,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from models.flops import decode_token_flops, layer_matmul_params, sequence_forward_flops
 
-__all__ = ["spec_recipe", "spec_optimizer", "packed_slot_bound", "analytic"]
+__all__ = ["spec_recipe", "spec_optimizer", "spec_policy_update", "packed_slot_bound", "analytic"]
 
 
 def spec_recipe(spec: dict):
@@ -33,6 +33,22 @@ def spec_optimizer(spec: dict):
 
     o = spec["optim"]
     return make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+
+
+def spec_policy_update(spec: dict, qcfg, mesh, shardings, **chunks):
+    """The run's ``train.policy_update.PolicyUpdate`` for the spec, on ``mesh`` with the abstract state's
+    ``shardings``; ``chunks``: ``seq_chunk`` / ``vocab_chunk`` overrides (the unit programs'). Its ``programs(k)``
+    are the run's jitted update programs (what the planner compiles); its call is not the trainer's (built
+    without the run's ``bounded`` / ``long_rows``, which the trainer reads from the run's attention). Raises
+    KeyError for a spec not from ``plan.make_spec``. Source: the trainer's ``start_rl``."""
+    from stapo_jax.train.policy_update import PolicyUpdate
+
+    chunk = {"seq_chunk": spec["seq_chunk"], "vocab_chunk": spec["vocab_chunk"], **chunks}
+    return PolicyUpdate(spec_recipe(spec), spec_optimizer(spec), mesh, temperature=spec["temperature"],
+                        vocab_size=qcfg.vocab_size, state_shardings=shardings,
+                        mini_rows=spec["mini_batch_sequences"], num_micro_batches=spec["num_micro_batches"],
+                        ppo_epochs=spec["ppo_epochs"], packed=spec["use_remove_padding"],
+                        sequences_cap=spec["max_sequences"], **chunk)
 
 
 def packed_slot_bound(mini_rows: int, num_micro_batches: int, num_shards: int, width: int, max_sequences: int,

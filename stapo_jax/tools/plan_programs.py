@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from stapo_jax.tools.plan_analytic import packed_slot_bound, spec_optimizer, spec_recipe
+from stapo_jax.tools.plan_analytic import packed_slot_bound, spec_optimizer, spec_policy_update, spec_recipe
 
 __all__ = ["PlanError", "shard_bytes", "total_bytes", "abstract_params", "abstract_train_state", "abstract_engine_spec",
            "train_batch_layout", "plan_train", "plan_decode"]
@@ -153,7 +153,7 @@ def train_batch_layout(spec: dict, num_shards: int) -> dict:
 
 
 def plan_train(spec: dict, qcfg, mesh) -> dict:
-    """Compile the train step (``make_train_step``, donated state) on one abstract mini-batch in the layout of
+    """Compile the train step (the run's ``PolicyUpdate.programs(K)`` step, donated state) on one abstract mini-batch in the layout of
     :func:`train_batch_layout`. ``spec`` from ``make_spec``; qcfg a ``Qwen3Config``; mesh a ``jax.sharding.Mesh``.
 
     Batch leaves: input_ids int32 / attention_mask bool ``[rows, P + R]``; response_mask int32, old_log_probs /
@@ -168,10 +168,9 @@ def plan_train(spec: dict, qcfg, mesh) -> dict:
 
     from stapo_jax.algo.s2t import minibatch_stats_mode
     from stapo_jax.train.packing import PackedLayout
-    from stapo_jax.train.train_step import Batch, batch_sharding, make_train_step
+    from stapo_jax.train.train_step import Batch, batch_sharding
 
     opt = spec_optimizer(spec)
-    recipe = spec_recipe(spec)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     layout = train_batch_layout(spec, dp)
     state, shardings = abstract_train_state(qcfg, opt, mesh, spec.get("opt_state", "trainer"))  # outside the mesh
@@ -189,16 +188,13 @@ def plan_train(spec: dict, qcfg, mesh) -> dict:
             i32 = lambda shape: sd(shape, jnp.int32)  # noqa: E731
             rows = (layout["packed_rows"], layout["row_length"])
             batch = batch.replace(packing=PackedLayout(i32(rows), i32(rows), i32(rows), i32((b, r)), num_shards=dp))
-        step = make_train_step(recipe, opt, num_micro_batches=layout["micro_batches"],
-                               temperature=spec["temperature"], seq_chunk=spec["seq_chunk"] or 512,
-                               vocab_chunk=spec["vocab_chunk"], vocab_size=qcfg.vocab_size, mesh=mesh,
-                               state_shardings=shardings, donate=True)
+        step = spec_policy_update(spec, qcfg, mesh, shardings).programs(layout["micro_batches"])[1]
         compiled = step.lower(state, batch).compile()
     return {
         "params_bytes": shard_bytes(state.params), "opt_state_bytes": shard_bytes(state.opt_state),
         "batch_bytes": shard_bytes(batch), "params_total_bytes": total_bytes(state.params),
         "memory": _memory(compiled), "flops_per_device": _flops(compiled),
-        "prepass": minibatch_stats_mode(recipe, spec["old_stats"]) == "prepass", "layout": layout,
+        "prepass": minibatch_stats_mode(spec_recipe(spec), spec["old_stats"]) == "prepass", "layout": layout,
     }
 
 

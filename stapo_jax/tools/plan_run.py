@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from stapo_jax.tools.plan_analytic import spec_optimizer, spec_recipe
+from stapo_jax.tools.plan_analytic import spec_optimizer, spec_policy_update
 
 __all__ = ["Journal", "JOURNAL", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
 
@@ -218,19 +218,6 @@ def _geometries(spec: dict, qcfg, mesh) -> list:
 
 def _largest_geometry(spec: dict, qcfg, mesh):
     return _geometries(spec, qcfg, mesh)[-1]
-
-
-def spec_policy_update(spec: dict, qcfg, mesh, shardings, **chunks):
-    """The run's ``train.policy_update.PolicyUpdate`` for the spec (the object the trainer's RL step calls), on
-    ``mesh`` with the abstract state's ``shardings``; ``chunks``: ``seq_chunk`` / ``vocab_chunk`` overrides (the
-    unit programs'). Its ``programs(k)`` are the run's jitted update programs. Raises KeyError for a spec not from
-    ``plan.make_spec``. Source: the trainer's ``start_rl``."""
-    from stapo_jax.train.policy_update import PolicyUpdate
-
-    chunk = {"seq_chunk": spec["seq_chunk"], "vocab_chunk": spec["vocab_chunk"], **chunks}
-    return PolicyUpdate(spec_recipe(spec), spec_optimizer(spec), mesh, temperature=spec["temperature"],
-                        vocab_size=qcfg.vocab_size, state_shardings=shardings,
-                        mini_rows=spec["mini_batch_sequences"], num_micro_batches=spec["num_micro_batches"], **chunk)
 
 
 def update_programs(spec: dict, qcfg, mesh, state, shardings) -> list[tuple[dict, object]]:

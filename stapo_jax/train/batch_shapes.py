@@ -10,9 +10,9 @@ from typing import Callable, Optional
 
 import jax
 
-from stapo_jax.config.schema import Config
+from stapo_jax.config.schema import Config, micro_batch_count
 from stapo_jax.core.errors import ConfigError
-from stapo_jax.train.micro_batches import data_parallel_size, micro_batch_count
+from stapo_jax.train.micro_batches import data_parallel_size
 
 
 def nearest(value: int, ok: Callable[[int], bool], limit: int = 1 << 16) -> list[int]:
@@ -30,7 +30,7 @@ def _either(values: list[int]) -> str:
 def batch_shape_errors(cfg: Config, dp: int, sft: bool) -> list[str]:
     """Every batch-shape problem of ``cfg`` over ``dp`` data-parallel shards (``sft``: the SFT warm-up runs), each
     one sentence naming the key, its value and the nearest values that work; [] when all fit. Ints / bools in,
-    a list of str out; never raises. Source: the trainer's rule (``update.micro_batch_count``), verl's rule that
+    a list of str out; never raises. Source: the trainer's rule (``config.schema.micro_batch_count``), verl's rule that
     a batch divides the data-parallel size."""
     a, n, errors = cfg.actor, cfg.rollout.n, []
     rows = a.ppo_mini_batch_size * n
@@ -52,7 +52,7 @@ def batch_shape_errors(cfg: Config, dp: int, sft: bool) -> list[str]:
 
 
 def check_batch_shapes(cfg: Config, mesh, sft: Optional[bool] = None) -> int:
-    """K, the micro-batches per mini-batch (``update.micro_batch_count``), once every batch setting of ``cfg``
+    """K, the micro-batches per mini-batch (``config.schema.micro_batch_count``), once every batch setting of ``cfg``
     fits the data-parallel shards of ``mesh`` (``mesh.data`` x ``mesh.fsdp`` over all processes).
 
     ``sft`` (default ``cfg.sft.steps > 0``): check ``sft.batch_size`` too. Returns a Python int.

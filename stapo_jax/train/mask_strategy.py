@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from stapo_jax.algo.diagnostics import token_diagnostics
-from stapo_jax.algo.masks import get_token_mask, masked_quantile
+from stapo_jax.algo.masks import S2T_TAU_H, get_token_mask, masked_quantile
 from stapo_jax.algo.recipes import Recipe, compute_token_mask, mask_selects_tokens
 from stapo_jax.algo.s2t import correction_pass, minibatch_stats_mode, provisional_tau_h
 from stapo_jax.core.registry import Registry
@@ -53,7 +53,7 @@ __all__ = ["count_metrics", "DIAGNOSTIC_COUNT_METRICS", "TAU_H_METRIC", "Diagnos
 # mini-batches of a step, not as means; count_metrics() (end of module) adds the registered strategies' own counts
 DIAGNOSTIC_COUNT_METRICS = ("s2t/n_keep", "grad/bounds_violated")
 # the token diagnostics' entropy threshold, reported for every recipe (stapo_spec.md §7)
-TAU_H_METRIC = "s2t/tau_h"
+TAU_H_METRIC = S2T_TAU_H
 
 
 def split_micro_batches(x: Optional[jax.Array], k: int) -> Optional[jax.Array]:
@@ -335,7 +335,7 @@ def correction_strategy() -> MaskStrategy:
                                       response_mask=mb.response_mask.astype(jnp.float32),
                                       old_log_probs=mb.old_log_probs, key=jax.random.fold_in(ctx.key, j),
                                       tau_h=tau_guess)
-        return keep, st["s2t/tau_h"]
+        return keep, st[S2T_TAU_H]
 
     def finish(x: FinishInputs) -> MaskOutcome:
         ctx, batch = x.ctx, x.batch
@@ -345,7 +345,7 @@ def correction_strategy() -> MaskStrategy:
         grad_sum, extra = correction_pass(ctx.forward, ctx.surrogate, x.params, x.grad_sum, x.micro_batches, x.keeps,
                                           split_micro_batches(keep, ctx.num_micro_batches), grad=ctx.grad)
         return micro_batch_outcome(grad_sum, x.log_probs, x.entropy, x.keeps, x.taus, extra, keep=keep,
-                                   tau_h=stats["s2t/tau_h"])
+                                   tau_h=stats[S2T_TAU_H])
 
     return MaskStrategy(prepare=prepare, micro_mask=micro_mask, finish=finish)
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import numpy as np
 
 from stapo_jax.algo.masks import get_token_mask
-from stapo_jax.config.schema import Config, micro_batch_count
-from stapo_jax.core.errors import ConfigError
 from stapo_jax.train.packing import fixed_geometries, token_budget_slots
 
-__all__ = ["balance_allowed", "data_parallel_size", "num_micro_batches", "token_budget_micro_batches",
+__all__ = ["balance_allowed", "data_parallel_size", "token_budget_micro_batches",
            "update_geometries"]
 
 
@@ -41,29 +38,6 @@ def data_parallel_size(mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.axis_names]))
 
 
-def num_micro_batches(cfg: Config, rows: int, mesh) -> int:
-    """K micro-batches per mini-batch of ``rows`` sequences (global over processes): each data-parallel shard
-    (``mesh.data`` x ``mesh.fsdp``) holds ``rows / dp`` rows, cut into micro-batches of
-    ``actor.ppo_micro_batch_size`` (verl's gradient accumulation); a micro-batch size above the rows per shard
-    gives K = 1 (the shard's rows, fewer than asked): :func:`micro_batch_count`.
-
-    Raises:
-      ConfigError: ``rows`` does not split evenly into shards and micro-batches (names the keys to change), e.g.
-        64 rows per shard and micro-batches of 48 (K = 1 would be micro-batches of 64, above the size asked).
-    Returns a Python int.
-    """
-    dp = data_parallel_size(mesh)
-    k = micro_batch_count(rows, dp, cfg.actor.ppo_micro_batch_size)
-    if k is None:
-        raise ConfigError(f"mini-batch of {rows} sequences (actor.ppo_mini_batch_size x rollout.n) does not split "
-                          f"into {dp} data-parallel shards ({jax.process_count()} processes x "
-                          f"{jax.local_device_count()} devices, mesh.data x mesh.fsdp) of micro-batches of "
-                          f"actor.ppo_micro_batch_size={cfg.actor.ppo_micro_batch_size}: change "
-                          f"actor.ppo_mini_batch_size, trainer.train_batch_size, actor.ppo_micro_batch_size or "
-                          f"mesh.*")
-    return k
-
-
 def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, num_micro_batches: int,
                                num_shards: int = 1, long_rows: bool = True,
                                variable_counts: bool = True,
@@ -76,7 +50,7 @@ def token_budget_micro_batches(attention_mask: np.ndarray, *, mini_rows: int, nu
     Only for updates that do not depend on which micro-batch holds a row (:func:`balance_allowed`).
 
     Args: attention_mask [B, P + R] of the whole rollout batch (numpy, B a multiple of ``mini_rows``);
-    mini_rows, num_micro_batches (K from :func:`num_micro_batches`), num_shards (data-parallel shards);
+    mini_rows, num_micro_batches (K: ``config.schema.micro_batch_count``), num_shards (data-parallel shards);
     long_rows as ``stapo_jax.train.packing.micro_batch_rows``; variable_counts: False keeps equal sequence
     counts per micro-batch; max_sequences: most sequences per micro-batch (``actor.sequences_cap()``; None: no
     cap). Returns: (K' in [1, K], slots [B / mini_rows * S * K' * n_max] int64, -1 = dummy)

@@ -397,7 +397,7 @@ def token_budget_slots(lengths: np.ndarray, *, mini_rows: int, num_micro_batches
 
     Args:
       lengths: [B] int tokens per sequence (``attention_mask.sum(-1)``), B a multiple of ``mini_rows``.
-      mini_rows: sequences per mini-batch; num_micro_batches: the configured K (``micro_batches.num_micro_batches``);
+      mini_rows: sequences per mini-batch; num_micro_batches: the configured K (``config.schema.micro_batch_count``);
       width: P + R; num_shards: S, data-parallel shards (K x S divides ``mini_rows``); long_rows: as
       :func:`micro_batch_rows`; variable_counts: False keeps equal counts (a permutation, no dummy slots);
       max_sequences: most sequences per micro-batch (None: no cap; raised to the fallback's ``mini_rows / S /

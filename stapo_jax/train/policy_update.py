@@ -112,7 +112,7 @@ def update_policy(state: TrainState, exp, step_fns, log_prob_fn, *, mini_rows: i
       exp: an ``experience.Experience`` whose ``arrays`` hold ``input_ids`` int32 / ``attention_mask`` bool [B, P+R],
         ``response_mask`` bool [B, R], ``advantages`` float32 [B] or [B, R] (and optionally ``rollout_log_probs``
         float32 [B, R]); the same global rows on every process. ``mini_rows`` must divide into the mesh's
-        data-parallel shards (``micro_batches.num_micro_batches`` checks that first).
+        data-parallel shards (``batch_shapes.check_batch_shapes`` checks that first).
       mesh: the training mesh (rows go to its data-parallel devices); None = one device.
       num_micro_batches: K of ``step_fns`` / ``log_prob_fn`` (the packed layout is planned per micro-batch).
       use_remove_padding: pack each micro-batch (``stapo_jax.train.packing.pack_micro_batches``, each
@@ -231,9 +231,9 @@ def _update_metrics(metrics: list[dict], a: dict, old_lp: np.ndarray) -> dict[st
 
 
 def precompile_update(state, exp, step_fns, log_prob_fn, geometries: list[tuple[int, int]], *,
-                      stats: CompileStats, progress: bool = True, **update_kw) -> None:
+                      stats: Optional[CompileStats], progress: bool = True, **update_kw) -> None:
     """Compile the old-log-prob pass and the update steps at every geometry of ``geometries`` (charged to the
-    ``precompile`` phase of ``stats``), from ``exp`` (an ``experience.Experience``) with its masks emptied, so
+    ``precompile`` phase of ``stats``; None: not recorded), from ``exp`` (an ``experience.Experience``) with its masks emptied, so
     every array has the shape, dtype and sharding of a real update. ``update_kw``: the keyword arguments of
     the real :func:`update_policy` call (mini_rows, ppo_epochs, mesh, ...).
     Runs nothing (``state`` is neither read nor donated). Raises what compilation raises. Source: JAX's
@@ -242,8 +242,8 @@ def precompile_update(state, exp, step_fns, log_prob_fn, geometries: list[tuple[
     for key in ("attention_mask", "response_mask"):
         arrays[key] = np.zeros_like(arrays[key])
     empty = dataclasses.replace(exp, arrays=arrays)
-    with stats.phase("precompile"), progress_bar(len(geometries), "precompile update", unit="program",
-                                                 enabled=progress) as bar:
+    phase = stats.phase("precompile") if stats is not None else contextlib.nullcontext()
+    with phase, progress_bar(len(geometries), "precompile update", unit="program", enabled=progress) as bar:
         for geometry in geometries:
             update_policy(state, empty, step_fns, log_prob_fn, geometries=[geometry], compile_only=True,
                           **update_kw)

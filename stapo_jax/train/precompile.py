@@ -5,9 +5,10 @@ picks the tightest geometry and micro-batch count of each rollout batch (a new c
 every batch): it keeps the configured micro-batch count K and the first of at most three fixed geometries
 (``stapo_jax.train.packing.fixed_geometries``: a quarter, a half, all of a padded micro-batch's tokens) that
 holds the batch. In RL step 1, before its update, every one of those geometries is compiled for the
-old-log-prob pass and the update steps (``PolicyUpdate.precompile`` in ``stapo_jax.train.policy_update``: the
-update's own loop with ``compile_only`` on the step's experience with empty masks, so shapes, dtypes and shardings
-are exactly those of the later calls), under a progress bar. This module keeps the setting and the rollout's side.
+old-log-prob pass and the update steps (``stapo_jax.train.policy_update.precompile_update``, run by
+``PolicyUpdate``: the update's own loop with ``compile_only`` on the step's experience with empty masks, so
+shapes, dtypes and shardings are exactly those of the later calls), under a progress bar. This module keeps the
+setting and the rollout's side.
 
 Programs per phase after the warm-up (documented bound, checked by tests/runtime/test_compile_accounting.py):
 update: at most 3 ``step`` (x2 with ``s2t.minibatch_method=prepass``) and 3 old-log-prob ``fn``; rollout

@@ -291,17 +291,23 @@ def test_token_budget_rejects_sizes_that_do_not_split(kwargs, match):
 def test_a_micro_batch_size_that_does_not_divide_the_shard_is_named_not_grown():
     """64 rows per shard with actor.ppo_micro_batch_size=48 trained with micro-batches of 64 (K = 64 // 48 = 1),
     above the size the user set for memory; now a ConfigError naming the key, as ``Config.grad_accum_steps``."""
+    from types import SimpleNamespace
+
     from stapo_jax.config.schema import load_config
     from stapo_jax.core.errors import ConfigError
-    from stapo_jax.train.micro_batches import num_micro_batches
+    from stapo_jax.train.batch_shapes import check_batch_shapes
+
+    def shards(n):  # a mesh of n data-parallel shards, as the trainer's check reads it
+        return SimpleNamespace(shape={"data": 1, "fsdp": n, "tensor": 1}, axis_names=("data", "fsdp", "tensor"))
 
     cfg = load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=48"])
-    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48"):
-        num_micro_batches(cfg, 64, None)
+    with pytest.raises(ConfigError, match=r"actor\.ppo_micro_batch_size=48 does not divide the 64 sequences"):
+        check_batch_shapes(cfg, shards(2), sft=False)  # 128 sequences / 2 shards = 64, not a multiple of 48
     with pytest.raises(ConfigError, match=r"do not split into 2 data-parallel shards"):
-        cfg.grad_accum_steps(2)  # the plan's count agrees: 128 sequences / 2 shards = 64, not a multiple of 48
-    assert num_micro_batches(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), 64, None) == 4
-    assert num_micro_batches(cfg, 32, None) == 1  # a micro-batch larger than the shard: the shard's rows
+        cfg.grad_accum_steps(2)  # the plan's count agrees
+    assert check_batch_shapes(load_config("configs/tiny_cpu.yaml", ["actor.ppo_micro_batch_size=16"]), shards(2),
+                              sft=False) == 4
+    assert check_batch_shapes(cfg, shards(4), sft=False) == 1  # 32 rows per shard < 48: the shard's rows
 
 
 def test_resume_may_switch_the_attention_kernel_but_not_the_model_size(tmp_path):

@@ -167,7 +167,7 @@ def test_grad_accum_steps():
     cfg = load_config(None, ["actor.ppo_mini_batch_size=4", "trainer.train_batch_size=8", "rollout.n=4",
                              "actor.ppo_micro_batch_size=2"])
     assert cfg.grad_accum_steps(1) == 8 and cfg.grad_accum_steps(4) == 2 and cfg.grad_accum_steps(8) == 1
-    # the trainer's rule (one rule, micro_batches.num_micro_batches): a micro-batch above a shard's rows is K = 1
+    # the trainer's rule (one rule, config.schema.micro_batch_count): a micro-batch above a shard's rows is K = 1
     assert cfg.grad_accum_steps(16) == 1
     with pytest.raises(ConfigError, match="do not split into 3 data-parallel shards"):
         cfg.grad_accum_steps(3)
@@ -180,18 +180,17 @@ def test_grad_accum_steps():
 @pytest.mark.parametrize("config", ["configs/tiny_cpu.yaml", "configs/compare/tiny_stapo.yaml",
                                     "configs/paper/qwen3-1.7b-base-stapo.yaml"])
 def test_one_micro_batch_rule_for_trainer_planner_and_config(config, devices):
-    """K is one rule: the trainer's ``micro_batches.num_micro_batches``, ``Config.grad_accum_steps`` and ``stapo-jax
+    """K is one rule: the trainer's ``batch_shapes.check_batch_shapes``, ``Config.grad_accum_steps`` and ``stapo-jax
     plan``'s spec agree on the same config and data-parallel size (the plan once refused the main job's own
     config on 4 devices that the trainer ran)."""
     from types import SimpleNamespace
 
     from stapo_jax.tools.plan import make_spec
-    from stapo_jax.train.micro_batches import num_micro_batches
+    from stapo_jax.train.batch_shapes import check_batch_shapes
 
     cfg = load_config(config)
     mesh = SimpleNamespace(shape={"data": 1, "fsdp": devices, "tensor": 1}, axis_names=("data", "fsdp", "tensor"))
-    rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-    k = num_micro_batches(cfg, rows, mesh)
+    k = check_batch_shapes(cfg, mesh, sft=False)
     assert k >= 1 and cfg.grad_accum_steps(devices) == k
     # the builtin tokenizer's vocabulary is set by the run; the plan needs a number
     sized = cfg if cfg.model.preset or cfg.model.path else load_config(config, ["model.vocab_size=512"])

@@ -36,8 +36,8 @@ def test_policy_update_equals_the_update_built_by_hand():
 
 
 def test_the_planner_builds_the_same_policy_update():
-    """``plan_run.spec_policy_update`` gives the trainer's PolicyUpdate for the spec's recipe and settings."""
-    from stapo_jax.tools.plan_run import spec_policy_update
+    """``plan_analytic.spec_policy_update`` gives the trainer's PolicyUpdate for the spec's recipe and settings."""
+    from stapo_jax.tools.plan_analytic import spec_policy_update
 
     spec = {"optim": {"lr": 1e-6, "warmup_steps": 0, "weight_decay": 0.1, "clip_grad": 1.0, "betas": (0.9, 0.999),
                       "eps": 1e-8},
