@@ -42,11 +42,13 @@ def test_the_planner_builds_the_same_policy_update():
     spec = {"optim": {"lr": 1e-6, "warmup_steps": 0, "weight_decay": 0.1, "clip_grad": 1.0, "betas": (0.9, 0.999),
                       "eps": 1e-8},
             "temperature": 0.7, "seq_chunk": None, "vocab_chunk": 32, "mini_batch_sequences": 8,
-            "num_micro_batches": 2, "recipe": "stapo", "s2t_scope": "minibatch", "top_entropy_scope": "minibatch"}
+            "num_micro_batches": 2, "recipe": "stapo", "s2t_scope": "minibatch", "top_entropy_scope": "minibatch",
+            "ppo_epochs": 2, "use_remove_padding": True, "max_sequences": 5}
     from stapo_jax.tools.plan_analytic import spec_recipe
 
     update = spec_policy_update(spec, CFG, None, None)
     assert isinstance(update, PolicyUpdate) and update.recipe == spec_recipe(spec)
     assert (update.mini_rows, update.num_micro_batches, update.common) == (
         8, 2, {"temperature": 0.7, "seq_chunk": 512, "vocab_chunk": 32})
+    assert (update.ppo_epochs, update.packed, update.sequences_cap) == (2, True, 5)
     assert spec_policy_update(spec, CFG, None, None, seq_chunk=6, vocab_chunk=None).common["seq_chunk"] == 6
