@@ -182,8 +182,19 @@ class VerifierPool:
 
     @staticmethod
     def _stop(pool) -> bool:
-        """Stop a pebble pool within :data:`STOP_TIMEOUT_S`; False when its join did not finish in time."""
-        pool.stop()
+        """Stop a pebble pool within :data:`STOP_TIMEOUT_S`; False when its join did not finish in time.
+
+        Its workers are killed first: pebble's join unlinks the pool's channel locks before it stops the workers,
+        so a worker still starting in the forkserver died printing a FileNotFoundError traceback
+        (``SemLock._rebuild``) when a pool closed right after it started (a run failing in setup). Running calls
+        are terminated either way (pebble: SIGTERM, blocked in the workers, then SIGKILL after 3 s)."""
+        pool.stop()  # STOPPED first: pebble's manager starts no replacement for the workers killed below
+        manager = getattr(getattr(pool, "_pool_manager", None), "worker_manager", None)
+        for worker in tuple(getattr(manager, "workers", {}).values()):
+            try:
+                worker.kill()
+            except (OSError, ValueError, AttributeError):  # already gone, or never started
+                pass
         t = threading.Thread(target=pool.join, name="verifier-pool-stop", daemon=True)
         t.start()
         t.join(STOP_TIMEOUT_S)

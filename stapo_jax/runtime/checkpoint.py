@@ -18,6 +18,7 @@ from stapo_jax.core.errors import CheckpointError
 
 
 MAX_ERROR_DETAIL = 400  # characters of Orbax's / TensorStore's message kept in a CheckpointError
+ITEMS = ("state", "data", "meta")  # the item folders every save writes into a step folder
 
 
 class Checkpointer:
@@ -42,8 +43,20 @@ class Checkpointer:
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> Optional[int]:
-        """Newest fully committed step, or None."""
-        return self._mngr.latest_step()
+        """Newest fully committed step, or None.
+
+        Raises: CheckpointError when the newest step folder lacks an item every save writes (``ITEMS``): a
+        non-atomic rename (a gcsfuse mount) or a copy of the run directory cut short. Orbax lists any folder
+        named by a number as committed; one line names the folder and the way back to the step before."""
+        step = self._mngr.latest_step()
+        if step is not None:
+            folder = os.path.join(self.directory, str(step))
+            missing = [item for item in ITEMS if not os.path.isdir(os.path.join(folder, item))]
+            if missing:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is incomplete (no "
+                                      f"{', '.join(missing)}): move {folder} aside and run again to resume "
+                                      f"from the step before it")
+        return step
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a save step (``step % save_every == 0``). Never raises."""

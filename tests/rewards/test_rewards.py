@@ -187,3 +187,25 @@ def test_gym_scorer_pool_counts_verifier_crash():
         s, st = scorer.score(responses, entries + [{"question": "?"}])  # entry without answer: score_answer raises
     np.testing.assert_array_equal(s, np.array([1, 1, 1, 0], np.float32))
     assert st["n_error"] == 1 and st["n_correct"] == 3 and st["n_timeout"] == 0
+
+
+def test_pool_closed_while_its_workers_start_prints_nothing():
+    """A run that fails in setup right after building its reward pool (e.g. a damaged checkpoint) closes the pool
+    while the workers are still starting in the forkserver; pebble's stop unlinked the pool's channel locks first,
+    so each starting worker died printing a FileNotFoundError traceback (SemLock._rebuild) under the run's one
+    error line. Four pools closed at once: stderr stays empty, and close stays fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from stapo_jax.rewards.pool import VerifierPool\n"
+            "if __name__ == '__main__':\n"
+            "    t = time.monotonic()\n"
+            "    for _ in range(4):\n"
+            "        VerifierPool(2, preload=['stapo_jax.rewards.gym']).close()\n"
+            "    print(f'{time.monotonic() - t:.1f}')\n")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    assert float(r.stdout) < 30, r.stdout

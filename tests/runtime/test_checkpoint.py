@@ -196,3 +196,30 @@ def test_cli_prints_a_checkpoint_error_as_one_line(monkeypatch, capsys):
                                       "(move /x/2 aside ...)\n"
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["fake", "other"])
+
+
+def test_incomplete_latest_step_folder_is_one_error_naming_it(tmp_path):
+    """A step folder without the items every save writes (a non-atomic rename on a gcsfuse mount cut short, an
+    interrupted copy of the run directory) is not a checkpoint: latest_step, restore and read_meta raise one
+    CheckpointError naming the folder and the way back, instead of reporting the step as reached (a resumed run
+    then ended at once, "already reached step 3", with nothing trained or saved). Moved aside, step 2 restores."""
+    d = tmp_path / "ckpt"
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    for step in (1, 2):
+        ck.save(step, _state(step), meta={"step": step})
+    ck.close()
+    os.makedirs(d / "3" / "state")  # the state item started, data and meta never arrived
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    for call in (ck.latest_step, lambda: ck.restore(_state(0)), ck.read_meta):
+        with pytest.raises(CheckpointError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and f"step 3 in {d} is incomplete" in msg, msg
+        assert f"move {d / '3'} aside" in msg, msg
+    ck.close()
+    shutil.move(str(d / "3"), str(tmp_path / "3.aside"))
+    ck = Checkpointer(str(d), save_every=1, keep=5, async_save=False)
+    assert ck.latest_step() == 2
+    step, state, _, meta = ck.restore(_state(0))
+    assert step == 2 and int(state["step"]) == 2 and meta == {"step": 2}
+    ck.close()
