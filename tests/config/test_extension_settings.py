@@ -15,11 +15,11 @@ from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, recipe_advantages, r
 from stapo_jax.algo.masks import TOKEN_MASKS, register_token_mask
 from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_policy_loss, get_policy_loss_fn,
                                        register_policy_loss)
-from stapo_jax.algo.recipes import compute_token_mask
+from stapo_jax.algo.recipes import compute_token_mask, recipe_field
 from stapo_jax.core.errors import ConfigError
 from stapo_jax.core.settings import check_field_types
 from stapo_jax.config.extensions import declared_sections
-from stapo_jax.config.recipes import recipe_from_config
+from stapo_jax.config.recipes import get_recipe, recipe_from_config
 from stapo_jax.config.schema import from_dict, load_config
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rewards.math_strict import MathStrictSettings
@@ -102,10 +102,30 @@ def test_new_mask_reads_its_own_section_from_yaml(extensions, tmp_path):
     keep2, _ = compute_token_mask(recipe_from_config(load_config(path, ["entropy_cap.cap=1.5"])),
                                   response_mask=RESPONSE_MASK, entropy=ENTROPY)
     assert np.asarray(keep2).tolist() == [[True, True, True, False], [True, False, True, False]]
-    # absent section: the class defaults (cap 1.0); the saved config reloads to an equal one
+    # absent section: not held, the mask reads the class defaults (cap 1.0); the saved config reloads to an equal one
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "entropy_cap"}}))
-    assert default.extensions["entropy_cap"] == EntropyCapSettings(cap=1.0)
+    assert default.extensions == {}
+    keep_default, stats_default = compute_token_mask(default, response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep_default).tolist() == [[True, True, False, False], [True, False, True, False]]
+    assert float(stats_default["entropy_cap/threshold"]) == 1.0
     assert load_config(cfg.save(tmp_path / "run")) == cfg
+
+
+def test_a_recipe_built_in_python_reads_its_mask_defaults(extensions):
+    """``get_recipe("justrl", token_mask="entropy_cap")`` has ``extensions={}``; its mask used to raise
+    AttributeError "recipe 'justrl' has no settings section 'entropy_cap'" at trace time. It now takes the mask's
+    declared defaults (cap 1.0), as a policy loss or an estimator does (``Registry.bound``); given settings win."""
+    recipe = get_recipe("justrl", token_mask="entropy_cap")
+    assert recipe.extensions == {}
+    assert recipe_field(recipe, "entropy_cap.cap") == 1.0
+    keep, stats = compute_token_mask(recipe, response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep).tolist() == [[True, True, False, False], [True, False, True, False]]
+    assert float(stats["entropy_cap/threshold"]) == 1.0
+    wide = recipe.replace(extensions={"entropy_cap": EntropyCapSettings(cap=2.5)})
+    assert np.asarray(compute_token_mask(wide, response_mask=RESPONSE_MASK, entropy=ENTROPY)[0]).tolist() == [
+        [True, True, True, False], [True, True, True, False]]
+    with pytest.raises(AttributeError, match=r"recipe 'justrl' has no settings section 'other_mask'"):
+        recipe_field(recipe, "other_mask.cap")  # a section no selected extension declares
 
 
 def test_new_mask_section_errors_name_the_key(extensions):
@@ -239,7 +259,7 @@ def test_new_policy_loss_reads_its_own_section_from_yaml(loss_and_estimator, tmp
                                3.0 * vanilla, rtol=1e-6)
     # absent section: the class defaults (scale 1: the vanilla loss); the saved config reloads to an equal one
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"policy_loss": "scaled_pg"}}))
-    assert default.extensions["actor.scaled_pg"] == ScaledPGSettings()
+    assert default.extensions == {}  # the loss gets ScaledPGSettings() through Registry.bound
     np.testing.assert_allclose(_loss_sum(default), vanilla, rtol=1e-6)
     assert load_config(cfg.save(tmp_path / "run")) == cfg
     with pytest.raises(TypeError, match="scale"):  # the bare entry needs its settings: never silently defaulted
@@ -263,7 +283,7 @@ def test_new_advantage_estimator_reads_its_own_section_from_yaml(loss_and_estima
     assert advantages(recipe_from_config(load_config(path, ["algorithm.fixed_baseline.baseline=1.0"]))) == [
         0.0, -1.0, 0.0, 0.0]
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo", "adv_estimator": "fixed_baseline"}}))
-    assert default.extensions["algorithm.fixed_baseline"] == FixedBaselineSettings()
+    assert default.extensions == {}  # the estimator gets FixedBaselineSettings() through Registry.bound
     assert advantages(default) == [1.0, 0.0, 1.0, 1.0]
     assert load_config(cfg.save(tmp_path / "run")) == cfg
 
