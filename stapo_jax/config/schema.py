@@ -482,7 +482,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     Takes YAML scalars, lists, mappings. Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
-    sections = declared_sections()  # the registered extensions' own sections (imports the registries)
+    sections = declared_sections(Config)  # the registered extensions' own sections (imports the registries)
     own = split_sections(raw, sections, Config)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe

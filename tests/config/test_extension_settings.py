@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, recipe_advantages, register_adv_est
-from stapo_jax.algo.masks import TOKEN_MASKS, register_token_mask
+from stapo_jax.algo.masks import TOKEN_MASKS, CovConfig, S2TConfig, TopEntropyConfig, register_token_mask
 from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_policy_loss, get_policy_loss_fn,
                                        register_policy_loss)
 from stapo_jax.algo.recipes import compute_token_mask, recipe_field
@@ -20,7 +20,7 @@ from stapo_jax.core.errors import ConfigError
 from stapo_jax.core.settings import check_field_types
 from stapo_jax.config.extensions import declared_sections
 from stapo_jax.config.recipes import get_recipe, recipe_from_config
-from stapo_jax.config.schema import from_dict, load_config
+from stapo_jax.config.schema import Config, from_dict, load_config
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rewards.math_strict import MathStrictSettings
 from stapo_jax.rewards.registry import REWARD_KINDS, register_reward
@@ -305,6 +305,46 @@ def test_new_loss_and_estimator_section_errors_name_the_key(loss_and_estimator):
         get_policy_loss_fn("scaled_pg", {"actor.scaled_pg": FixedBaselineSettings()})
     with pytest.raises(ValueError, match=r"settings_cls and section go together"):
         register_policy_loss("no_section", settings_cls=ScaledPGSettings)
+
+
+@pytest.mark.parametrize("register, section, message", [
+    # a schema section with another class: the schema's class was built and the extension's silently ignored
+    ("mask", "cov", r"token mask 'own_settings' declares settings section 'cov' with EntropyCapSettings, but the run "
+                    r"config's cov section is CovConfig"),
+    ("mask", "sampling", r"token mask 'own_settings' declares settings section 'sampling' with EntropyCapSettings, "
+                         r"but the run config's sampling section is SamplingConfig"),
+    # a schema key that is not a section: split_sections popped it from the YAML (reward.kind vanished)
+    ("reward", "reward.kind", r"reward kind 'own_settings' declares settings section 'reward.kind', but reward.kind "
+                              r"is a key of the run config, not a section"),
+    ("loss", "actor.policy_loss", r"policy loss 'own_settings' declares settings section 'actor.policy_loss', but "
+                                  r"actor.policy_loss is a key of the run config"),
+    ("mask", "data.gym.config.x", r"token mask 'own_settings' declares settings section 'data.gym.config.x', but "
+                                  r"data.gym.config is a key of the run config"),
+])
+def test_an_extension_section_colliding_with_the_schema_is_refused(register, section, message):
+    registry, reg = {"mask": (TOKEN_MASKS, lambda **kw: register_token_mask(
+        "own_settings", needs=("entropy",), settings=(), population="valid tokens", **kw)),
+        "reward": (REWARD_KINDS, lambda **kw: register_reward("own_settings", **kw)),
+        "loss": (POLICY_LOSSES, lambda **kw: register_policy_loss("own_settings", **kw))}[register]
+    reg(settings_cls=EntropyCapSettings, section=section)(entropy_cap_mask)
+    try:
+        with pytest.raises(ConfigError, match=message):
+            from_dict({"reward": {"kind": "math_verify_01"}, "cov": {"kl_cov_ratio": 0.5}})
+        with pytest.raises(ConfigError, match=message):
+            declared_sections(Config)
+        if section != "cov":  # (cov is also clip_cov's: two classes for one section, refused with or without)
+            assert declared_sections()[section] is EntropyCapSettings  # without a schema: not checked
+    finally:
+        dict.__delitem__(registry, "own_settings")
+    cfg = from_dict({"reward": {"kind": "math_verify_01"}, "cov": {"kl_cov_ratio": 0.5}})
+    assert cfg.reward.kind == "math_verify_01" and cfg.cov.kl_cov_ratio == 0.5 and cfg.extensions == {}
+
+
+def test_an_extension_may_declare_the_schema_section_of_its_own_class():
+    """``clip_cov`` / ``kl_cov`` declare ``cov`` with ``CovConfig`` (the schema's): built by the schema."""
+    sections = declared_sections(Config)
+    assert sections["cov"] is CovConfig and sections["s2t"] is S2TConfig and sections["top_entropy"] is TopEntropyConfig
+    assert from_dict({"cov": {"kl_cov_ratio": 0.5}}).cov == CovConfig(kl_cov_ratio=0.5)
 
 
 def test_unregistered_sections_are_unknown_keys_again():
