@@ -379,8 +379,13 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON types (tuples become lists); each extension's settings sit at
-        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from."""
+        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from.
+        ``actor.token_mask`` is the resolved name (:func:`token_mask_name`: for a Config built in Python with
+        ``token_mask=None``, the mask its ``<mask>.enabled`` flag chooses), and the flags are not written, so
+        ``from_dict(cfg.to_dict())`` selects the same mask. Returns a nested dict; never raises.
+        Source: this module's schema (verl-style one key naming the mask)."""
         out = plain_copy(dataclasses.asdict(self))
+        out["actor"]["token_mask"] = token_mask_name(self)
         for mask in TOKEN_MASK_FLAGS:  # derived from actor.token_mask: not written (the older spelling)
             out[mask].pop("enabled")
         for section, values in out.pop("extensions").items():
