@@ -1,8 +1,8 @@
-"""Settings that travel with their extension: a registered token mask (``TokenMask.settings_cls`` / ``section``),
-reward kind (``RewardKind.settings_cls`` / ``section``), policy loss (``register_policy_loss(..., settings_cls=,
-section=)``) or advantage estimator (``register_adv_est(..., settings_cls=, section=)``) declares a frozen settings
-dataclass and the run-config section that holds it (each registry keeps the declaration: ``Registry.declared``;
-verl's pattern of a loss reading its own ``policy_loss.*`` keys). The config loader reads that section for every
+"""Settings that travel with their extension: a registered token mask (``register_token_mask(..., settings_cls=,
+section=)``), reward kind (``register_reward``), policy loss (``register_policy_loss``) or advantage estimator
+(``register_adv_est``) declares a frozen settings dataclass and the run-config section that holds it (the registry
+alone keeps the declaration: ``Registry.declared``; verl's pattern of a loss reading its own ``policy_loss.*``
+keys). The config loader reads that section for every
 registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a field of the schema
 (``s2t``, ``top_entropy``, ``cov``) is built by the schema itself, every other one (e.g.
 ``reward.math_verify_strict``, or a mask registered in a new file) is held in ``Config.extensions`` by its dotted

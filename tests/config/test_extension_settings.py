@@ -12,18 +12,20 @@ import numpy as np
 import pytest
 
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, recipe_advantages, register_adv_est
-from stapo_jax.algo.masks import TOKEN_MASKS, CovConfig, S2TConfig, TopEntropyConfig, register_token_mask
+from stapo_jax.algo.masks import (TOKEN_MASKS, CovConfig, S2TConfig, TokenMask, TopEntropyConfig,
+                                  register_token_mask)
 from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_policy_loss, get_policy_loss_fn,
                                        register_policy_loss)
 from stapo_jax.algo.recipes import compute_token_mask, recipe_field
 from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.registry import DeclaredSettings
 from stapo_jax.core.settings import check_field_types
 from stapo_jax.config.extensions import declared_sections
 from stapo_jax.config.recipes import get_recipe, recipe_from_config
 from stapo_jax.config.schema import Config, from_dict, load_config
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rewards.math_strict import MathStrictSettings
-from stapo_jax.rewards.registry import REWARD_KINDS, register_reward
+from stapo_jax.rewards.registry import REWARD_KINDS, RewardKind, register_reward
 
 # ------------------------------------------------------------------ a new mask with a setting of its own
 
@@ -150,6 +152,32 @@ def test_new_reward_reads_its_own_section_from_yaml(extensions, tmp_path):
         assert scorer.score(["x" * 10, "x" * 11], ["", ""])[0].tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.short_answer.max_chars=0 must be >= 1"):
         load_config(path, ["reward.short_answer.max_chars=0"])
+
+
+def test_settings_are_declared_once_in_the_registry(extensions):
+    """A mask's / reward kind's settings class and section were stored twice (``TokenMask.settings_cls`` /
+    ``RewardKind.settings_cls`` and the registry); the registry's declaration is now the only one, and what reads
+    it (``RewardKind.keywords``, ``make_scorer``) gets the same settings."""
+    assert not {"settings_cls", "section"} & {f.name for f in dataclasses.fields(TokenMask)}
+    assert not {"settings_cls", "section"} & {f.name for f in dataclasses.fields(RewardKind)}
+    assert TOKEN_MASKS.declared("entropy_cap") == DeclaredSettings("entropy_cap", EntropyCapSettings, "entropy_cap")
+    assert TOKEN_MASKS.declared("s2t") == DeclaredSettings("s2t", S2TConfig, "s2t")
+    assert REWARD_KINDS.declared("short_answer") == DeclaredSettings("short_answer", ShortAnswerSettings,
+                                                                     "reward.short_answer")
+    assert TOKEN_MASKS.declared("kl_cov").settings_cls is CovConfig and REWARD_KINDS.declared("think_format") is None
+    kind = REWARD_KINDS["short_answer"]
+    assert kind.keywords({}, ShortAnswerSettings(max_chars=3)) == {"max_chars": 3}
+    assert kind.keywords({}) == {"max_chars": 10}  # None: the declared class's defaults
+    assert REWARD_KINDS["boxed_exact_01"].keywords({"boxed_normalize": True}) == {"plus_minus": False,
+                                                                                  "normalize": True}
+    with pytest.raises(TypeError, match=r"reward kind 'short_answer' takes ShortAnswerSettings settings, got "
+                                        r"EntropyCapSettings"):
+        kind.keywords({}, EntropyCapSettings())
+    with _scorer(from_dict({"reward": {"kind": "short_answer", "short_answer": {"max_chars": 2}}})) as scorer:
+        assert scorer.settings == ShortAnswerSettings(max_chars=2)
+        assert scorer.score(["ab", "abc"], ["", ""])[0].tolist() == [1.0, 0.0]
+    with _scorer(from_dict({"reward": {"kind": "think_format"}})) as scorer:  # declares none: no settings
+        assert scorer.settings is None
 
 
 def test_cov_section_sets_clip_cov_and_kl_cov(tmp_path):
