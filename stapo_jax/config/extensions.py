@@ -19,11 +19,9 @@ import dataclasses
 from typing import Any, get_type_hints
 
 from stapo_jax.core.errors import ConfigError
-from stapo_jax.core.registry import settings_for  # noqa: F401  (re-exported: part of this module's API)
 from stapo_jax.core.settings import build_dataclass
 
-__all__ = ["declared_sections", "check_section", "schema_has_section", "split_sections", "build_settings",
-           "settings_for"]
+__all__ = ["declared_sections", "check_section", "schema_has_section", "split_sections", "build_settings"]
 
 
 def declared_sections(schema: type | None = None) -> dict[str, type]:
@@ -126,7 +124,7 @@ def split_sections(raw: dict, sections: dict[str, type], schema: type) -> dict[s
 def build_settings(found: dict[str, Any], sections: dict[str, type]) -> dict[str, Any]:
     """``{dotted section: settings instance}`` for each section in ``found`` (:func:`split_sections`: the declared
     sections the YAML sets and the schema has no field for); a section the YAML leaves out is not held (its users
-    take the class defaults: :func:`settings_for`), so a config without one equals ``Config()``.
+    take the class defaults: :func:`stapo_jax.core.registry.settings_for`), so a config without one equals ``Config()``.
 
     Raises: ConfigError naming ``<section>.<key>`` (unknown key, wrong type, or the class's own range check).
     Source: :func:`stapo_jax.config.loading.build_dataclass` (the schema's typed build).

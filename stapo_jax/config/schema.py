@@ -369,7 +369,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # the settings of registered extensions whose section is not a field above (stapo_jax.config.extensions):
     # {dotted section: settings instance}, e.g. "reward.math_verify_strict"; filled by from_dict with the sections
-    # the YAML sets (an absent one means its defaults: stapo_jax.config.extensions.settings_for)
+    # the YAML sets (an absent one means its defaults: stapo_jax.core.registry.settings_for)
     extensions: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

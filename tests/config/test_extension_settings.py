@@ -18,7 +18,7 @@ from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_
                                        register_policy_loss)
 from stapo_jax.algo.recipes import compute_token_mask, recipe_field
 from stapo_jax.core.errors import ConfigError
-from stapo_jax.core.registry import DeclaredSettings
+from stapo_jax.core.registry import DeclaredSettings, settings_for
 from stapo_jax.core.settings import check_field_types
 from stapo_jax.config.extensions import declared_sections
 from stapo_jax.config.recipes import get_recipe, recipe_from_config
@@ -178,6 +178,17 @@ def test_settings_are_declared_once_in_the_registry(extensions):
         assert scorer.score(["ab", "abc"], ["", ""])[0].tolist() == [1.0, 0.0]
     with _scorer(from_dict({"reward": {"kind": "think_format"}})) as scorer:  # declares none: no settings
         assert scorer.settings is None
+
+
+def test_settings_for_is_imported_from_core_registry_only():
+    """``stapo_jax.config.extensions`` re-exported ``settings_for``; it is defined and imported in one place."""
+    import stapo_jax.config.extensions as config_extensions
+
+    assert not hasattr(config_extensions, "settings_for") and "settings_for" not in config_extensions.__all__
+    declared = TOKEN_MASKS.declared("s2t")
+    assert settings_for({}, declared) == S2TConfig()
+    assert settings_for({"s2t": S2TConfig(tau_p=0.01)}, declared) == S2TConfig(tau_p=0.01)
+    assert settings_for({"s2t": S2TConfig(tau_p=0.01)}, None) is None
 
 
 def test_cov_section_sets_clip_cov_and_kl_cov(tmp_path):
