@@ -73,10 +73,8 @@ class TokenMask:
     otherwise take the recipe's entropy quantile of the population. rows_reorderable: with a ``minibatch`` scope
     its mask does not depend on which micro-batch holds a row, so a packed update may reorder the rows (False for
     a mask without a scope: each micro-batch is its own population).
-    settings_cls: the mask's own frozen settings dataclass (validating in ``__post_init__``), or None.
-    section: the run-config section holding ``settings_cls`` (also the recipe field the ``settings`` names
-    start with), e.g. ``s2t``: the config loader builds it from YAML for every registered mask
-    (:mod:`stapo_jax.config.extensions`) and the recipe holds the instance.
+    The mask's own settings class and section are not fields here: the registry keeps them
+    (``TOKEN_MASKS.declared(name)``, given to :func:`register_token_mask`).
     """
 
     name: str
@@ -90,8 +88,6 @@ class TokenMask:
     threshold_metric: str | None = None
     entropy_threshold: bool = False
     rows_reorderable: bool = False
-    settings_cls: type | None = None
-    section: str | None = None
 
     @property
     def metric_name(self) -> str:
@@ -104,15 +100,20 @@ TOKEN_MASKS: Registry = Registry("token mask", "actor.token_mask", homes=("stapo
                                  packages=("stapo_jax.algo.token_masks",))
 
 
-def register_token_mask(name: str, **spec) -> Callable:
-    """Decorator registering a mask function under ``name`` (fields of :class:`TokenMask`).
+def register_token_mask(name: str, *, settings_cls: type | None = None, section: str | None = None,
+                        **spec) -> Callable:
+    """Decorator registering a mask function under ``name`` (``spec``: the fields of :class:`TokenMask`).
 
-    Returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``, its
-    ``settings_cls`` / ``section`` also as the registry's declaration: ``TOKEN_MASKS.declared(name)``).
-    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse).
+    ``settings_cls``: the mask's own frozen settings dataclass (validating in ``__post_init__``), or None;
+    ``section``: the run-config section holding it (also the recipe field the ``settings`` names start with), e.g.
+    ``s2t``: the config loader builds it from YAML for every registered mask (:mod:`stapo_jax.config.extensions`)
+    and the recipe holds the instance. Both are kept by the registry only (``TOKEN_MASKS.declared(name)``).
+    Returns the decorator (the function is stored as a :class:`TokenMask` in ``TOKEN_MASKS``).
+    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse);
+    TypeError for an unknown ``spec`` field (when the decorator is applied).
     Source: verl ``core_algos.register_policy_loss``."""
     return TOKEN_MASKS.register(name, lambda fn: TokenMask(name=name, fn=fn, **spec),
-                                settings_cls=spec.get("settings_cls"), section=spec.get("section"))
+                                settings_cls=settings_cls, section=section)
 
 
 def get_token_mask(name: str) -> TokenMask:

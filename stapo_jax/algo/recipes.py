@@ -32,8 +32,9 @@ from stapo_jax.algo.masks import CovConfig, S2TConfig, TopEntropyConfig
 from stapo_jax.algo.objectives import KL_COV_POLICY_LOSSES, POLICY_LOSSES, PolicyLossConfig
 from stapo_jax.algo.recipe_settings import AdvantageConfig, OverlongConfig, SamplingConfig
 from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.registry import settings_for
 
-__all__ = ["Recipe", "compute_token_mask", "recipe_field", "check_loss_takes_mask"]
+__all__ = ["Recipe", "compute_token_mask", "recipe_field", "selected_settings", "check_loss_takes_mask"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Recipe:
     resampling (``SamplingConfig``). overlong: DAPO overlong reward shaping (``OverlongConfig``, 0 = off).
     drop_truncated: give truncated responses an all-zero response mask. extensions: ``{section: settings}`` of
     registered extensions whose section is not a field here (a mask registered in a new file with its own
-    ``settings_cls``; the run config's ``Config.extensions``). A run config's sections are these
+    ``settings_cls``; the run config's ``Config.extensions``); an absent section means the declared class's
+    defaults (:func:`selected_settings`, ``Registry.bound``). A run config's sections are these
     settings themselves (``actor`` = loss, ``algorithm`` = advantage, ``reward`` = overlong, ...), not copies.
     """
 
@@ -118,20 +120,41 @@ def check_loss_takes_mask(policy_loss: str, token_mask: str) -> None:
                           f"actor.token_mask)")
 
 
+def selected_settings(recipe: Recipe, section: str) -> Any:
+    """The settings instance at the dotted ``section`` that is not a recipe field: ``recipe.extensions[section]``,
+    else the ``settings_cls()`` defaults of the extension the recipe selects (its token mask, policy loss or
+    advantage estimator) that declares that section (``Registry.declared``; :func:`settings_for`), else None.
+    So a recipe built in Python (``get_recipe("justrl", token_mask="my_mask")``, ``extensions={}``) reads its
+    mask's defaults, as ``Registry.bound`` gives a loss or an estimator theirs. Never raises (but as the class's
+    own check of its defaults). Source: :mod:`stapo_jax.core.registry` (an absent section means its defaults)."""
+    if section in recipe.extensions:
+        return recipe.extensions[section]
+    selected = ((masks.TOKEN_MASKS, recipe.token_mask), (POLICY_LOSSES, recipe.policy_loss),
+                (ADVANTAGE_ESTIMATORS, recipe.advantage.adv_estimator))
+    for registry, name in selected:
+        declared = registry.declared(name)
+        if declared is not None and declared.section == section:
+            return settings_for(recipe.extensions, declared)
+    return None
+
+
 def recipe_field(recipe: Recipe, dotted: str):
     """``recipe_field(r, "s2t.tau_p") == r.s2t.tau_p`` (the registries name recipe settings this way); a section
-    that is not a recipe field is looked up in ``recipe.extensions`` (``"my_mask.window"``).
+    that is not a recipe field is looked up in ``recipe.extensions`` (``"my_mask.window"``), and when absent there
+    is the declared settings class's default of the selected extension owning it (:func:`selected_settings`).
 
     Returns the setting's Python value. Raises: ValueError if ``dotted`` is not ``section.name``,
-    AttributeError for an unknown section or field. Source: the ``settings=`` names of
+    AttributeError for a section that is neither a recipe field, in ``recipe.extensions``, nor declared by the
+    recipe's mask / policy loss / estimator, or for an unknown field. Source: the ``settings=`` names of
     :func:`stapo_jax.algo.masks.register_token_mask` (config key spelling, verl-style dotted keys)."""
     section, name = dotted.rsplit(".", 1)
     if "." not in section and hasattr(recipe, section):
         return getattr(getattr(recipe, section), name)
-    if section not in recipe.extensions:
+    settings = selected_settings(recipe, section)
+    if settings is None:
         raise AttributeError(f"recipe {recipe.name!r} has no settings section {section!r} (fields and "
                              f"extensions: {sorted(recipe.extensions)})")
-    return getattr(recipe.extensions[section], name)
+    return getattr(settings, name)
 
 
 def compute_token_mask(

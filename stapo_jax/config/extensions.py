@@ -1,12 +1,14 @@
-"""Settings that travel with their extension: a registered token mask (``TokenMask.settings_cls`` / ``section``),
-reward kind (``RewardKind.settings_cls`` / ``section``), policy loss (``register_policy_loss(..., settings_cls=,
-section=)``) or advantage estimator (``register_adv_est(..., settings_cls=, section=)``) declares a frozen settings
-dataclass and the run-config section that holds it (each registry keeps the declaration: ``Registry.declared``;
-verl's pattern of a loss reading its own ``policy_loss.*`` keys). The config loader reads that section for every registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a
-field of the schema (``s2t``, ``top_entropy``, ``cov``) is built by the schema itself, every other one (e.g.
-``reward.math_verify_strict``, or a mask registered in a new file) is held in ``Config.extensions`` by its
-dotted section and reaches the :class:`~stapo_jax.algo.recipes.Recipe` (``Recipe.extensions``: a policy loss and
-an estimator get theirs as keywords, ``Registry.bound``) and the scorer.
+"""Settings that travel with their extension: a registered token mask (``register_token_mask(..., settings_cls=,
+section=)``), reward kind (``register_reward``), policy loss (``register_policy_loss``) or advantage estimator
+(``register_adv_est``) declares a frozen settings dataclass and the run-config section that holds it (the registry
+alone keeps the declaration: ``Registry.declared``; verl's pattern of a loss reading its own ``policy_loss.*``
+keys). The config loader reads that section for every
+registered extension (:func:`split_sections`, :func:`build_settings`); a section that is a field of the schema
+(``s2t``, ``top_entropy``, ``cov``) is built by the schema itself, every other one (e.g.
+``reward.math_verify_strict``, or a mask registered in a new file) is held in ``Config.extensions`` by its dotted
+section and reaches the :class:`~stapo_jax.algo.recipes.Recipe` (``Recipe.extensions``: a policy loss and an
+estimator get theirs as keywords, ``Registry.bound``) and the scorer. :func:`check_section`: a schema section is
+declared with the schema's own class, and a schema key that is not a section (``reward.kind``) cannot be one.
 
 Importing this module does not import jax; :func:`declared_sections` imports the registries (hence jax), as
 ``selection.check_registered_names`` does at the end of every load.
@@ -17,19 +19,20 @@ import dataclasses
 from typing import Any, get_type_hints
 
 from stapo_jax.core.errors import ConfigError
-from stapo_jax.core.registry import settings_for  # noqa: F401  (re-exported: part of this module's API)
 from stapo_jax.core.settings import build_dataclass
 
-__all__ = ["declared_sections", "schema_has_section", "split_sections", "build_settings", "settings_for"]
+__all__ = ["declared_sections", "check_section", "schema_has_section", "split_sections", "build_settings"]
 
 
-def declared_sections() -> dict[str, type]:
+def declared_sections(schema: type | None = None) -> dict[str, type]:
     """``{dotted section: settings dataclass}`` of every registered token mask, reward kind, policy loss and
     advantage estimator that declares settings (``register_*(..., settings_cls=S, section="x")``, kept by the
     registry: ``Registry.declared``; entries registered later, e.g. by a new module or a test, included). Imports
-    the registries (jax).
+    the registries (jax). ``schema``: the run-config dataclass (``Config``) each section is checked against
+    (:func:`check_section`); None: no check.
 
-    Raises: ConfigError when two extensions declare one section with different classes (naming both).
+    Raises: ConfigError naming the extension and its section when it collides with the schema
+    (:func:`check_section`), or when two extensions declare one section with different classes (naming both).
     Source: verl ``policy_loss.*`` (an extension reads its own keys); verl ``core_algos.register_*``.
     """
     from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS  # the registries (jax): loaded on first use
@@ -43,11 +46,43 @@ def declared_sections() -> dict[str, type]:
             entry = registry.declared(name)
             if entry is None:
                 continue
+            if schema is not None:
+                check_section(schema, f"{registry.kind} {name!r}", entry.section, entry.settings_cls)
             prev = out.setdefault(entry.section, entry.settings_cls)
             if prev is not entry.settings_cls:
                 raise ConfigError(f"section {entry.section}: {registry.kind} {name!r} declares "
                                   f"{entry.settings_cls.__name__}, another extension {prev.__name__}")
     return out
+
+
+def check_section(schema: type, owner: str, section: str, settings_cls: type) -> None:
+    """Check an extension's declared ``section`` (dotted str) and ``settings_cls`` against the schema dataclass
+    ``schema``: a section that is a dataclass field of the schema (``cov``) must declare exactly that field's class
+    (the schema builds it); a section that is, or sits below, a schema key that is not a section (``reward.kind``,
+    ``actor.policy_loss``, ``data.gym.config``) is refused (its YAML value is the schema's). Any other section is
+    the extension's own (``Config.extensions``). ``owner`` names the extension in messages (``"token mask 'x'"``).
+
+    Raises: ConfigError naming ``owner``, the section and the schema's class or key. Never returns a value.
+    Source: this module's rule (a section is built by the schema or held in ``Config.extensions``, never both).
+    """
+    tp: Any = schema
+    parts = section.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(tp):
+            key = ".".join(parts[:i])
+            raise ConfigError(f"{owner} declares settings section {section!r}, but {key} is a key of the run config, "
+                              f"not a section (choose a section of its own)")
+        hints = get_type_hints(tp)
+        if part not in hints:
+            return  # the extension's own section
+        tp = hints[part]
+    if not dataclasses.is_dataclass(tp):
+        raise ConfigError(f"{owner} declares settings section {section!r}, but {section} is a key of the run config, "
+                          f"not a section (choose a section of its own)")
+    if tp is not settings_cls:
+        raise ConfigError(f"{owner} declares settings section {section!r} with {settings_cls.__name__}, but the run "
+                          f"config's {section} section is {tp.__name__} (declare {tp.__name__} or a section of its "
+                          f"own)")
 
 
 def schema_has_section(schema: type, section: str) -> bool:
@@ -64,7 +99,8 @@ def schema_has_section(schema: type, section: str) -> bool:
 
 def split_sections(raw: dict, sections: dict[str, type], schema: type) -> dict[str, Any]:
     """Remove from the nested mapping ``raw`` (in place) the declared ``sections`` the ``schema`` has no field for,
-    and return them ``{dotted section: raw value}`` (absent ones are not returned). Takes YAML mappings.
+    and return them ``{dotted section: raw value}`` (absent ones are not returned). Takes YAML mappings;
+    ``sections`` as :func:`declared_sections` of the same ``schema`` returns them (checked: none is a schema key).
 
     Raises: ConfigError ``extensions`` when ``raw`` sets that reserved key (it is filled by the loader).
     Source: this module's rule (an extension's section is where its YAML sits).
@@ -88,7 +124,7 @@ def split_sections(raw: dict, sections: dict[str, type], schema: type) -> dict[s
 def build_settings(found: dict[str, Any], sections: dict[str, type]) -> dict[str, Any]:
     """``{dotted section: settings instance}`` for each section in ``found`` (:func:`split_sections`: the declared
     sections the YAML sets and the schema has no field for); a section the YAML leaves out is not held (its users
-    take the class defaults: :func:`settings_for`), so a config without one equals ``Config()``.
+    take the class defaults: :func:`stapo_jax.core.registry.settings_for`), so a config without one equals ``Config()``.
 
     Raises: ConfigError naming ``<section>.<key>`` (unknown key, wrong type, or the class's own range check).
     Source: :func:`stapo_jax.config.loading.build_dataclass` (the schema's typed build).

@@ -7,11 +7,7 @@ A preset is the run config naming it (the schema defaults plus its row of
 """
 from __future__ import annotations
 
-from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS
-from stapo_jax.algo.masks import TOKEN_MASKS
-from stapo_jax.algo.objectives import POLICY_LOSSES
 from stapo_jax.algo.recipes import Recipe
-from stapo_jax.config.extensions import schema_has_section, settings_for
 from stapo_jax.config.presets import RECIPE_PRESETS
 from stapo_jax.config.schema import from_dict
 from stapo_jax.config.selection import token_mask_name
@@ -25,8 +21,9 @@ def recipe_from_config(cfg) -> Recipe:
     :class:`PolicyLossConfig`) is the recipe's loss, ``actor.policy_loss`` its policy loss, ``actor.token_mask``
     (resolved by the loader: ``token_mask_name``) its mask, ``s2t`` / ``top_entropy`` / ``cov`` its mask
     settings, ``cfg.extensions`` the settings of other registered extensions (:mod:`stapo_jax.config.extensions`;
-    the absent section of the selected mask, policy loss or advantage estimator: its defaults; the loss and the
-    estimator get theirs as keywords: ``objectives.get_policy_loss_fn``, ``advantages.recipe_advantages``),
+    a section the YAML leaves out is not held: the selected mask reads its defaults through
+    ``algo.recipes.recipe_field``, the loss and the estimator get theirs as keywords through ``Registry.bound``:
+    ``objectives.get_policy_loss_fn``, ``advantages.recipe_advantages``),
     ``algorithm`` (an ``AdvantageConfig``) its advantage,
     ``sampling`` its DAPO sampling and ``reward`` (an ``OverlongConfig``) its
     overlong shaping, used as they are (no copies); only ``data.drop_truncated`` is a single flag read by name.
@@ -35,18 +32,10 @@ def recipe_from_config(cfg) -> Recipe:
     Raises: ValueError (``ConfigError``) from the loss settings, or a name that is not registered (naming the key).
     Source: the config schema, configs/base.yaml.
     """
-    mask = token_mask_name(cfg)
-    extensions = dict(cfg.extensions)
-    # the selected mask, loss and estimator registered with their own section: their settings (defaults if absent)
-    for registry, name in ((TOKEN_MASKS, mask), (POLICY_LOSSES, cfg.actor.policy_loss),
-                           (ADVANTAGE_ESTIMATORS, cfg.algorithm.adv_estimator)):
-        declared = registry.declared(name)
-        if declared is not None and not schema_has_section(type(cfg), declared.section):
-            extensions[declared.section] = settings_for(extensions, declared)
     return Recipe(
-        cfg.algorithm.recipe, loss=cfg.actor, token_mask=mask, policy_loss=cfg.actor.policy_loss,
+        cfg.algorithm.recipe, loss=cfg.actor, token_mask=token_mask_name(cfg), policy_loss=cfg.actor.policy_loss,
         s2t=cfg.s2t, top_entropy=cfg.top_entropy, cov=cfg.cov, advantage=cfg.algorithm, sampling=cfg.sampling,
-        overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated, extensions=extensions)
+        overlong=cfg.reward, drop_truncated=cfg.data.drop_truncated, extensions=dict(cfg.extensions))
 
 
 # The presets, defined once as data: the config schema defaults plus ``stapo_jax.config.presets.RECIPE_PRESETS[name]``

@@ -369,7 +369,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # the settings of registered extensions whose section is not a field above (stapo_jax.config.extensions):
     # {dotted section: settings instance}, e.g. "reward.math_verify_strict"; filled by from_dict with the sections
-    # the YAML sets (an absent one means its defaults: stapo_jax.config.extensions.settings_for)
+    # the YAML sets (an absent one means its defaults: stapo_jax.core.registry.settings_for)
     extensions: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -379,8 +379,13 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON types (tuples become lists); each extension's settings sit at
-        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from."""
+        their own dotted section (``reward.math_verify_strict``), as in the YAML they were read from.
+        ``actor.token_mask`` is the resolved name (:func:`token_mask_name`: for a Config built in Python with
+        ``token_mask=None``, the mask its ``<mask>.enabled`` flag chooses), and the flags are not written, so
+        ``from_dict(cfg.to_dict())`` selects the same mask. Returns a nested dict; never raises.
+        Source: this module's schema (verl-style one key naming the mask)."""
         out = plain_copy(dataclasses.asdict(self))
+        out["actor"]["token_mask"] = token_mask_name(self)
         for mask in TOKEN_MASK_FLAGS:  # derived from actor.token_mask: not written (the older spelling)
             out[mask].pop("enabled")
         for section, values in out.pop("extensions").items():
@@ -482,7 +487,7 @@ def from_dict(raw: Mapping[str, Any], source: Optional[str] = None) -> Config:
     Takes YAML scalars, lists, mappings. Source: stapo_spec.md §5 (recipe defaults), verl key names.
     """
     raw = plain_copy(raw)
-    sections = declared_sections()  # the registered extensions' own sections (imports the registries)
+    sections = declared_sections(Config)  # the registered extensions' own sections (imports the registries)
     own = split_sections(raw, sections, Config)
     recipe = raw.get("algorithm", {}).get("recipe", AlgorithmConfig.recipe) if isinstance(
         raw.get("algorithm", {}), dict) else AlgorithmConfig.recipe

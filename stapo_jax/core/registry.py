@@ -47,11 +47,11 @@ class DeclaredSettings:
 
 
 def settings_for(extensions: Mapping[str, Any], entry) -> Any:
-    """The settings instance of the registered extension ``entry`` (anything with ``settings_cls`` and ``section``:
-    a ``TokenMask``, a ``RewardKind``, a :class:`DeclaredSettings`): the one in ``extensions`` (``Config.extensions``
-    / ``Recipe.extensions``) under its section, else its ``settings_cls()`` defaults; None when ``entry`` is None or
-    declares none. Never raises (but as the class's own check of its defaults). Source: this module's rule."""
-    if entry is None or entry.settings_cls is None:
+    """The settings instance of a registered extension, given its declaration ``entry`` (a :class:`DeclaredSettings`,
+    ``Registry.declared(name)``, or None): the one in ``extensions`` (``Config.extensions`` / ``Recipe.extensions``)
+    under its section, else its ``settings_cls()`` defaults; None when ``entry`` is None (the extension declares
+    none). Never raises (but as the class's own check of its defaults). Source: this module's rule."""
+    if entry is None:
         return None
     return extensions.get(entry.section) or entry.settings_cls()
 

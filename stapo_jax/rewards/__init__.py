@@ -59,7 +59,7 @@ class RewardScorer:
       boxed_normalize: string match after DAPO's normalisation (``reward.boxed_normalize``).
       gym_task: reasoning-gym task name (required for ``kind="gym"``).
       gym_answer_format: ``boxed | answer_tag | raw`` (:func:`stapo_jax.rewards.gym.extract_answer`).
-      settings: the kind's own settings (an instance of its registered ``settings_cls``, e.g.
+      settings: the kind's own settings (an instance of the class it declares, ``REWARD_KINDS.declared(kind)``, e.g.
         :class:`~stapo_jax.rewards.math_strict.MathStrictSettings` for ``math_verify_strict``: ``rel_tol``,
         ``require_think_close``); None: that class's defaults. The run config's ``reward.<kind>`` section.
       max_pool_restarts: pool rebuilds allowed per batch (``reward.max_pool_restarts``, :class:`VerifierPool`).
@@ -176,7 +176,9 @@ def make_scorer(reward, *, gym_task: Optional[str] = None, extensions: Optional[
     class. Source: the project's config convention (``docs/conventions.md``); the kind's own section: verl's
     ``policy_loss.*`` pattern (an extension reads its own keys).
     """
-    settings = (extensions or {}).get(get_reward_kind(reward.kind).section)  # None: the kind's defaults
+    get_reward_kind(reward.kind)  # ConfigError (a ValueError) for an unknown kind, with did-you-mean
+    declared = REWARD_KINDS.declared(reward.kind)  # None: the kind declares no settings of its own
+    settings = (extensions or {}).get(declared.section) if declared is not None else None  # None: its defaults
     return RewardScorer(reward.kind, timeout_s=reward.timeout_s, num_workers=reward.num_workers,
                         boxed_normalize=reward.boxed_normalize, gym_task=gym_task,
                         gym_answer_format=reward.gym_answer_format, settings=settings,

@@ -25,9 +25,8 @@ class RewardKind:
     options: ``{fn keyword: scorer option}`` read from the :class:`~stapo_jax.rewards.RewardScorer`'s options
     (``boxed_normalize``, ``rel_tol``, ``require_think_close``, ``gym_task``, ``gym_answer_format``). fixed: constant
     keywords. requires: scorer options that must be set (``gym_task``).
-    settings_cls: the kind's own frozen settings dataclass (validating in ``__post_init__``), or None; each of its
-    fields is passed to ``fn`` as the keyword of the same name. section: the run-config section holding it,
-    ``reward.<name>`` by convention (read by :mod:`stapo_jax.config.extensions`, passed by ``make_scorer``).
+    The kind's own settings class and section are not fields here: the registry keeps them
+    (``REWARD_KINDS.declared(name)``, given to :func:`register_reward`).
     """
 
     name: str
@@ -37,8 +36,6 @@ class RewardKind:
     options: Mapping[str, str] = field(default_factory=dict)
     fixed: Mapping = field(default_factory=dict)
     requires: tuple[str, ...] = ()
-    settings_cls: type | None = None
-    section: str | None = None
 
     @property
     def module(self) -> str:
@@ -46,29 +43,37 @@ class RewardKind:
         return self.fn.__module__
 
     def keywords(self, scorer_options: Mapping, settings=None) -> dict:
-        """The keyword arguments of ``fn`` for a scorer with ``scorer_options`` (``fixed`` plus the ``options`` it
-        reads) and the kind's ``settings`` (an instance of ``settings_cls``, every field by its name; None: the
-        ``settings_cls`` defaults). Raises: ValueError naming a required option that is unset (None / ""),
-        TypeError for settings that are not a ``settings_cls``."""
+        """The keyword arguments of ``fn`` (a dict) for a scorer with ``scorer_options`` (``fixed`` plus the
+        ``options`` it reads) and the kind's ``settings`` (an instance of the settings class the kind declares,
+        ``REWARD_KINDS.declared(name)``, every field by its name; None: that class's defaults; a kind that declares
+        none takes no settings). Raises: ValueError naming a required option that is unset (None / ""),
+        TypeError for settings that are not the declared class. Source: verl ``compute_score`` keywords."""
         missing = [o for o in self.requires if not scorer_options.get(o)]
         if missing:
             raise ValueError(f"reward kind {self.name!r} needs {missing}")
-        own = settings_keywords(f"reward kind {self.name!r}", self.settings_cls, settings)
+        declared = REWARD_KINDS.declared(self.name)  # None: the kind declares no settings of its own
+        settings_cls = declared.settings_cls if declared is not None else None
+        own = settings_keywords(f"reward kind {self.name!r}", settings_cls, settings)
         return {**self.fixed, **{kw: scorer_options[opt] for kw, opt in self.options.items()}, **own}
 
 
 REWARD_KINDS: Registry = Registry("reward kind", "reward.kind", packages=("stapo_jax.rewards",))
 
 
-def register_reward(name: str, **spec) -> Callable:
+def register_reward(name: str, *, settings_cls: type | None = None, section: str | None = None,
+                    **spec) -> Callable:
     """Decorator registering a verifier ``fn(response, gold, **keywords) -> float`` as reward kind ``name``
-    (fields of :class:`RewardKind`). Stack it to register one function under several names (e.g. with different
-    ``fixed`` keywords). Returns the decorator.
-    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse).
-    Source: verl ``register_policy_loss`` pattern; verl ``compute_score``
-    (one float per response)."""
+    (``spec``: the fields of :class:`RewardKind`). Stack it to register one function under several names (e.g.
+    with different ``fixed`` keywords). ``settings_cls``: the kind's own frozen settings dataclass (validating in
+    ``__post_init__``), or None; each of its fields is passed to ``fn`` as the keyword of the same name.
+    ``section``: the run-config section holding it, ``reward.<name>`` by convention (read by
+    :mod:`stapo_jax.config.extensions`, passed by ``make_scorer``). Both are kept by the registry only
+    (``REWARD_KINDS.declared(name)``). Returns the decorator.
+    Raises: ValueError if ``name`` is taken, or for ``settings_cls`` without ``section`` (or the reverse);
+    TypeError for an unknown ``spec`` field (when the decorator is applied).
+    Source: verl ``register_policy_loss`` pattern; verl ``compute_score`` (one float per response)."""
     return REWARD_KINDS.register(name, lambda fn: RewardKind(name=name, fn=fn, **spec),
-                                 settings_cls=spec.get("settings_cls"), section=spec.get("section"))
+                                 settings_cls=settings_cls, section=section)
 
 
 def get_reward_kind(name: str) -> RewardKind:

@@ -20,11 +20,12 @@ import logging
 import os
 import socket
 import time
+import warnings
 from typing import Any, Optional
 
 import yaml
 
-from stapo_jax.config.schema import Config
+from stapo_jax.config.schema import Config, from_dict
 from stapo_jax.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,21 @@ def changed_keys(saved: dict, now: dict) -> list[str]:
     return sorted(k for k in set(a) & set(b) if a[k] != b[k])
 
 
+def normalised_config(saved: dict) -> dict:
+    """``saved`` (a ``config.yaml`` as a nested dict) read through the current loader and written back
+    (``from_dict(saved).to_dict()``), so that a file written by an older version compares equal to the same settings
+    written now: e.g. ``actor.token_mask: null`` with ``s2t.enabled: true`` becomes ``actor.token_mask: s2t`` (the
+    older spelling's FutureWarning is not shown). A file the current loader refuses (a key removed since, a
+    check added since) is returned as it is (then compared key by key, as :func:`changed_keys` does). Plain dicts
+    in and out; never raises (but as the registries' import). Source: ``Config.to_dict`` / ``config.yaml``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*\.enabled is deprecated", category=FutureWarning)
+            return from_dict(saved).to_dict()
+    except ConfigError:
+        return saved
+
+
 def resumable(key: str) -> bool:
     """True for a key a resumed run may change (:data:`RESUMABLE_KEYS`; an entry ending in ``.`` is a section).
     A dotted str in, a bool out; never raises. Source: this module's :data:`RESUMABLE_KEYS`."""
@@ -150,10 +166,12 @@ def check_resume_settings(cfg: Config, run_dir: str) -> list[str]:
     """Before a resume: the keys where ``cfg`` differs from the run's ``config.yaml`` (sorted; [] without one).
     Raises: ConfigError, one line listing each refused key as ``key saved -> now`` and the ways on (a new
     ``trainer.run_dir``, ``trainer.resume=false``, or accepting them in ``config.yaml``). Source: verl resumes
-    with the config it is given; here a run directory holds one run."""
+    with the config it is given; here a run directory holds one run. ``config.yaml`` is compared as the current
+    loader reads it (:func:`normalised_config`: an older spelling of the same settings is no difference)."""
     saved = saved_config(run_dir)
     if saved is None:
         return []
+    saved = normalised_config(saved)
     now = cfg.to_dict()
     keys = changed_keys(saved, now)
     refused = [k for k in keys if not resumable(k)]

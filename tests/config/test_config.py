@@ -216,6 +216,29 @@ def test_save_reload_round_trip(tmp_path):
     assert yaml.safe_load(path.read_text())["reward"]["overlong_buffer_len"] == 4096
 
 
+@pytest.mark.parametrize("recipe, s2t_on, top_entropy_on, mask", [
+    ("grpo", False, True, "top_entropy"),  # the flag chooses a mask the recipe does not (reload gave "none")
+    ("stapo", False, False, "none"),  # no flag on: no mask (reload gave the recipe's "s2t")
+    ("stapo", True, False, "s2t"),
+])
+def test_to_dict_of_a_config_built_in_python_keeps_the_flags_mask(tmp_path, recipe, s2t_on, top_entropy_on, mask):
+    """``Config`` built in Python with ``actor.token_mask=None`` (the mask chosen by the ``<mask>.enabled`` flags):
+    ``to_dict`` wrote ``token_mask: null`` and dropped the flags, so a reload took the recipe's mask instead."""
+    from stapo_jax.config.recipes import recipe_from_config
+    from stapo_jax.config.schema import from_dict
+
+    base = from_dict({"algorithm": {"recipe": recipe, "strict_recipe": False}})
+    cfg = dataclasses.replace(base, actor=dataclasses.replace(base.actor, token_mask=None),
+                              s2t=dataclasses.replace(base.s2t, enabled=s2t_on),
+                              top_entropy=dataclasses.replace(base.top_entropy, enabled=top_entropy_on))
+    out = cfg.to_dict()
+    assert out["actor"]["token_mask"] == mask and "enabled" not in out["s2t"] and "enabled" not in out["top_entropy"]
+    again = load_config(cfg.save(tmp_path / "run"))
+    assert again.actor.token_mask == mask and recipe_from_config(again).token_mask == mask
+    assert (again.s2t.enabled, again.top_entropy.enabled) == (s2t_on, top_entropy_on)
+    assert again == dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, token_mask=mask))
+
+
 def test_override_parsing():
     assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
     assert parse_override("a.b=null") == ("a.b", None)

@@ -12,18 +12,20 @@ import numpy as np
 import pytest
 
 from stapo_jax.algo.advantages import ADVANTAGE_ESTIMATORS, recipe_advantages, register_adv_est
-from stapo_jax.algo.masks import TOKEN_MASKS, register_token_mask
+from stapo_jax.algo.masks import (TOKEN_MASKS, CovConfig, S2TConfig, TokenMask, TopEntropyConfig,
+                                  register_token_mask)
 from stapo_jax.algo.objectives import (POLICY_LOSSES, PolicyLossInputs, compute_policy_loss, get_policy_loss_fn,
                                        register_policy_loss)
-from stapo_jax.algo.recipes import compute_token_mask
+from stapo_jax.algo.recipes import compute_token_mask, recipe_field
 from stapo_jax.core.errors import ConfigError
+from stapo_jax.core.registry import DeclaredSettings, settings_for
 from stapo_jax.core.settings import check_field_types
 from stapo_jax.config.extensions import declared_sections
-from stapo_jax.config.recipes import recipe_from_config
-from stapo_jax.config.schema import from_dict, load_config
+from stapo_jax.config.recipes import get_recipe, recipe_from_config
+from stapo_jax.config.schema import Config, from_dict, load_config
 from stapo_jax.rewards import make_scorer
 from stapo_jax.rewards.math_strict import MathStrictSettings
-from stapo_jax.rewards.registry import REWARD_KINDS, register_reward
+from stapo_jax.rewards.registry import REWARD_KINDS, RewardKind, register_reward
 
 # ------------------------------------------------------------------ a new mask with a setting of its own
 
@@ -102,10 +104,30 @@ def test_new_mask_reads_its_own_section_from_yaml(extensions, tmp_path):
     keep2, _ = compute_token_mask(recipe_from_config(load_config(path, ["entropy_cap.cap=1.5"])),
                                   response_mask=RESPONSE_MASK, entropy=ENTROPY)
     assert np.asarray(keep2).tolist() == [[True, True, True, False], [True, False, True, False]]
-    # absent section: the class defaults (cap 1.0); the saved config reloads to an equal one
+    # absent section: not held, the mask reads the class defaults (cap 1.0); the saved config reloads to an equal one
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"token_mask": "entropy_cap"}}))
-    assert default.extensions["entropy_cap"] == EntropyCapSettings(cap=1.0)
+    assert default.extensions == {}
+    keep_default, stats_default = compute_token_mask(default, response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep_default).tolist() == [[True, True, False, False], [True, False, True, False]]
+    assert float(stats_default["entropy_cap/threshold"]) == 1.0
     assert load_config(cfg.save(tmp_path / "run")) == cfg
+
+
+def test_a_recipe_built_in_python_reads_its_mask_defaults(extensions):
+    """``get_recipe("justrl", token_mask="entropy_cap")`` has ``extensions={}``; its mask used to raise
+    AttributeError "recipe 'justrl' has no settings section 'entropy_cap'" at trace time. It now takes the mask's
+    declared defaults (cap 1.0), as a policy loss or an estimator does (``Registry.bound``); given settings win."""
+    recipe = get_recipe("justrl", token_mask="entropy_cap")
+    assert recipe.extensions == {}
+    assert recipe_field(recipe, "entropy_cap.cap") == 1.0
+    keep, stats = compute_token_mask(recipe, response_mask=RESPONSE_MASK, entropy=ENTROPY)
+    assert np.asarray(keep).tolist() == [[True, True, False, False], [True, False, True, False]]
+    assert float(stats["entropy_cap/threshold"]) == 1.0
+    wide = recipe.replace(extensions={"entropy_cap": EntropyCapSettings(cap=2.5)})
+    assert np.asarray(compute_token_mask(wide, response_mask=RESPONSE_MASK, entropy=ENTROPY)[0]).tolist() == [
+        [True, True, True, False], [True, True, True, False]]
+    with pytest.raises(AttributeError, match=r"recipe 'justrl' has no settings section 'other_mask'"):
+        recipe_field(recipe, "other_mask.cap")  # a section no selected extension declares
 
 
 def test_new_mask_section_errors_name_the_key(extensions):
@@ -130,6 +152,43 @@ def test_new_reward_reads_its_own_section_from_yaml(extensions, tmp_path):
         assert scorer.score(["x" * 10, "x" * 11], ["", ""])[0].tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match=r"reward.short_answer.max_chars=0 must be >= 1"):
         load_config(path, ["reward.short_answer.max_chars=0"])
+
+
+def test_settings_are_declared_once_in_the_registry(extensions):
+    """A mask's / reward kind's settings class and section were stored twice (``TokenMask.settings_cls`` /
+    ``RewardKind.settings_cls`` and the registry); the registry's declaration is now the only one, and what reads
+    it (``RewardKind.keywords``, ``make_scorer``) gets the same settings."""
+    assert not {"settings_cls", "section"} & {f.name for f in dataclasses.fields(TokenMask)}
+    assert not {"settings_cls", "section"} & {f.name for f in dataclasses.fields(RewardKind)}
+    assert TOKEN_MASKS.declared("entropy_cap") == DeclaredSettings("entropy_cap", EntropyCapSettings, "entropy_cap")
+    assert TOKEN_MASKS.declared("s2t") == DeclaredSettings("s2t", S2TConfig, "s2t")
+    assert REWARD_KINDS.declared("short_answer") == DeclaredSettings("short_answer", ShortAnswerSettings,
+                                                                     "reward.short_answer")
+    assert TOKEN_MASKS.declared("kl_cov").settings_cls is CovConfig and REWARD_KINDS.declared("think_format") is None
+    kind = REWARD_KINDS["short_answer"]
+    assert kind.keywords({}, ShortAnswerSettings(max_chars=3)) == {"max_chars": 3}
+    assert kind.keywords({}) == {"max_chars": 10}  # None: the declared class's defaults
+    assert REWARD_KINDS["boxed_exact_01"].keywords({"boxed_normalize": True}) == {"plus_minus": False,
+                                                                                  "normalize": True}
+    with pytest.raises(TypeError, match=r"reward kind 'short_answer' takes ShortAnswerSettings settings, got "
+                                        r"EntropyCapSettings"):
+        kind.keywords({}, EntropyCapSettings())
+    with _scorer(from_dict({"reward": {"kind": "short_answer", "short_answer": {"max_chars": 2}}})) as scorer:
+        assert scorer.settings == ShortAnswerSettings(max_chars=2)
+        assert scorer.score(["ab", "abc"], ["", ""])[0].tolist() == [1.0, 0.0]
+    with _scorer(from_dict({"reward": {"kind": "think_format"}})) as scorer:  # declares none: no settings
+        assert scorer.settings is None
+
+
+def test_settings_for_is_imported_from_core_registry_only():
+    """``stapo_jax.config.extensions`` re-exported ``settings_for``; it is defined and imported in one place."""
+    import stapo_jax.config.extensions as config_extensions
+
+    assert not hasattr(config_extensions, "settings_for") and "settings_for" not in config_extensions.__all__
+    declared = TOKEN_MASKS.declared("s2t")
+    assert settings_for({}, declared) == S2TConfig()
+    assert settings_for({"s2t": S2TConfig(tau_p=0.01)}, declared) == S2TConfig(tau_p=0.01)
+    assert settings_for({"s2t": S2TConfig(tau_p=0.01)}, None) is None
 
 
 def test_cov_section_sets_clip_cov_and_kl_cov(tmp_path):
@@ -239,7 +298,7 @@ def test_new_policy_loss_reads_its_own_section_from_yaml(loss_and_estimator, tmp
                                3.0 * vanilla, rtol=1e-6)
     # absent section: the class defaults (scale 1: the vanilla loss); the saved config reloads to an equal one
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo"}, "actor": {"policy_loss": "scaled_pg"}}))
-    assert default.extensions["actor.scaled_pg"] == ScaledPGSettings()
+    assert default.extensions == {}  # the loss gets ScaledPGSettings() through Registry.bound
     np.testing.assert_allclose(_loss_sum(default), vanilla, rtol=1e-6)
     assert load_config(cfg.save(tmp_path / "run")) == cfg
     with pytest.raises(TypeError, match="scale"):  # the bare entry needs its settings: never silently defaulted
@@ -263,7 +322,7 @@ def test_new_advantage_estimator_reads_its_own_section_from_yaml(loss_and_estima
     assert advantages(recipe_from_config(load_config(path, ["algorithm.fixed_baseline.baseline=1.0"]))) == [
         0.0, -1.0, 0.0, 0.0]
     default = recipe_from_config(from_dict({"algorithm": {"recipe": "grpo", "adv_estimator": "fixed_baseline"}}))
-    assert default.extensions["algorithm.fixed_baseline"] == FixedBaselineSettings()
+    assert default.extensions == {}  # the estimator gets FixedBaselineSettings() through Registry.bound
     assert advantages(default) == [1.0, 0.0, 1.0, 1.0]
     assert load_config(cfg.save(tmp_path / "run")) == cfg
 
@@ -285,6 +344,46 @@ def test_new_loss_and_estimator_section_errors_name_the_key(loss_and_estimator):
         get_policy_loss_fn("scaled_pg", {"actor.scaled_pg": FixedBaselineSettings()})
     with pytest.raises(ValueError, match=r"settings_cls and section go together"):
         register_policy_loss("no_section", settings_cls=ScaledPGSettings)
+
+
+@pytest.mark.parametrize("register, section, message", [
+    # a schema section with another class: the schema's class was built and the extension's silently ignored
+    ("mask", "cov", r"token mask 'own_settings' declares settings section 'cov' with EntropyCapSettings, but the run "
+                    r"config's cov section is CovConfig"),
+    ("mask", "sampling", r"token mask 'own_settings' declares settings section 'sampling' with EntropyCapSettings, "
+                         r"but the run config's sampling section is SamplingConfig"),
+    # a schema key that is not a section: split_sections popped it from the YAML (reward.kind vanished)
+    ("reward", "reward.kind", r"reward kind 'own_settings' declares settings section 'reward.kind', but reward.kind "
+                              r"is a key of the run config, not a section"),
+    ("loss", "actor.policy_loss", r"policy loss 'own_settings' declares settings section 'actor.policy_loss', but "
+                                  r"actor.policy_loss is a key of the run config"),
+    ("mask", "data.gym.config.x", r"token mask 'own_settings' declares settings section 'data.gym.config.x', but "
+                                  r"data.gym.config is a key of the run config"),
+])
+def test_an_extension_section_colliding_with_the_schema_is_refused(register, section, message):
+    registry, reg = {"mask": (TOKEN_MASKS, lambda **kw: register_token_mask(
+        "own_settings", needs=("entropy",), settings=(), population="valid tokens", **kw)),
+        "reward": (REWARD_KINDS, lambda **kw: register_reward("own_settings", **kw)),
+        "loss": (POLICY_LOSSES, lambda **kw: register_policy_loss("own_settings", **kw))}[register]
+    reg(settings_cls=EntropyCapSettings, section=section)(entropy_cap_mask)
+    try:
+        with pytest.raises(ConfigError, match=message):
+            from_dict({"reward": {"kind": "math_verify_01"}, "cov": {"kl_cov_ratio": 0.5}})
+        with pytest.raises(ConfigError, match=message):
+            declared_sections(Config)
+        if section != "cov":  # (cov is also clip_cov's: two classes for one section, refused with or without)
+            assert declared_sections()[section] is EntropyCapSettings  # without a schema: not checked
+    finally:
+        dict.__delitem__(registry, "own_settings")
+    cfg = from_dict({"reward": {"kind": "math_verify_01"}, "cov": {"kl_cov_ratio": 0.5}})
+    assert cfg.reward.kind == "math_verify_01" and cfg.cov.kl_cov_ratio == 0.5 and cfg.extensions == {}
+
+
+def test_an_extension_may_declare_the_schema_section_of_its_own_class():
+    """``clip_cov`` / ``kl_cov`` declare ``cov`` with ``CovConfig`` (the schema's): built by the schema."""
+    sections = declared_sections(Config)
+    assert sections["cov"] is CovConfig and sections["s2t"] is S2TConfig and sections["top_entropy"] is TopEntropyConfig
+    assert from_dict({"cov": {"kl_cov_ratio": 0.5}}).cov == CovConfig(kl_cov_ratio=0.5)
 
 
 def test_unregistered_sections_are_unknown_keys_again():

@@ -173,6 +173,41 @@ def test_a_resume_with_other_settings_lists_them_or_applies_what_may_change(tmp_
     assert "trainer.resume=false" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_config_yaml_of_the_older_token_mask_spelling_resumes(tmp_path):
+    """A ``config.yaml`` written before ``actor.token_mask`` held the name (``token_mask: null``, the mask chosen by
+    ``s2t.enabled``) was refused as ``actor.token_mask None -> 's2t'``; it is now read as the current loader reads
+    it, so the same settings resume and a real change is still refused (naming only that key)."""
+    import warnings
+
+    from stapo_jax.train.run_dir import check_resume_settings
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def write_old(*overrides, s2t=True):
+        old = _tiny(tmp_path, *overrides).to_dict()
+        old["actor"]["token_mask"] = None
+        old["s2t"]["enabled"], old["top_entropy"]["enabled"] = s2t, False
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+
+    write_old()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the older spelling's FutureWarning is not shown
+        assert check_resume_settings(_tiny(tmp_path), str(run_dir)) == []
+        assert check_resume_settings(_tiny(tmp_path, "trainer.total_steps=80"), str(run_dir)) == [
+            "trainer.total_steps"]
+    write_old("actor.optim.lr=0.5")
+    with pytest.raises(ConfigError) as e:
+        check_resume_settings(_tiny(tmp_path), str(run_dir))
+    assert str(e.value).startswith(f"trainer.run_dir={run_dir} holds a run with other settings (actor.optim.lr "
+                                   "0.5 -> 0.001): ")
+    write_old("algorithm.recipe=grpo", s2t=False)  # no flag on: no mask
+    assert check_resume_settings(_tiny(tmp_path, "algorithm.recipe=grpo"), str(run_dir)) == []
+    with pytest.raises(ConfigError) as e:
+        check_resume_settings(_tiny(tmp_path, "algorithm.recipe=grpo", "actor.token_mask=clip_cov"), str(run_dir))
+    assert "(actor.token_mask 'none' -> 'clip_cov'): " in str(e.value)
+
+
 def test_config_yaml_describes_the_checkpoints_and_each_start_is_kept(tmp_path):
     """``trainer.total_steps=3`` on a finished 40-step run rewrote ``config.yaml`` (total_steps 3, the new run_dir).
     Now a fresh start writes it, a resume leaves it alone unless it extends the run, and every start's settings
