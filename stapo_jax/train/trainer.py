@@ -89,7 +89,8 @@ def finished_before(run: Run, total_steps: int) -> Optional[int]:
     if latest is None or latest < total_steps:
         return None
     run.logger.write(f"trainer.total_steps={total_steps}: the run in {run.run_dir} already reached step {latest}; "
-                     f"nothing to do (a larger trainer.total_steps extends it)")
+                     f"nothing to do (a larger trainer.total_steps extends it; trainer.resume=false starts over, "
+                     f"moving its outputs aside)")
     return int(latest)
 
 
