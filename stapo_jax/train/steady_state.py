@@ -127,7 +127,7 @@ def run_report(stats, rows: list[dict], first_step: int, dtype: str, write=print
           f"{totals['compile_s']:.1f} s):\n" + format_table(table))
     late = compiles_after_warmup(stats.executables, stats.steps_taken, first_step)
     if late:
-        write(f"compiled after the warm-up (RL step {first_step}): {format_late_compiles(late)}")
+        write(f"compiled after the warm-up (which ended with RL step {first_step}): {format_late_compiles(late)}")
     steady = steady_state(rows, first_step, device_peak(dtype))
     if steady["steps"]:  # a run with no steady step (e.g. a resume that ran one step) prints no line
         write(format_steady_state(steady))

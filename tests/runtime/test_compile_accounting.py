@@ -94,7 +94,7 @@ def test_compiles_after_the_rl_loop_are_labelled_by_what_they_are(monkeypatch):
         {"step": 2, "phase": "rollout", "program": "step2_prog", "when": "step 2"},
         {"step": None, "phase": "eval", "program": "heldout_prog", "when": "after RL"},
         {"step": None, "phase": "export", "program": "export_prog", "when": "after RL"}]
-    printed = next(line for line in lines if line.startswith("compiled after the warm-up (RL step 1): "))
+    printed = next(line for line in lines if line.startswith("compiled after the warm-up (which ended with RL step 1): "))
     assert ("step2_prog (step 2: rollout)" in printed and "heldout_prog (after RL: eval)" in printed
             and "export_prog (after RL: export)" in printed and "step 3" not in printed)
 
