@@ -11,7 +11,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import grain  # noqa: F401  (see below)
 import jax
+
+# Importing Grain runs etils' ``lazy_imports``, which swaps ``builtins.__import__`` process-wide for a moment: an
+# import in another thread then gets a lazy stand-in (the reward pool's manager thread failed with "'LazyModule'
+# object is not callable" when the prompt iterator imported Grain after the pool had started). Imported here,
+# before ``setup_run`` starts any thread (tests/train/test_thread_safe_imports.py).
 
 from models.attention import resolve_implementation
 from stapo_jax.config.schema import Config, ModelConfig
