@@ -28,12 +28,21 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("stapo_jax", derandomize=True, database=None, deadline=None)
 settings.load_profile("stapo_jax")
 
-# the longest files of a full run (pytest --durations), longest first; every other file keeps its place after them
-SLOW_FIRST = ("test_multihost.py", "test_run_robustness.py", "test_resume.py", "test_remove_padding.py",
-              "test_gpu_check.py", "test_soak.py", "test_compile_accounting.py", "test_train_step.py",
-              "test_objectives.py", "test_trainer_e2e.py", "test_reference_policy.py",
-              "test_attention.py", "test_packing.py",
-              "test_verifiers_benchmarks.py", "test_readme_outputs.py")
+# the longest files of a full run (pytest --durations, summed per file, 2026-12-05), longest first; every other
+# file keeps its place after them
+SLOW_FIRST = ("test_multihost.py", "test_packing.py", "test_run_robustness.py", "test_plan_target.py",
+              "test_train_step.py", "test_attention.py", "test_resume.py", "test_gpu_check.py",
+              "test_reference_policy.py", "test_remove_padding.py", "test_soak.py", "test_distributed.py",
+              "test_objectives.py", "test_compile_accounting.py", "test_verifiers_benchmarks.py",
+              "test_trainer_e2e.py", "test_batched_prefill.py", "test_demo.py", "test_readme_outputs.py")
+
+
+def pytest_configure(config):
+    """Keep ``SLOW_FIRST``'s order under ``-n 2 --dist loadfile``: pytest-xdist >= 3.6 otherwise reorders the
+    files by their number of tests (``--loadscope-reorder``, its default), which put the few long multi-process
+    files last, one worker running them alone at the end of the suite."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
