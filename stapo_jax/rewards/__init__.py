@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from stapo_jax.core.registry import settings_for
 from stapo_jax.rewards.pool import PoolFailure, VerifierPool  # noqa: F401  (public names of this package)
 from stapo_jax.rewards.registry import REWARD_KINDS, get_reward_kind
 
@@ -177,8 +178,8 @@ def make_scorer(reward, *, gym_task: Optional[str] = None, extensions: Optional[
     ``policy_loss.*`` pattern (an extension reads its own keys).
     """
     get_reward_kind(reward.kind)  # ConfigError (a ValueError) for an unknown kind, with did-you-mean
-    declared = REWARD_KINDS.declared(reward.kind)  # None: the kind declares no settings of its own
-    settings = (extensions or {}).get(declared.section) if declared is not None else None  # None: its defaults
+    # the kind's own settings (its section in ``extensions``, else its class's defaults; None: it declares none)
+    settings = settings_for(extensions or {}, REWARD_KINDS.declared(reward.kind))
     return RewardScorer(reward.kind, timeout_s=reward.timeout_s, num_workers=reward.num_workers,
                         boxed_normalize=reward.boxed_normalize, gym_task=gym_task,
                         gym_answer_format=reward.gym_answer_format, settings=settings,

@@ -31,8 +31,7 @@ def spec_optimizer(spec: dict):
     ``build_optimizer``). Raises KeyError for a spec not from ``plan.make_spec``."""
     from stapo_jax.train.optim import make_optimizer
 
-    o = spec["optim"]
-    return make_optimizer(o["lr"], o["warmup_steps"], o["weight_decay"], o["clip_grad"], o["betas"], o["eps"])
+    return make_optimizer(**spec["optim"])  # the fields of actor.optim are make_optimizer's keywords
 
 
 def spec_policy_update(spec: dict, qcfg, mesh, shardings, **chunks):

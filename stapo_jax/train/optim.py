@@ -2,6 +2,7 @@
 (stapo_spec §4: lr 1e-6, 10 warm-up steps), optional global-norm clipping (JustRL: 1.0)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import jax
@@ -103,5 +104,4 @@ def build_optimizer(cfg: Config):
     """AdamW with warm-up and clipping from ``actor.optim`` (:func:`make_optimizer`).
     Takes Python floats; the optimizer keeps the parameters' dtypes. Raises: ValueError as
     ``make_optimizer``. Source: ``stapo_jax.train.optim.make_optimizer`` (verl's ``actor.optim`` keys)."""
-    o = cfg.actor.optim
-    return make_optimizer(o.lr, o.warmup_steps, o.weight_decay, o.clip_grad, o.betas, o.eps)
+    return make_optimizer(**dataclasses.asdict(cfg.actor.optim))  # its fields are make_optimizer's keywords
