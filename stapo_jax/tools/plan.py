@@ -429,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--programs", choices=("all", "core"), default="all",
                    help="with --target: every program of the run (default), or core: the update programs, the largest "
                         "prefill bucket and KV-cache length, and the sync (the peaks and the prediction, faster)")
+    p.add_argument("--program-cache", metavar="DIR",
+                   help="with --target: keep each compiled program's figures in DIR, and take them from there for a "
+                        "program whose lowered text, target and compiler match (marked cached; its compile seconds "
+                        "are the first compile's)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the compile subprocess (seconds)")
     p.add_argument("--json", help="also write the full result as JSON here")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -454,13 +458,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         overrides += ([f"model.path={args.model}", "model.preset=null"] if is_path
                       else [f"model.preset={args.model}", "model.path=null"])
     try:
-        if args.programs != "all" and not args.target:
-            raise PlanError("--programs selects among the programs --target compiles; pass --target too")
+        if (args.programs != "all" or args.program_cache) and not args.target:
+            raise PlanError("--programs and --program-cache apply to the programs --target compiles; pass --target too")
         cfg = load_config(args.config, overrides)
         spec = make_spec(cfg, mesh=args.mesh, devices=args.devices, hbm_gb=args.hbm_gb,
                          train=args.only != "decode", decode=args.only != "train", opt_state=args.opt_state,
                          target=args.target)
         spec["programs"] = args.programs
+        if args.program_cache:
+            spec["program_cache"] = str(Path(args.program_cache).resolve())
         if args.target:
             from stapo_jax.tools.targets import check_packages, get_target
 
@@ -473,6 +479,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except subprocess.TimeoutExpired:
         print(f"stapo-jax plan: the compile subprocess passed --timeout-s {args.timeout_s:g} s; stopped", file=sys.stderr)
         return 3
+    if args.json:  # first: the result survives a report that cannot be printed (a closed pipe)
+        Path(args.json).write_text(json.dumps(result, indent=2))
     if args.target:
         from stapo_jax.tools.plan_report import fits_programs, format_programs
 
@@ -481,8 +489,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(format_report(result))
         ok = fits(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return 1 if ok is False else 0
 
 

@@ -105,7 +105,9 @@ def analytic(spec: dict, qcfg) -> dict:
     response positions only); an update = forward x (1 pre-pass if any + 1) + 2 x forward (backward) + the
     remat recompute (``full``: the decoder forward again; ``dots_no_batch``: the attention score/value
     matmuls, which have batch dimensions; ``dots``/``none``: none). S2T's ``correction`` method: ``train_flops_per_update`` counts no corrections (its usual
-    case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards).
+    case), ``train_flops_per_update_max`` every micro-batch redone (+ 1 + remat + 2 forwards). These are the FLOPs the
+    hardware runs (HFU's); MFU's model FLOPs are 3 x ``forward_flops_per_sequence`` per sequence
+    (``plan_report.predict``).
     Int / float counts; raises KeyError for a spec not from ``make_spec``. Source: Kaplan et al. 2020
     (forward = 2 x params x tokens, backward = 2 x forward)."""
     d, layers = qcfg.hidden_size, qcfg.num_hidden_layers

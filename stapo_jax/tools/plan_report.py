@@ -29,7 +29,7 @@ from typing import Optional
 GB = 1000 ** 3
 PHASES = ("update", "rollout", "sync", "eval")
 
-__all__ = ["program_seconds", "phase_memory", "slots_that_fit", "unit_seconds", "predict", "fits_programs", "format_programs"]
+__all__ = ["program_seconds", "phase_memory", "slots_that_fit", "unit_seconds", "run_compile_seconds", "predict", "fits_programs", "format_programs"]
 
 
 def program_seconds(entry: dict, spec: dict, analytic_flops: float = 0.0) -> Optional[float]:
@@ -90,6 +90,12 @@ def slots_that_fit(result: dict) -> Optional[int]:
     return max(int(left // per_slot), 0)
 
 
+def run_compile_seconds(result: dict) -> float:
+    """Compile seconds of the programs a run compiles (every phase but the prediction units), float. Never raises
+    for a ``run_programs`` result. Source: the entries' ``compile_s`` (``plan_run.compile_program``)."""
+    return float(sum(e["compile_s"] for e in result["programs"] if e["phase"] != "unit"))
+
+
 def _named(result: dict, prefix: str) -> Optional[dict]:
     ok = [e for e in result["programs"] if e["name"].startswith(prefix) and "cost" in e]
     return max(ok, key=lambda e: e["memory"]["argument"] + e["memory"]["temp"]) if ok else None
@@ -116,8 +122,9 @@ def unit_seconds(result: dict, what: str, analytic_flops_per_layer: float = 0.0,
 
 def predict(result: dict) -> dict:
     """The predicted RL step (module docstring), from the unit programs: seconds of the old-log-prob passes, the
-    update steps, prefill and decode, their sum, update MFU (analytic model FLOPs of an update over its predicted
-    seconds x chips x bf16 peak) and decode tokens/s at full slots with its ratio to the HBM roofline (engine
+    update steps, prefill and decode, their sum, update MFU (analytic model FLOPs of an update, forward + backward
+    only, over its predicted seconds x chips x bf16 peak), update HFU (the same with every FLOP the update runs:
+    S2T's forward pre-pass and the remat recompute too) and decode tokens/s at full slots with its ratio to the HBM roofline (engine
     parameters + KV cache read once per token). Floats; a part whose programs failed is left out. Never raises
     for a ``run_programs`` result. Source: XLA cost analysis; MFU as PaLM (Chowdhery et al., 2022)."""
     spec, a = result["spec"], result["analytic"]
@@ -131,7 +138,11 @@ def predict(result: dict) -> dict:
     if lp is not None and st is not None:
         out["old_log_probs_s"] = lp * k * mini_batches * (2 if spec["use_kl"] else 1)
         out["update_s"] = st * k * spec["updates_per_step"]
-        out["update_mfu"] = a["train_flops_per_update"] / (st * k * t["chips"] * t["peak_flops"])
+        # MFU's model FLOPs: forward + backward = 3 forwards per sequence, no pre-pass or remat recompute (PaLM,
+        # Chowdhery et al. 2022, appendix B; as the trainer's perf/update_flops)
+        model_flops = 3 * a["forward_flops_per_sequence"] * spec["mini_batch_sequences"]
+        out["update_mfu"] = model_flops / (st * k * t["chips"] * t["peak_flops"])
+        out["update_hfu"] = a["train_flops_per_update"] / (st * k * t["chips"] * t["peak_flops"])
     dec, pre = _named(result, "unit: decode step x1"), _named(result, "prefill")
     if dec and pre:
         hosts = max(t["hosts"], 1)
@@ -166,6 +177,24 @@ def _g(x) -> str:
     return "-" if x is None else f"{x / GB:.2f}"
 
 
+def _prediction_lines(result: dict) -> list[str]:
+    """The report's predicted-step lines for a ``run_programs`` result (see :func:`predict`)."""
+    p = predict(result)
+    lines = [""]
+    lines.append(f"predicted (compiler prediction, not a measurement; {p['source']}):")
+    for key, label in (("old_log_probs_s", "old log-prob passes"), ("update_s", "update steps"),
+                       ("prefill_s", "prefill"), ("decode_s", "decode"), ("step_s", "RL step")):
+        if key in p:
+            lines.append(f"  {label:<22} {p[key]:>10.2f} s")
+    if "update_mfu" in p:
+        lines.append(f"  update MFU             {100 * p['update_mfu']:>10.1f} % of bf16 peak (model FLOPs: forward + "
+                     f"backward; HFU {100 * p['update_hfu']:.1f} % with the pre-pass and remat recompute)")
+    if "decode_tokens_per_s" in p:
+        lines.append(f"  decode                 {p['decode_tokens_per_s']:>10.0f} tokens/s at full slots, "
+                     f"{p['decode_vs_roofline']:.2f}x the HBM roofline (weights + KV once per token)")
+    return lines
+
+
 def format_programs(result: dict) -> str:
     """The human-readable report of a ``plan --target`` result: header (model, mesh, target, compiler), one table
     per phase (compile seconds, argument / temp / peak GB per device, predicted ms, kernels), phase memory with
@@ -196,7 +225,8 @@ def format_programs(result: dict) -> str:
             mem, sec = e["memory"], program_seconds(e, spec)
             kern = ",".join(f"{k}x{v}" for k, v in e["kernels"].items()) or "-"
             lines.append(f"  {e['name'][:44]:<44} {e['compile_s']:>8.1f} {_g(mem['argument']):>9} "
-                         f"{_g(mem['temp']):>8} {_g(mem['peak']):>8} {sec * 1e3 if sec else 0:>12.3f}  {kern}")
+                         f"{_g(mem['temp']):>8} {_g(mem['peak']):>8} {sec * 1e3 if sec else 0:>12.3f}  {kern}"
+                         + ("  (cached)" if e.get("cached") else ""))
     lines.append("")
     hbm = spec.get("hbm_gb")
     for phase, pm in phase_memory(result).items():
@@ -214,18 +244,10 @@ def format_programs(result: dict) -> str:
     failed = [e["name"] for e in result["programs"] if "error" in e]
     if failed:
         lines.append(f"{len(failed)} program(s) failed to compile: {', '.join(failed)}")
-    p = predict(result)
-    lines.append("")
-    lines.append(f"predicted (compiler prediction, not a measurement; {p['source']}):")
-    for key, label in (("old_log_probs_s", "old log-prob passes"), ("update_s", "update steps"),
-                       ("prefill_s", "prefill"), ("decode_s", "decode"), ("step_s", "RL step")):
-        if key in p:
-            lines.append(f"  {label:<22} {p[key]:>10.2f} s")
-    if "update_mfu" in p:
-        lines.append(f"  update MFU             {100 * p['update_mfu']:>10.1f} % of bf16 peak")
-    if "decode_tokens_per_s" in p:
-        lines.append(f"  decode                 {p['decode_tokens_per_s']:>10.0f} tokens/s at full slots, "
-                     f"{p['decode_vs_roofline']:.2f}x the HBM roofline (weights + KV once per token)")
+    lines += _prediction_lines(result)
     total = sum(e["compile_s"] for e in result["programs"])
-    lines.append(f"compile: {len(result['programs'])} programs, {total:.0f} s in all on this host")
+    cached = sum(bool(e.get("cached")) for e in result["programs"])
+    lines.append(f"compile: {len(result['programs'])} programs, {total:.0f} s in all on this host, of which the run's "
+                 f"own programs {run_compile_seconds(result):.0f} s (the rest: prediction units)"
+                 + (f"; {cached} taken from --program-cache with their first compile's seconds" if cached else ""))
     return "\n".join(lines)

@@ -23,11 +23,19 @@ Each program's entry: compile seconds, XLA's memory analysis (argument / output 
 device), cost analysis (FLOPs, bytes accessed, and on TPU the compiler's ``optimal_seconds``) and the count of
 kernel custom calls (Mosaic ``tpu_custom_call``, cuDNN ``__cudnn$fmha*``). A program that fails to compile gets its
 error line and the others still compile.
+
+With ``spec["program_cache"]`` (``plan --program-cache DIR``) a program whose lowered text matches one compiled
+before for the same target, compiler and compiler flags takes that compile's entry (``"cached": true``, its
+``compile_s`` the original compile's): the rollout programs of two recipes that differ only in the loss compile
+once. Compiled executables cannot be kept across processes here (a deviceless compiler cannot load one), so only
+the figures are.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -35,8 +43,9 @@ from typing import Callable, Optional
 
 from stapo_jax.tools.plan_analytic import spec_optimizer, spec_policy_update
 
-__all__ = ["Journal", "JOURNAL", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
+__all__ = ["Journal", "JOURNAL", "ProgramCache", "PROGRAM_CACHE", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
 
+_PARTITIONER_PTR = re.compile(r'(@CustomSPMDPartitioning\([^)]*\) \{api_version = \d+ : i32, backend_config = )"\d+"')
 _KERNEL_RE = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[A-Za-z]*)"')
 
 
@@ -101,6 +110,48 @@ class Journal:
 JOURNAL = Journal()
 
 
+class ProgramCache:
+    """Entries of programs compiled before, kept in a directory as ``<sha256>.json`` and keyed by the lowered
+    program's text plus ``salt`` (target, compiler version, compiler flags). Without a directory it keeps
+    nothing."""
+
+    def __init__(self):
+        self.path: Optional[Path] = None
+        self.salt = ""
+
+    def open(self, path: Optional[str], salt: str) -> None:
+        """Use directory ``path`` (None: off; created if missing) with key ``salt``. Raises OSError when the
+        directory cannot be created."""
+        self.path, self.salt = (Path(path) if path else None), salt
+        if self.path:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    def key(self, text: str) -> str:
+        """The hex sha256 of ``salt`` and a lowered program's text, without the process-local address a
+        ``custom_partitioning`` call (cuDNN attention) carries as its backend config (as jax's own cache key
+        drops it)."""
+        text = _PARTITIONER_PTR.sub(r'\1""', text)
+        return hashlib.sha256((self.salt + "\0" + text).encode()).hexdigest()
+
+    def get(self, key: str) -> Optional[dict]:
+        """The entry stored under ``key``, or None (off, absent, or unreadable)."""
+        f = self.path / f"{key}.json" if self.path else None
+        try:
+            return json.loads(f.read_text()) if f and f.is_file() else None
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, entry: dict) -> None:
+        """Store a successful compile's ``entry`` under ``key`` (written whole, then renamed into place)."""
+        if self.path and "error" not in entry:
+            tmp = self.path / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(entry))
+            tmp.replace(self.path / f"{key}.json")
+
+
+PROGRAM_CACHE = ProgramCache()
+
+
 def record_crash(path: str, message: str) -> Optional[str]:
     """After the compile process died: the program it had started and not finished gets the entry ``{"name",
     "phase", "error": "compiler crashed: <message>"}`` in the journal at ``path``; returns its name, or None
@@ -130,7 +181,9 @@ def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple
     included), ``memory`` (int bytes per device: argument / output / alias / temp / generated_code / peak =
     argument + output - alias + temp), ``cost`` (see :func:`_cost`) and ``kernels`` (custom-call counts by target);
     on failure ``error`` (the exception's type and first line) and compiled None. Never raises for a compile
-    error. With :data:`JOURNAL` open, a program a previous attempt compiled or crashed on is taken from it.
+    error. With :data:`JOURNAL` open, a program a previous attempt compiled or crashed on is taken from it; with
+    :data:`PROGRAM_CACHE` open, a program compiled before with the same lowered text is taken from there
+    (``cached: true``), except a prefill, whose compiled output shardings the inserts need.
     Source: JAX AOT ``jit(f).lower(...).compile()``, ``memory_analysis`` / ``cost_analysis``."""
     previous = JOURNAL.reuse(name)
     if previous is not None:
@@ -138,7 +191,14 @@ def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple
     JOURNAL.write({"start": name, "phase": phase})
     t0 = time.perf_counter()
     try:
-        compiled = lower().compile()
+        lowered = lower()
+        key = PROGRAM_CACHE.key(lowered.as_text()) if PROGRAM_CACHE.path and not name.startswith("prefill") else None
+        hit = PROGRAM_CACHE.get(key) if key else None
+        if hit is not None:
+            entry = dict(hit, name=name, phase=phase, cached=True)
+            JOURNAL.write(entry)
+            return entry, None
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - reported per program; the other programs still compile
         msg = str(e).strip().splitlines()
         entry = {"name": name, "phase": phase, "compile_s": time.perf_counter() - t0,
@@ -156,6 +216,8 @@ def compile_program(name: str, phase: str, lower: Callable[[], object]) -> tuple
     entry = {"name": name, "phase": phase, "compile_s": secs, "memory": mem, "cost": _cost(compiled),
              "kernels": kernels}
     JOURNAL.write(entry)
+    if key:
+        PROGRAM_CACHE.put(key, entry)
     return entry, compiled
 
 
@@ -375,6 +437,12 @@ def run_programs(spec: dict, qcfg, mesh, host_devices=None) -> dict:
     from stapo_jax.tools.plan_programs import abstract_params, abstract_train_state, shard_bytes
 
     JOURNAL.open(spec.get("journal"))
+    if spec.get("program_cache"):
+        from stapo_jax.tools.targets import Target, compiler_version
+
+        flags = " ".join(os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))
+        PROGRAM_CACHE.open(spec["program_cache"], f"{spec['target']['name']}|"
+                                                  f"{compiler_version(Target(**spec['target']))}|{flags}")
     state, shardings = abstract_train_state(qcfg, spec_optimizer(spec), mesh, spec.get("opt_state", "trainer"))
     emesh = engine_mesh(mesh, host_devices, spec["mesh"]["tensor"])
     eparams = abstract_params(qcfg, emesh)[1]

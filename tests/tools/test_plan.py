@@ -164,6 +164,7 @@ def test_analytic_flops_match_xla_when_every_loop_runs_once(tmp_path):
     # counts both branches' work of the S2T correction conditional: compare with the every-micro-batch-redone count
     a = result["analytic"]
     assert a["train_flops_per_update_max"] == 2 * a["train_flops_per_update"]  # no remat: 3 forwards, twice
+    assert a["train_flops_per_update"] == pytest.approx(3 * a["forward_flops_per_sequence"] * spec["mini_batch_sequences"])
     assert a["train_flops_per_update_max"] <= xla_train <= 1.15 * a["train_flops_per_update_max"]
     assert xla_decode == pytest.approx(result["analytic"]["decode_flops_per_step"], rel=0.03)
 
@@ -178,7 +179,11 @@ def test_make_spec_paper_configs_and_errors(tmp_path):
     from models.qwen3 import param_count
     from models.qwen3_config import Qwen3Config
     assert param_count(Qwen3Config(**spec["model"])) == 14_768_307_200  # Qwen3-14B (conventions.md §6: 14.768B)
-    assert plan.analytic(spec, Qwen3Config(**spec["model"]))["params"] == 14_768_307_200
+    a = plan.analytic(spec, Qwen3Config(**spec["model"]))
+    assert a["params"] == 14_768_307_200
+    # the update runs forward + backward + the full-remat recompute of the decoder (not the LM head): HFU's FLOPs
+    # are between 1.25 and 4/3 of MFU's 3 forwards (S2T's correction method: no pre-pass)
+    assert 1.25 < a["train_flops_per_update"] / (3 * a["forward_flops_per_sequence"] * 512) < 4 / 3
     small = plan.make_spec(load_config(REPO / "configs/paper/qwen3-1.7b-base-stapo.yaml"),
                            mesh=str(REPO / "configs/mesh/gpu-8xh200.yaml"))
     assert small["hbm_gb"] == 141.0 and small["devices"] == 8 and small["num_micro_batches"] == 64

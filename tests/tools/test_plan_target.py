@@ -78,7 +78,11 @@ def check_run(result, kernel_prefix: str, compiler_prefix: str, prefill=(16, 32,
     assert fits_programs(result) is True
     assert slots_that_fit(result) > result["spec"]["decode_slots"]  # a tiny run leaves HBM for many more slots
     p = predict(result)
-    assert p["step_s"] > 0 and 0 < p["update_mfu"] < 1 and p["decode_tokens_per_s"] > 0
+    assert p["step_s"] > 0 and 0 < p["update_mfu"] <= p["update_hfu"] < 1 and p["decode_tokens_per_s"] > 0
+    # MFU counts forward + backward (3 forwards) only; HFU every forward the update runs (pre-pass, remat)
+    a, spec = result["analytic"], result["spec"]
+    assert p["update_hfu"] / p["update_mfu"] == pytest.approx(
+        a["train_flops_per_update"] / (3 * a["forward_flops_per_sequence"] * spec["mini_batch_sequences"]))
     report = format_programs(result)
     assert "FITS" in report and "compiler prediction" in report and result["compiler"] in report
 
@@ -226,3 +230,36 @@ def test_a_compiler_abort_costs_one_program(tmp_path):
         assert JOURNAL.reuse(pre["name"]) is None  # compiles again
     finally:
         JOURNAL.open(None)
+
+
+def test_program_cache_reuses_the_programs_two_recipes_share(tmp_path):
+    """``--program-cache``: GRPO after STAPO takes the old-log-prob, rollout and sync programs (same lowered text)
+    from the cache and compiles its own update steps (another loss); STAPO again takes every program but the
+    prefill (whose compiled output shardings the inserts need)."""
+    cache, conf = tmp_path / "cache", tiny_config(tmp_path, prompt=32, new=32, eval_every=0)
+
+    def run(tag, *overrides):
+        out = tmp_path / f"{tag}.json"
+        rc = plan.main(["--config", str(conf), "--mesh", "data=1,fsdp=2,tensor=1", "--target", "gpu-2xh100",
+                        "--programs", "core", "--program-cache", str(cache), "--json", str(out), *overrides])
+        assert rc == 0
+        return {e["name"]: e for e in json.loads(out.read_text())["programs"]}
+
+    first = run("stapo")
+    assert not any(e.get("cached") for e in first.values()) and len(list(cache.glob("*.json"))) == len(first) - 1
+    grpo = run("grpo", "algorithm.recipe=grpo", "actor.token_mask=none")
+    assert grpo.keys() == first.keys()
+    for name, e in grpo.items():
+        shared = not name.startswith(("prefill", "update step", "unit: update step"))  # the loss is in these only
+        assert bool(e.get("cached")) == shared, name
+        if shared:
+            assert e["memory"] == first[name]["memory"] and e["compile_s"] == first[name]["compile_s"]
+    assert not any(grpo[n].get("cached") for n in grpo if n.startswith(("update step", "prefill")))
+    again = run("again")
+    assert [n for n, e in again.items() if not e.get("cached") and not n.startswith("prefill")] == []
+    assert not any(e.get("cached") for n, e in again.items() if n.startswith("prefill"))
+
+
+def test_program_cache_needs_a_target(tmp_path, capsys):
+    assert plan.main(["--config", str(tiny_config(tmp_path)), "--program-cache", str(tmp_path / "c")]) == 2
+    assert "--program-cache" in capsys.readouterr().err
