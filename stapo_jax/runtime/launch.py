@@ -12,7 +12,9 @@ exits non-zero the launcher names it and how it ended, the others get SIGTERM, t
 seconds; the launcher returns the first non-zero exit code (0 when all succeed). The first SIGINT (Ctrl-C) or
 SIGTERM to the launcher is forwarded to every process as SIGTERM (a simulated pod maintenance event: they
 checkpoint and exit 0), a second one stops them at once (exit 130). A process whose launcher dies (kill -9) stops
-within a few seconds as on SIGTERM (``runtime.stopping``). A mistyped launcher option (``--devics-per-process``)
+within a few seconds as on SIGTERM (``runtime.stopping``); a launcher whose own parent exits (a killed test
+runner, a closed terminal) stops every process (SIGTERM, then SIGKILL) and exits 129, a shell's hangup status.
+A mistyped launcher option (``--devics-per-process``)
 is an error of ``launch``, not passed on to the command.
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ import time
 from typing import Optional, Sequence
 
 from stapo_jax.runtime.stopping import EXIT_INTERRUPTED, LAUNCHER_PID_ENV
+
+EXIT_ORPHANED = 129  # 128 + SIGHUP: the launcher's parent is gone
 
 
 def free_port() -> int:
@@ -124,7 +128,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     a second sends SIGINT (they stop at once); each is one ``[launch]`` line.
     Returns:
       0 if every process exited 0, else the first non-zero exit code observed (124 on timeout, 130 after a
-      second stop signal); a process ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137). The
+      second stop signal, 129 when the launcher's parent exited); a process ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137). The
       ``[launch]`` line names the process and how it ended.
     Raises:
       ValueError: ``n`` < 1 or an empty ``argv``.
@@ -133,6 +137,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     if n < 1 or not argv:
         raise ValueError(f"launch: --local must be >= 1 (got {n}) and a command is required")
     console = _Console(out or sys.stdout)
+    parent = os.getppid()  # when it changes, whoever started the launcher is gone (a killed pytest, a closed shell)
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *(["-m", module] if module else []), *argv],
                               env=process_env(i, n, port, devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -155,7 +160,7 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
     try:
-        rc = _watch(procs, console, kill_after_s, None if timeout_s is None else time.monotonic() + timeout_s)
+        rc = _watch(procs, console, kill_after_s, None if timeout_s is None else time.monotonic() + timeout_s, parent)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -166,10 +171,16 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     return rc or (EXIT_INTERRUPTED if len(signals) > 1 else shell_exit_code(first_bad))
 
 
-def _watch(procs, console: "_Console", kill_after_s: float, deadline: Optional[float]) -> int:
+def _watch(procs, console: "_Console", kill_after_s: float, deadline: Optional[float], parent: int) -> int:
     """Wait for the processes; on the first failure (or the deadline) say which process ended how, stop the
-    others and return its exit code (124 on timeout); 0 once all ended without a failure seen."""
+    others and return its exit code (124 on timeout); when the launcher's parent (pid ``parent``) is gone, stop
+    every process and return :data:`EXIT_ORPHANED`; 0 once all ended without a failure seen."""
     while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
+        if os.getppid() != parent:
+            console.write_launcher(f"the launcher's parent (pid {parent}) is gone: stopping every process (SIGTERM, "
+                                   f"SIGKILL after {kill_after_s:g} s)")
+            _stop(procs, kill_after_s)
+            return EXIT_ORPHANED
         failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if failed or (deadline is not None and time.monotonic() > deadline):
             rc = shell_exit_code(failed[0][1]) if failed else 124

@@ -156,3 +156,29 @@ def test_processes_stop_when_their_launcher_is_killed(tmp_path):
     print(f"both processes stopped {waited:.1f} s after kill -9 of the launcher")
     assert waited < 5, waited
     assert [Path(f"{mark}.{i}").read_text().split()[:2] for i in range(2)] == [[str(p), "stopped"] for p in pids]
+
+
+def test_the_job_stops_when_the_launchers_parent_exits(tmp_path):
+    """A launcher whose parent dies (a test runner killed by `timeout`, a closed terminal) used to run its job
+    until --timeout; it now stops every process as on a failure (SIGTERM: they checkpoint) and exits 129."""
+    worker, log = tmp_path / "worker.py", tmp_path / "launcher.log"
+    worker.write_text(WORKER)
+    middle = ("import subprocess, sys, time\n"
+              f"log = open({str(log)!r}, 'w')\n"
+              f"p = subprocess.Popen([sys.executable, '-c', {LAUNCHER!r}, {str(worker)!r}, 'run'], stdout=log,\n"
+              "                     stderr=subprocess.STDOUT)\n"
+              "print(p.pid, flush=True)\n"
+              f"while open({str(log)!r}).read().count(' ready ') < 2:\n"
+              "    time.sleep(0.1)\n")  # then exits, leaving the launcher without its parent
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", middle], capture_output=True, text=True, env=env, timeout=120)
+    launcher = int(out.stdout.split()[0])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30 and Path(f"/proc/{launcher}").exists() \
+            and "zombie" not in Path(f"/proc/{launcher}/status").read_text().lower():
+        time.sleep(0.1)
+    waited = time.monotonic() - t0
+    text = log.read_text()
+    assert waited < 15, text
+    assert "[launch] the launcher's parent" in text and "is gone: stopping every process" in text, text
+    assert text.count("checkpointed and stopped") == 2, text
