@@ -65,20 +65,13 @@ def check_section(schema: type, owner: str, section: str, settings_cls: type) ->
     Raises: ConfigError naming ``owner``, the section and the schema's class or key. Never returns a value.
     Source: this module's rule (a section is built by the schema or held in ``Config.extensions``, never both).
     """
-    tp: Any = schema
-    parts = section.split(".")
-    for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(tp):
-            key = ".".join(parts[:i])
-            raise ConfigError(f"{owner} declares settings section {section!r}, but {key} is a key of the run config, "
-                              f"not a section (choose a section of its own)")
-        hints = get_type_hints(tp)
-        if part not in hints:
-            return  # the extension's own section
-        tp = hints[part]
-    if not dataclasses.is_dataclass(tp):
-        raise ConfigError(f"{owner} declares settings section {section!r}, but {section} is a key of the run config, "
+    place, found = _place(schema, section)
+    if place == "own":
+        return
+    if place == "key":
+        raise ConfigError(f"{owner} declares settings section {section!r}, but {found} is a key of the run config, "
                           f"not a section (choose a section of its own)")
+    tp = found
     if tp is not settings_cls:
         raise ConfigError(f"{owner} declares settings section {section!r} with {settings_cls.__name__}, but the run "
                           f"config's {section} section is {tp.__name__} (declare {tp.__name__} or a section of its "
@@ -88,13 +81,23 @@ def check_section(schema: type, owner: str, section: str, settings_cls: type) ->
 def schema_has_section(schema: type, section: str) -> bool:
     """Whether the dotted ``section`` is a (nested) dataclass field of the schema dataclass ``schema``
     (``s2t`` of ``Config``). Takes a dataclass type and a str. Never raises. Source: the schema annotations."""
+    return _place(schema, section)[0] == "section"
+
+
+def _place(schema: type, section: str) -> tuple[str, Any]:
+    """Where the dotted ``section`` falls in the schema dataclass: ``("section", its dataclass)``, ``("key",
+    the dotted schema key that is a value, at or above it)`` or ``("own", None)`` (no schema field: an
+    extension's own section). The one walk of the schema annotations both public checks use."""
     tp: Any = schema
-    for part in section.split("."):
-        hints = get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+    parts = section.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(tp):
+            return "key", ".".join(parts[:i])
+        hints = get_type_hints(tp)
         if part not in hints:
-            return False
+            return "own", None
         tp = hints[part]
-    return dataclasses.is_dataclass(tp)
+    return ("section", tp) if dataclasses.is_dataclass(tp) else ("key", section)
 
 
 def split_sections(raw: dict, sections: dict[str, type], schema: type) -> dict[str, Any]:
