@@ -11,13 +11,13 @@ __all__ = ["spec_recipe", "spec_optimizer", "spec_policy_update", "packed_slot_b
 
 
 def spec_recipe(spec: dict):
-    """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the S2T / 20-Entropy scopes
-    and the S2T mini-batch method). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
+    """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the run's token mask,
+    ``actor.token_mask``, the S2T / 20-Entropy scopes and the S2T mini-batch method). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
     not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
     from stapo_jax.algo.mask_settings import QUANTILE_SCOPES
     from stapo_jax.config.recipes import get_recipe
 
-    changes = {}
+    changes = {"token_mask": spec["token_mask"]} if spec.get("token_mask") else {}
     if spec["s2t_scope"] in QUANTILE_SCOPES:
         changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
                           "minibatch_method": spec.get("s2t_minibatch_method", "correction")}

@@ -188,6 +188,12 @@ def test_make_spec_paper_configs_and_errors(tmp_path):
                            mesh=str(REPO / "configs/mesh/gpu-8xh200.yaml"))
     assert small["hbm_gb"] == 141.0 and small["devices"] == 8 and small["num_micro_batches"] == 64
     assert plan.make_spec(cfg, mesh="data=1,fsdp=-1,tensor=2", devices=64)["mesh"]["fsdp"] == 32
+    # the run's actor.token_mask, not its recipe's default mask, is what the plan compiles
+    from stapo_jax.tools.plan_analytic import spec_recipe
+    assert spec_recipe(spec).token_mask == "s2t"
+    off = load_config(REPO / "configs/paper/qwen3-14b-base-stapo.yaml",
+                      ["actor.token_mask=none", "algorithm.strict_recipe=false"])
+    assert spec_recipe(plan.make_spec(off, mesh="tpu-v5p-64")).token_mask == "none"
     with pytest.raises(plan.PlanError, match="pass --devices"):
         plan.make_spec(cfg, mesh="data=1,fsdp=-1")
     with pytest.raises(plan.PlanError, match="unknown axis 'pipe'"):
