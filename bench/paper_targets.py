@@ -32,10 +32,13 @@ def _pair(size: str, recipe: str, target: str) -> str:
     return f"qwen3-{size}-base-{recipe}:{target}" + (f":rollout.max_concurrent_decodes={slots}" if slots else "")
 
 
-# stapo first on each mesh: the other recipes' rollout programs are the same and come from --program-cache
-DEFAULT_PAIRS = [_pair(size, recipe, target) for target in ("tpu-v5p-64", "tpu-v6e-64") for size in ("1.7b", "8b", "14b")
-                 for recipe in ("stapo", "grpo", "entropy20", "justrl")] + \
-    [_pair(size, "stapo", target) for size in ("1.7b", "8b") for target in ("gpu-8xh100", "gpu-8xh200")]
+RECIPES = ("stapo", "grpo", "entropy20", "justrl")  # stapo first: the others' rollout programs come from the cache
+# every paper config on the mesh its header names (8B / 14B: a v5p-64 or v6e-64 slice; 1.7B: one 8-GPU node), and
+# STAPO 1.7B / 8B on both GPU nodes
+DEFAULT_PAIRS = [_pair(size, recipe, target) for size in ("8b", "14b") for target in ("tpu-v5p-64", "tpu-v6e-64")
+                 for recipe in RECIPES] + [_pair("1.7b", recipe, "gpu-8xh100") for recipe in RECIPES] + \
+    [_pair(size, "stapo", target) for size in ("1.7b", "8b") for target in ("gpu-8xh200",)] + \
+    [_pair("8b", "stapo", "gpu-8xh100")]
 
 
 def row(name: str, target: str, result: dict) -> str:

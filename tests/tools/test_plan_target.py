@@ -232,7 +232,7 @@ def test_a_compiler_abort_costs_one_program(tmp_path):
         JOURNAL.open(None)
 
 
-def test_program_cache_reuses_the_programs_two_recipes_share(tmp_path):
+def test_program_cache_reuses_the_programs_two_recipes_share(tmp_path, capsys):
     """``--program-cache``: GRPO after STAPO takes the old-log-prob, rollout and sync programs (same lowered text)
     from the cache and compiles its own update steps (another loss); STAPO again takes every program but the
     prefill (whose compiled output shardings the inserts need)."""
@@ -255,6 +255,22 @@ def test_program_cache_reuses_the_programs_two_recipes_share(tmp_path):
         if shared:
             assert e["memory"] == first[name]["memory"] and e["compile_s"] == first[name]["compile_s"]
     assert not any(grpo[n].get("cached") for n in grpo if n.startswith(("update step", "prefill")))
+    # bench/paper_targets.py renders a plan's JSON as a row of docs/benchmarks.md's table
+    sys.path.insert(0, str(REPO / "bench"))
+    import paper_targets
+
+    (tmp_path / "rows").mkdir()
+    capsys.readouterr()  # the plans' reports so far
+    (tmp_path / "rows" / "tiny-gpu-2xh100-max_concurrent_decodes=8.json").write_text((tmp_path / "grpo.json").read_text())
+    paper_targets.main(["--out", str(tmp_path / "rows"), "--table-only", "--pairs",
+                        "tiny:gpu-2xh100:rollout.max_concurrent_decodes=8", "absent:gpu-2xh100"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("| config | target |") and "update MFU / HFU" in rows[0]
+    cells = [c.strip() for c in rows[2].split("|")[1:-1]]
+    assert cells[:2] == ["tiny", "gpu-2xh100"] and cells[4] == "fits" and cells[5].startswith("8 / ")
+    mfu, hfu = (float(x.rstrip("%")) for x in cells[8].split(" / "))
+    assert 0 < mfu <= hfu < 100
+    assert rows[3] == "| absent | gpu-2xh100 | not compiled | | | | | | |"
     again = run("again")
     assert [n for n, e in again.items() if not e.get("cached") and not n.startswith("prefill")] == []
     assert not any(e.get("cached") for n, e in again.items() if n.startswith("prefill"))
