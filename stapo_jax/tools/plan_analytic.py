@@ -12,7 +12,8 @@ __all__ = ["spec_recipe", "spec_optimizer", "spec_policy_update", "packed_slot_b
 
 def spec_recipe(spec: dict):
     """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the run's token mask,
-    ``actor.token_mask``, the S2T / 20-Entropy scopes and the S2T mini-batch method). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
+    ``actor.token_mask``, the S2T / 20-Entropy scopes, the S2T mini-batch method and, where the spec sets
+    ``s2t_stats_policy``, the S2T stats policy). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
     not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
     from stapo_jax.algo.mask_settings import QUANTILE_SCOPES
     from stapo_jax.config.recipes import get_recipe
@@ -21,6 +22,8 @@ def spec_recipe(spec: dict):
     if spec["s2t_scope"] in QUANTILE_SCOPES:
         changes["s2t"] = {"quantile_scope": spec["s2t_scope"],
                           "minibatch_method": spec.get("s2t_minibatch_method", "correction")}
+    if spec.get("s2t_stats_policy"):  # plan_run.unit_programs: the correction's usual path
+        changes["s2t"] = {**changes.get("s2t", {}), "stats_policy": spec["s2t_stats_policy"]}
     if spec["top_entropy_scope"] in QUANTILE_SCOPES:
         changes["top_entropy"] = {"scope": spec["top_entropy_scope"]}
     return get_recipe(spec["recipe"], **changes)

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from stapo_jax.tools.plan_analytic import spec_optimizer, spec_policy_update
+from stapo_jax.tools.plan_analytic import spec_optimizer, spec_policy_update, spec_recipe
 
 __all__ = ["Journal", "JOURNAL", "ProgramCache", "PROGRAM_CACHE", "record_crash", "compile_program", "engine_mesh", "prefill_buckets", "update_programs", "rollout_programs", "run_programs"]
 
@@ -313,14 +313,20 @@ def unit_programs(spec: dict, qcfg, mesh, geometry, dparams_fn=None) -> list[tup
     layers unrolled (``scan_unroll`` = layers) and the LM head in one chunk, so the compiler's cost model sees every
     operation once: ``t(L layers) = t1 + (L - 1) (t2 - t1)``. XLA's cost analysis counts a loop body once, so the
     run's own programs (layer scan, micro-batch map) cannot give it. Returns ``[(entry, compiled)]`` named
-    ``"unit: old log-probs, N layer(s)"`` / ``"unit: update step, N layer(s)"``. Raises KeyError for a spec not
-    from ``plan.make_spec``. Source: XLA cost analysis (``optimal_seconds`` on TPU)."""
+    ``"unit: old log-probs, N layer(s)"`` / ``"unit: update step, N layer(s)"``. S2T's ``correction`` method
+    redoes a micro-batch whose provisional threshold was wrong, under a conditional whose both branches XLA's cost
+    model counts (twice the usual work); its unit is the usual path, no micro-batch redone: the same update with
+    the mask from the old policy's statistics (``s2t.stats_policy=old``), the conditional's other branch. Raises
+    KeyError for a spec not from ``plan.make_spec``. Source: XLA cost analysis (``optimal_seconds`` on TPU)."""
     import dataclasses
 
     import jax
 
+    from stapo_jax.algo.s2t import minibatch_stats_mode
     from stapo_jax.tools.plan_programs import abstract_train_state
 
+    if minibatch_stats_mode(spec_recipe(spec), spec["old_stats"]) == "correction":
+        spec = dict(spec, s2t_stats_policy="old")
     k, r = spec["num_micro_batches"], spec["response_length"]
     rows = spec["mini_batch_sequences"] // k
     out = []

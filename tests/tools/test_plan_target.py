@@ -255,6 +255,12 @@ def test_program_cache_reuses_the_programs_two_recipes_share(tmp_path, capsys):
         if shared:
             assert e["memory"] == first[name]["memory"] and e["compile_s"] == first[name]["compile_s"]
     assert not any(grpo[n].get("cached") for n in grpo if n.startswith(("update step", "prefill")))  # prefill: always
+    # STAPO's update step holds S2T's correction (a micro-batch redone under a conditional, both branches counted by
+    # XLA: twice GRPO's FLOPs); its prediction units are the usual path, no micro-batch redone (GRPO's FLOPs)
+    for name in (n for n in first if n.startswith("update step")):
+        assert first[name]["cost"]["flops"] > 1.8 * grpo[name]["cost"]["flops"], name
+    for name in (n for n in first if n.startswith("unit: update step")):
+        assert first[name]["cost"]["flops"] == pytest.approx(grpo[name]["cost"]["flops"], rel=0.02), name
     # bench/paper_targets.py renders a plan's JSON as a row of docs/benchmarks.md's table
     sys.path.insert(0, str(REPO / "bench"))
     import paper_targets
