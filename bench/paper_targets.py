@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 from stapo_jax.tools.plan_report import GB, phase_memory, predict, run_compile_seconds, slots_that_fit  # noqa: E402
 
 # rollout slots per engine where the configs' comments say to set fewer than their default on that mesh
-SLOTS = {("8b", "tpu-v5p-64"): 112, ("14b", "tpu-v5p-64"): 56, ("1.7b", "tpu-v6e-64"): 48, ("8b", "tpu-v6e-64"): 24,
+SLOTS = {("8b", "tpu-v5p-64"): 112, ("14b", "tpu-v5p-64"): 56, ("1.7b", "tpu-v6e-64"): 48, ("8b", "tpu-v6e-64"): 16,
          ("14b", "tpu-v6e-64"): 24, ("8b", "gpu-8xh100"): 192}
 
 
