@@ -14,8 +14,7 @@ SIGTERM to the launcher is forwarded to every process as SIGTERM (a simulated po
 checkpoint and exit 0), a second one stops them at once (exit 130). A process whose launcher dies (kill -9) stops
 within a few seconds as on SIGTERM (``runtime.stopping``); a launcher whose own parent exits (a killed test
 runner, a closed terminal) stops every process (SIGTERM, then SIGKILL) and exits 129, a shell's hangup status.
-A mistyped launcher option (``--devics-per-process``)
-is an error of ``launch``, not passed on to the command.
+A mistyped launcher option (``--devics-per-process``) is an error of ``launch``, not passed on to the command.
 """
 from __future__ import annotations
 
@@ -128,8 +127,8 @@ def launch_local(n: int, argv: Sequence[str], *, devices: Optional[int] = None, 
     a second sends SIGINT (they stop at once); each is one ``[launch]`` line.
     Returns:
       0 if every process exited 0, else the first non-zero exit code observed (124 on timeout, 130 after a
-      second stop signal, 129 when the launcher's parent exited); a process ended by signal N gives 128 + N, as a shell reports it (SIGKILL: 137). The
-      ``[launch]`` line names the process and how it ended.
+      second stop signal, 129 when the launcher's parent exited); a process ended by signal N gives 128 + N, as
+      a shell reports it (SIGKILL: 137). The ``[launch]`` line names the process and how it ended.
     Raises:
       ValueError: ``n`` < 1 or an empty ``argv``.
     argv: str arguments; returns an int exit code.

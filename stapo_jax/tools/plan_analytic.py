@@ -13,8 +13,8 @@ __all__ = ["spec_recipe", "spec_optimizer", "spec_policy_update", "packed_slot_b
 def spec_recipe(spec: dict):
     """The :class:`~stapo_jax.algo.recipes.Recipe` a plan spec describes (name plus the run's token mask,
     ``actor.token_mask``, the S2T / 20-Entropy scopes, the S2T mini-batch method and, where the spec sets
-    ``s2t_stats_policy``, the S2T stats policy). Takes a dict of int / str, returns a Recipe; raises KeyError for a spec
-    not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
+    ``s2t_stats_policy``, the S2T stats policy). Takes a dict of int / str, returns a Recipe; raises KeyError
+    for a spec not from ``make_spec``, ValueError for an unknown recipe name. Source: ``stapo_jax.config.recipes.get_recipe``."""
     from stapo_jax.algo.mask_settings import QUANTILE_SCOPES
     from stapo_jax.config.recipes import get_recipe
 

@@ -124,8 +124,8 @@ def predict(result: dict) -> dict:
     """The predicted RL step (module docstring), from the unit programs: seconds of the old-log-prob passes, the
     update steps, prefill and decode, their sum, update MFU (analytic model FLOPs of an update, forward + backward
     only, over its predicted seconds x chips x bf16 peak), update HFU (the same with every FLOP the update runs:
-    S2T's forward pre-pass and the remat recompute too) and decode tokens/s at full slots with its ratio to the HBM roofline (engine
-    parameters + KV cache read once per token). Floats; a part whose programs failed is left out. Never raises
+    S2T's forward pre-pass and the remat recompute too) and decode tokens/s at full slots with its ratio to the
+    HBM roofline (engine parameters + KV cache read once per token). Floats; a part whose programs failed is left out. Never raises
     for a ``run_programs`` result. Source: XLA cost analysis; MFU as PaLM (Chowdhery et al., 2022)."""
     spec, a = result["spec"], result["analytic"]
     t = spec["target"]
